@@ -1,0 +1,25 @@
+# Two entry points: `make demo` (install + end-to-end demo on a generated checkpoint) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO := demo-out
+
+$(BIN)/kconvert: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install demo test clean
+install: $(BIN)/kconvert
+
+demo: install
+	rm -rf $(DEMO)
+	$(BIN)/kconvert fixture tiny-k3 $(DEMO)/tiny-k3
+	$(BIN)/kconvert inspect $(DEMO)/tiny-k3
+
+test: install
+	$(BIN)/pytest -x
+
+clean:
+	rm -rf $(VENV) $(DEMO) *.egg-info

@@ -1,0 +1,39 @@
+"""Shared test fixtures: real-format tiny checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint("tiny-k3") -> Path of a freshly generated checkpoint (cached for the session).
+
+    Tests that damage a checkpoint must copy it first (see `copy_checkpoint`)."""
+    from kconvert.fixtures import build_fixture
+
+    built: dict[tuple, Path] = {}
+
+    def get(preset: str, **kwargs) -> Path:
+        key = (preset, tuple(sorted(kwargs.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(preset.replace("-", "_")) / preset
+            built[key] = build_fixture(preset, out, **kwargs)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path):
+    """copy_checkpoint(src) -> a private copy under tmp_path that a test may damage."""
+    import shutil
+
+    def copy(src: Path) -> Path:
+        dst = tmp_path / (Path(src).name + "-copy")
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

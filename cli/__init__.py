@@ -1,0 +1,1 @@
+"""The `kconvert` command line (click + rich). Thin: each command calls one library function."""

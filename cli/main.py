@@ -14,7 +14,7 @@ import click
 from kconvert import __version__
 from kconvert.errors import KConvertError
 
-from . import fixture_cmd, inspect_cmd
+from . import fixture_cmd, inspect_cmd, shard_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -31,6 +31,8 @@ def app() -> None:
 
 app.add_command(inspect_cmd.inspect)
 app.add_command(fixture_cmd.fixture)
+app.add_command(shard_cmd.shard)
+app.add_command(shard_cmd.verify_files)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,32 @@
+"""Rich progress for long library calls: the library emits events, this turns them into a bar."""
+
+from __future__ import annotations
+
+import contextlib
+
+from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+
+
+@contextlib.contextmanager
+def byte_progress(description: str, *, enabled: bool = True):
+    """Yields a callback `cb(event, **kw)` understanding ("start", total=), ("advance", n=), ("file", path=)."""
+    if not enabled:
+        yield lambda *a, **k: None
+        return
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
+                  transient=False) as bar:
+        task = bar.add_task(description, total=None, note="")
+
+        def cb(event: str, **kw) -> None:
+            if event == "start":
+                bar.update(task, total=kw["total"])
+            elif event == "advance":
+                bar.advance(task, kw["n"])
+            elif event == "file":
+                bar.update(task, note=kw["path"])
+            elif event == "phase":
+                bar.update(task, description=kw["name"])
+
+        yield cb

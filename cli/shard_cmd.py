@@ -1,0 +1,96 @@
+"""`kconvert shard` and `kconvert verify-files`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kconvert.converted import verify_files as _verify_files
+from kconvert.quant_policy import SCALE_FORMATS, SCHEMES
+from kconvert.shard import ShardJob, shard as _shard
+
+from .progress import byte_progress
+from .units import fmt_bytes
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+@click.command()
+@click.argument("src")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--tp", type=int, required=True, help="Tensor-parallel degree (number of ranks).")
+@click.option("--ep", type=int, help="Expert groups (default = tp: whole experts per rank; 1: split every expert).")
+@click.option("--quant", type=click.Choice(SCHEMES), default="none", show_default=True,
+              help="Target weight format for quantizable tensors.")
+@click.option("--scale-format", type=click.Choice(SCALE_FORMATS), default="fp32", show_default=True,
+              help="FP8 block scales: float32, or powers of two (UE8M0) as DeepSeek-V3.1+ uses.")
+@click.option("--keep", multiple=True, metavar="PATTERN", help="Keep matching tensors in bf16 (glob, repeatable).")
+@click.option("--quantize", "force", multiple=True, metavar="PATTERN",
+              help="Quantize matching 2-D tensors even if the manifest keeps them (glob, repeatable).")
+@click.option("--requantize", is_flag=True, help="Block-FP8 source cut inside a block: dequantize and re-quantize.")
+@click.option("--keep-mtp", is_flag=True, help="Keep multi-token-prediction layers (dropped by default).")
+@click.option("--workers", type=int, default=1, show_default=True, help="Files converted in parallel (threads).")
+@click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) conversion in OUT.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of tables.")
+def shard(src, out, tp, ep, quant, scale_format, keep, force, requantize, keep_mtp, workers, overwrite, as_json):
+    """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8 or INT8 on the way.
+
+    Streams tensor by tensor with bounded memory; every file is written to a temporary name and
+    renamed when complete. Interrupted? Re-run the same command: it resumes. kconvert.json is
+    written last, so its presence means the conversion is complete. Under
+    `torchrun --nproc-per-node K kconvert shard ...` K processes share the work.
+
+    \b
+    Example:
+      kconvert shard ./tiny-k3 ./tiny-k3-tp2-fp8 --tp 2 --quant fp8
+      torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
+    """
+    job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, keep_mtp, workers,
+                   overwrite)
+    with byte_progress(f"shard tp={tp} {quant}", enabled=not as_json and _rank0()) as cb:
+        r = _shard(job, progress=cb)
+    if not _rank0():
+        return
+    if as_json:
+        click.echo(json.dumps(r.to_json(), indent=2))
+        return
+    con = Console()
+    if r.already_complete:
+        con.print(f"{out}: already complete for these arguments (nothing to do)")
+        return
+    rate = r.bytes_in / r.seconds / 1e9 if r.seconds else 0
+    con.print(f"wrote {r.files_written} files ({r.files_resumed} resumed) in {r.seconds:.1f} s: "
+              f"{fmt_bytes(r.bytes_in)} read, {fmt_bytes(r.bytes_out)} written, {rate:.2f} GB/s, "
+              f"peak RSS {fmt_bytes(r.peak_rss_bytes)}")
+    t = Table(title="bytes per rank")
+    t.add_column("rank", justify="right")
+    t.add_column("bytes", justify="right")
+    for rank, n in sorted(r.per_rank_bytes.items()):
+        t.add_row(str(rank), fmt_bytes(n))
+    con.print(t)
+
+
+@click.command("verify-files")
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON result.")
+def verify_files(out, as_json):
+    """Recompute the checksum of every file of converted checkpoint OUT against kconvert.json.
+
+    Exits 2 naming the first damaged file and the first damaged tensor in it.
+
+    \b
+    Example:
+      kconvert verify-files ./tiny-k3-tp2-fp8
+    """
+    with byte_progress("verify", enabled=not as_json) as cb:
+        r = _verify_files(out, progress=lambda n: cb("advance", n=n))
+    if as_json:
+        click.echo(json.dumps({"ok": True, **r}))
+    else:
+        click.echo(f"{out}: {r['files']} files, {fmt_bytes(r['bytes'])}: all checksums match")

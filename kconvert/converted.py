@@ -1,0 +1,94 @@
+"""The converted checkpoint: the contract between `shard`, the loader and any engine (docs/FORMAT.md).
+
+OUT/
+  kconvert.json                      written last, atomically: its presence means complete
+  rank-000/globals.safetensors       embed_tokens / final norm / lm_head slices of rank 0
+  rank-000/vision.safetensors        vision tower + projector (replicated)
+  rank-000/layer-0000.safetensors    decoder layer 0's tensors for rank 0 ...
+  config.json, tokenizer files       copied from the source
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+from .errors import CheckpointError, FormatError
+from .safetensors_file import read_bytes, read_header
+
+FORMAT = "kconvert"
+FORMAT_VERSION = 1
+MANIFEST = "kconvert.json"
+JOURNAL_DIR = ".kconvert"
+CHUNK = 16 * 1024 * 1024
+
+
+def unit_file(rank: int, unit: str) -> str:
+    """Relative path of one rank's file for a unit ('globals', 'vision' or 'layer-0007')."""
+    return f"rank-{rank:03d}/{unit}.safetensors"
+
+
+def layer_unit(layer: int) -> str:
+    return f"layer-{layer:04d}"
+
+
+def read_manifest(out: str | Path) -> dict:
+    path = Path(out) / MANIFEST
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError("no kconvert.json: not a converted checkpoint, or its conversion never finished",
+                              file=str(path)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"kconvert.json is not valid JSON: {e}", file=str(path)) from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError("kconvert.json is not a kconvert manifest", file=str(path))
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"format version {meta.get('format_version')} is not the {FORMAT_VERSION} this kconvert "
+                              "reads: convert again or use a matching kconvert", file=str(path))
+    return meta
+
+
+def file_crc32(path: Path, size: int) -> str:
+    crc, pos = 0, 0
+    while pos < size:
+        n = min(CHUNK, size - pos)
+        crc = zlib.crc32(read_bytes(path, pos, n), crc)
+        pos += n
+    return f"{crc:08x}"
+
+
+def verify_files(out: str | Path, progress=None) -> dict:
+    """Recompute every file's size and CRC-32 against kconvert.json. Raises on the first damaged file,
+    naming the first damaged tensor in it. Returns {"files": n, "bytes": b}."""
+    out = Path(out)
+    meta = read_manifest(out)
+    total = 0
+    for rel, rec in meta["files"].items():
+        path = out / rel
+        if not path.is_file():
+            raise CheckpointError("listed in kconvert.json but missing", file=str(path))
+        size = path.stat().st_size
+        if size != rec["bytes"]:
+            raise CheckpointError(f"size {size} differs from the {rec['bytes']} bytes recorded: truncated or replaced",
+                                  file=str(path))
+        if file_crc32(path, size) != rec["crc32"]:
+            raise CheckpointError("checksum mismatch: the file is damaged", file=str(path),
+                                  tensor=_first_bad_tensor(path, meta, rel))
+        total += size
+        if progress:
+            progress(size)
+    return {"files": len(meta["files"]), "bytes": total}
+
+
+def _first_bad_tensor(path: Path, meta: dict, rel: str) -> str | None:
+    try:
+        header = read_header(path)
+    except FormatError:
+        return "(header)"
+    want = {t["name"]: t["crc32"] for t in meta["tensors"] if t["file"] == rel}
+    for entry in sorted(header.tensors.values(), key=lambda e: e.begin):
+        if f"{zlib.crc32(read_bytes(path, entry.begin, entry.nbytes)):08x}" != want.get(entry.name):
+            return entry.name
+    return "(header)"

@@ -1,0 +1,51 @@
+"""Small helpers shared by tests: run the CLI as a user would, read safetensors independently."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`kconvert ARGS` in a subprocess (exactly what a user gets: exit code, stdout, stderr)."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def load_source(root: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of an HF-style checkpoint, read with the safetensors library (not ours)."""
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        out.update(load_file(root / f))
+    return out
+
+
+def header_offsets(path: Path) -> tuple[int, dict]:
+    """(data start, header dict) of a safetensors file, parsed here independently."""
+    raw = path.read_bytes()[:8]
+    (n,) = struct.unpack("<Q", raw)
+    header = json.loads(path.read_bytes()[8:8 + n])
+    return 8 + n, header

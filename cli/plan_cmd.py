@@ -1,0 +1,164 @@
+"""`kconvert plan SRC --tp N --quant fp8`: bytes per rank, KV cache, and whether it fits a device."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kconvert.errors import UsageError
+from kconvert.plan import GIB, make_plan
+
+from .units import fmt_count
+
+_TOKEN_UNITS = {"": 1, "K": 1024, "M": 1024**2}
+
+
+def parse_tokens(text: str) -> int:
+    """'1M' -> 1048576, '128k' -> 131072, '4096' -> 4096, '1.5M' -> 1572864 (k = 1024, M = 1024**2)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise UsageError(f"cannot read token count {text!r} (examples: 4096, 128k, 1M)")
+    n = int(float(m.group(1)) * _TOKEN_UNITS[m.group(2).upper()])
+    if n < 1:
+        raise UsageError(f"token count {text!r} must be at least 1")
+    return n
+
+
+def fmt_tokens(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("M", 1024**2), ("K", 1024)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n:,}"
+
+
+def gib(n: int | None) -> str:
+    """Binary units (device memory is sold in them): 359.5 GiB, 12.0 MiB, 512 B."""
+    if n is None:
+        return "-"
+    for unit, div in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div or (unit == "GiB" and abs(n) >= 0.1 * GIB):
+            return f"{n / div:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _room(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"[green]+{gib(n)}[/]" if n >= 0 else f"[red]-{gib(-n)}[/]"
+
+
+def _tries(p) -> str:
+    tries = ["--kv-cache-dtype fp8"] if p.kv_cache["dtype"] != "fp8" else []
+    tries += ["a shorter --context"] + (["a smaller --batch"] if p.memory["batch"] > 1 else [])
+    tries += ["--quant fp8"] if p.quant == "none" else []
+    return ", ".join(tries) + " or a bigger device"
+
+
+@click.command()
+@click.argument("src")
+@click.option("--tp", type=int, required=True, help="Tensor-parallel degree (ranks).")
+@click.option("--ep", type=int, help="Expert groups (default: = tp, whole experts per rank; 1: every expert split).")
+@click.option("--quant", default="none", show_default=True, help="Weight scheme after conversion: none, fp8 or int8.")
+@click.option("--device", default="H200", show_default=True,
+              help="Device preset (manifests/devices.toml): H200, H100, H20, B200, A100, S5000, S4000.")
+@click.option("--context", "context_text", help="Tokens per sequence, e.g. 4096, 128k, 1M (k = 1024). "
+              "Default: the model's max_position_embeddings.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences held in the KV cache at once.")
+@click.option("--kv-cache-dtype", "kv_dtype", default="bf16", show_default=True,
+              help="bf16, or fp8 (FlashMLA latent layout: 656 B per layer at 512 + 64; indexer 132 B at 128).")
+@click.option("--reserve-gb", type=float, help="Activation/workspace reserve per rank in GiB "
+              "(default: 2 GiB + 8192 tokens x hidden x 2 B x 24 buffers).")
+@click.option("--mem-fraction", type=float, default=0.92, show_default=True,
+              help="Share of device memory the engine may use.")
+@click.option("--revision", help="Hub revision when SRC is a repo id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_text: str | None, batch: int,
+         kv_dtype: str, reserve_gb: float | None, mem_fraction: float, revision: str | None, as_json: bool) -> None:
+    """Plan a conversion of SRC: weights per rank by component, KV cache per token, and whether it fits.
+
+    Reads config.json and safetensors headers only. SRC is a checkpoint directory or Hub repo id, or a
+    config.json alone (its directory, the file, or a bundled example name such as kimi-k3-3t, a
+    hypothetical ~3T-parameter Kimi-K3-class config).
+
+    \b
+    Example:
+      kconvert plan kimi-k3-3t --tp 8 --quant fp8 --device H200 --context 1M
+      kconvert plan ./tiny-k3 --tp 4 --quant fp8 --kv-cache-dtype fp8 --json
+    """
+    context = parse_tokens(context_text) if context_text is not None else None
+    p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision)
+    if as_json:
+        click.echo(json.dumps(p.to_json(), indent=2))
+        return
+    con = Console()
+    m, lay, mem = p.model, p.layout, p.memory
+    kind = "checkpoint headers" if p.source_kind == "checkpoint" else "config only: manifest shapes, bf16 source"
+    con.print(f"[bold]{p.source}[/] ({kind})  family [cyan]{p.family}[/]")
+    con.print(f"{fmt_count(p.total_params)} parameters without MTP; {m['layers']} layers, hidden {m['hidden_size']}, "
+              f"{m['attention_heads']} heads, {m['routed_experts']} routed experts ({m['experts_per_token']} per token)")
+    per = m["routed_experts"] // lay["ep"] if m["routed_experts"] else 0
+    per = (f"{per} whole experts per rank" if lay["expert_tp"] == 1 else
+           f"{per} experts per group of {lay['expert_tp']} ranks, each split {lay['expert_tp']} ways") if per else "no experts"
+    con.print(f"layout tp {lay['tp']}, ep {lay['ep']} ({per}); "
+              f"--quant {p.quant}: {gib(p.converted_bytes)} converted in all")
+
+    t = Table(title=f"Weights on rank {p.rank['index']} (the largest of {lay['tp']})")
+    for col in ("component", "bytes", "share"):
+        t.add_column(col, justify="left" if col == "component" else "right")
+    for comp, n in p.rank["bytes"].items():
+        t.add_row(comp, gib(n), f"{100 * n / max(p.rank['total'], 1):.1f} %")
+    t.add_row("[bold]total[/]", f"[bold]{gib(p.rank['total'])}[/]", "")
+    con.print(t)
+
+    kv = p.kv_cache
+    con.print(f"KV cache ({kv['dtype']}) per token per rank: {kv['layers']} layers x ({kv['latent_bytes']} B MLA latent "
+              f"+ {kv['indexer_bytes']} B indexer key) = {kv['bytes_per_token']:,} B; replicated on every tp rank "
+              "(the latent has no heads to split)")
+    ctx = f"{fmt_tokens(mem['context'])} tokens x batch {mem['batch']}"
+    con.print(f"{mem['device_name']}: {gib(mem['device_bytes'])} x {mem['mem_fraction']} = {gib(mem['usable_bytes'])} "
+              f"usable; weights {gib(mem['weights_bytes'])} + reserve {gib(mem['reserve_bytes'])}"
+              f"{'' if mem['reserve_default'] else ' (--reserve-gb)'} + KV {gib(mem['kv_bytes'])} at {ctx}")
+    verdict = "[green]fits[/]" if mem["fits"] else "[red]does not fit[/]"
+    if mem["weights_bytes"] + mem["reserve_bytes"] > mem["usable_bytes"]:
+        con.print(f"verdict: {verdict} ({_room(mem['headroom_bytes'])} headroom): weights + reserve alone exceed "
+                  "the usable memory, at any context")
+    else:
+        con.print(f"verdict: {verdict} ({_room(mem['headroom_bytes'])} headroom); largest context that fits at "
+                  f"batch {mem['batch']}: {fmt_tokens(mem['max_context'])} tokens")
+    smallest = next((r["tp"] for r in p.tp_table if r["fits"]), None)
+    if not mem["fits"]:
+        con.print(f"smallest tp that fits on {mem['device']} at {ctx}: "
+                  + (str(smallest) if smallest else "none of " + ", ".join(str(r["tp"]) for r in p.tp_table if r["ok"])
+                     + f" (try {_tries(p)})"))
+
+    d = Table(title=f"Devices (tp {lay['tp']}, {ctx})")
+    for col in ("device", "memory", "usable", "fp8", "fits", "headroom", "max context"):
+        d.add_column(col, justify="left" if col == "device" else "right")
+    for r in p.devices:
+        d.add_row(f"{r['device']} ({r['backend']})", gib(r["device_bytes"]), gib(r["usable_bytes"]),
+                  "yes" if r["fp8"] else "no",
+                  "[green]yes[/]" if r["fits"] else "[red]no[/]", _room(r["headroom_bytes"]), fmt_tokens(r["max_context"]))
+    con.print(d)
+
+    tt = Table(title=f"tp degrees on {mem['device']} ({ctx})")
+    for col in ("tp", "ep", "weights/rank", "fits", "headroom", "max context"):
+        tt.add_column(col, justify="right")
+    unaligned = False
+    for r in p.tp_table:
+        if not r["ok"]:
+            tt.add_row(str(r["tp"]), str(r["ep"]), f"[dim]{r['reason']}[/]", "-", "-", "-")
+            continue
+        unaligned |= bool(r["fp8_misaligned"])
+        tt.add_row(str(r["tp"]) + ("*" if r["fp8_misaligned"] else ""), str(r["ep"]), gib(r["weights_per_rank"]),
+                   "[green]yes[/]" if r["fits"] else "[red]no[/]", _room(r["headroom_bytes"]), fmt_tokens(r["max_context"]))
+    con.print(tt)
+    if unaligned:
+        con.print("* fp8: some per-rank slices are not 128-aligned at this degree (plan it with --tp to see which)")
+    for w in p.warnings:
+        con.print(f"[yellow]warning:[/] {w}")

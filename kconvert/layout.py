@@ -94,9 +94,17 @@ def _first_bad(model: ModelMap, layout: Layout) -> str | None:
         return f"{heads} attention heads do not divide over {layout.tp} ranks"
     if text.expert_count and text.expert_count % layout.ep:
         return f"{text.expert_count} routed experts do not divide over {layout.ep} expert groups"
-    for info, _ in model.expected():
-        try:
-            pieces(info, info.expected_shape(), layout, text.expert_count)
-        except UsageError as e:
-            return e.message
+    # one representative per rule (shapes do not vary by layer or expert): fast for 3T-parameter maps
+    for part in model.parts:
+        for rule in part.rules:
+            layers = [None] if rule.layers is None else [
+                next((L for L in range(part.layer_count + part.extra_layers) if part.layer_matches(rule, L)), None)]
+            if layers == [None] and rule.layers is not None:
+                continue
+            name = rule.pattern.replace("{L}", str(layers[0])).replace("{E}", "0")
+            info = TensorInfo(name, rule, layers[0], 0 if "{E}" in rule.pattern else None)
+            try:
+                pieces(info, info.expected_shape(), layout, text.expert_count)
+            except UsageError as e:
+                return e.message
     return None

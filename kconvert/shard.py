@@ -4,7 +4,7 @@ Each work item (rank, unit) is produced tensor by tensor: a reader thread fetche
 slice while the current one is quantized and written (bounded to two in flight), so memory depends
 on the largest tensor, not on the model. Finished files are recorded in a journal (OUT/.kconvert/);
 a re-run with the same job resumes after the last recorded file, and kconvert.json is written last.
-Under torchrun, process p takes work items p, p + P, p + 2P, ...; process 0 writes kconvert.json.
+Under torchrun, process p takes units (layers) p, p + P, p + 2P, ...; process 0 writes kconvert.json.
 """
 
 from __future__ import annotations
@@ -99,23 +99,27 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
 
     journal = out / JOURNAL_DIR
     done = _read_journal(journal, out)
-    mine = [w for i, w in enumerate(items) if i % dist.world == dist.rank]
+    units = list(dict.fromkeys(w.unit for w in items))
+    mine = [w for w in items if units.index(w.unit) % dist.world == dist.rank]
     todo = [w for w in mine if w.file not in done]
     result.files_resumed = len(mine) - len(todo)
+    batches = [[w for w in todo if w.unit == u] for u in units]
+    batches = [b for b in batches if b]
     if progress:
         progress("start", total=sum(w.bytes_in for w in todo))
     log = open(journal / f"done-{dist.rank:04d}.jsonl", "a")
     try:
         with ThreadPoolExecutor(max(1, job.workers)) as pool:
-            for w, rec in zip(todo, pool.map(lambda w: _run_item(ck, w, out, progress), todo)):
-                log.write(json.dumps({"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32,
-                                      "tensors": rec.tensor_crc32}) + "\n")
-                log.flush()
-                os.fsync(log.fileno())
-                result.files_written += 1
-                result.bytes_in += w.bytes_in
-                if progress:
-                    progress("file", path=w.file)
+            for batch, recs in zip(batches, pool.map(lambda b: _run_unit(ck, b, out, progress), batches)):
+                for w, rec in zip(batch, recs):
+                    log.write(json.dumps({"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32,
+                                          "tensors": rec.tensor_crc32}) + "\n")
+                    log.flush()
+                    os.fsync(log.fileno())
+                    result.files_written += 1
+                    result.bytes_in += w.bytes_in
+                    if progress:
+                        progress("file", path=w.file)
     finally:
         log.close()
     dist.barrier()
@@ -134,49 +138,64 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
 # --------------------------------------------------------------------------- one work item
 
 
-def _run_item(ck: Checkpoint, w: WorkItem, out: Path, progress) -> WrittenFile:
-    path = out / w.file
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        stale.unlink(missing_ok=True)  # left by a killed run
-    writer = SafetensorsWriter(path, w.specs(), {"format": "pt", "kconvert_rank": str(w.rank), "kconvert_unit": w.unit})
+def _run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> list[WrittenFile]:
+    """Write every rank's file of one unit (a layer, globals or vision) in one pass over the source:
+    each source tensor is read once, and each rank's slice of it goes to that rank's file. Memory:
+    the tensor being written plus the one read ahead."""
+    writers = []
     try:
-        with ThreadPoolExecutor(1) as reader:  # read-ahead of one slice: two in flight at most
-            ahead = reader.submit(_load, ck, w.outputs[0]) if w.outputs else None
-            for i, o in enumerate(w.outputs):
+        for w in batch:
+            path = out / w.file
+            for stale in path.parent.glob(f".{path.name}.tmp-*"):
+                stale.unlink(missing_ok=True)  # left by a killed run
+            writers.append(SafetensorsWriter(path, w.specs(), {"format": "pt", "kconvert_rank": str(w.rank),
+                                                               "kconvert_unit": w.unit}))
+        # source tensor -> [(writer, output)], in the name order every file's header was planned in
+        by_src: dict[str, list[tuple[SafetensorsWriter, Output]]] = {}
+        for writer, w in zip(writers, batch):
+            for o in w.outputs:
+                by_src.setdefault(o.src, []).append((writer, o))
+        order = sorted(by_src)
+        with ThreadPoolExecutor(1) as reader:  # read-ahead of one source tensor: two in flight at most
+            ahead = reader.submit(_load, ck, by_src[order[0]][0][1]) if order else None
+            for i, src in enumerate(order):
                 x = ahead.result()
-                ahead = reader.submit(_load, ck, w.outputs[i + 1]) if i + 1 < len(w.outputs) else None
-                try:
-                    for name, tensor in _produce(o, x):
-                        writer.write(name, tensor)
-                except KConvertError as e:
-                    e.file = e.file or str(ck.logical[o.src].main.file)
-                    raise
+                ahead = reader.submit(_load, ck, by_src[order[i + 1]][0][1]) if i + 1 < len(order) else None
+                for writer, o in by_src[src]:
+                    try:
+                        for name, tensor in _produce(o, _slice(ck, o, x)):
+                            writer.write(name, tensor)
+                    except KConvertError as e:
+                        e.file = e.file or str(ck.logical[o.src].main.file)
+                        raise
+                    if progress:
+                        progress("advance", n=o.bytes_in)
                 del x
-                if progress:
-                    progress("advance", n=o.bytes_in)
-        return writer.commit()
+        return [wr.commit() for wr in writers]
     except BaseException:
-        writer.abort()
+        for wr in writers:
+            wr.abort()
         raise
 
 
 def _load(ck: Checkpoint, o: Output):
-    """The source slice of `o`: a float/plain tensor, or (fp8 weight, scale) for lossless copies."""
-    p = o.piece
+    """The whole source tensor of `o`: dequantized/plain, or (fp8 weight, scale) for lossless copies."""
     t = ck.logical[o.src]
     if o.transform == "fp8_copy":
-        w, s = t.parts["weight"], t.parts["scale"]
-        if p.dim is None:
-            return read_tensor(w), read_tensor(s)
+        return read_tensor(t.parts["weight"]), read_tensor(t.parts["scale"])
+    return ck.read(o.src)
+
+
+def _slice(ck: Checkpoint, o: Output, x):
+    p = o.piece
+    if p.dim is None:
+        return x
+    if o.transform == "fp8_copy":
         b = ck.quant_block()[p.dim]
-        lo, hi = p.start // b, -(-p.stop // b)
-        if p.dim == 0:
-            return read_tensor(w, (p.start, p.stop)), read_tensor(s, (lo, hi))
-        return read_tensor(w)[:, p.start:p.stop].contiguous(), read_tensor(s)[:, lo:hi].contiguous()
-    if p.dim == 0:
-        return ck.read(o.src, rows=(p.start, p.stop))
-    x = ck.read(o.src)
-    return x if p.dim is None else x.narrow(p.dim, p.start, p.stop - p.start).contiguous()
+        w, s = x
+        return (w.narrow(p.dim, p.start, p.stop - p.start).contiguous(),
+                s.narrow(p.dim, p.start // b, -(-p.stop // b) - p.start // b).contiguous())
+    return x.narrow(p.dim, p.start, p.stop - p.start).contiguous()
 
 
 def _produce(o: Output, x):

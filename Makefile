@@ -17,6 +17,9 @@ demo: install
 	rm -rf $(DEMO)
 	$(BIN)/kconvert fixture tiny-k3 $(DEMO)/tiny-k3
 	$(BIN)/kconvert inspect $(DEMO)/tiny-k3
+	$(BIN)/kconvert plan manifests/examples/kimi-k3-3t --tp 8 --quant fp8 --device H200 --context 128k
+	$(BIN)/kconvert shard $(DEMO)/tiny-k3 $(DEMO)/tiny-k3-tp2-fp8 --tp 2 --quant fp8
+	$(BIN)/kconvert verify-files $(DEMO)/tiny-k3-tp2-fp8
 
 test: install
 	$(BIN)/pytest -x

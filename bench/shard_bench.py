@@ -1,0 +1,82 @@
+"""Conversion throughput and memory, side by side in one run (numbers for the README).
+
+For each source size: generate a `scale` checkpoint, then time `cp -r` of it and
+`kconvert shard --tp 8` with --quant none and fp8 on the same disk (page cache warm for all three:
+this machine cannot drop caches), and record each conversion's peak RSS in its own process.
+Prints ratios to cp and RSS against the 1.5 GB + 3 x largest-tensor budget.
+
+    .venv/bin/python bench/shard_bench.py --sizes 1GB,4GB --workdir /tmp/kbench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cli.units import fmt_bytes, parse_size  # noqa: E402
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def shard(src: Path, out: Path, quant: str, workers: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "cli.main", "shard", str(src), str(out), "--tp", "8", "--quant", quant,
+                        "--workers", str(workers), "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
+    res = json.loads(r.stdout)
+    res["wall"] = time.perf_counter() - t
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1GB,4GB")
+    ap.add_argument("--workdir", default="/tmp/kbench")
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    from kconvert.checkpoint import Checkpoint
+    from kconvert.fixtures import build_fixture
+
+    rows = []
+    for size_text in args.sizes.split(","):
+        size = parse_size(size_text)
+        src = work / f"scale-{size_text}"
+        if not (src / "model.safetensors.index.json").exists():
+            shutil.rmtree(src, ignore_errors=True)
+            build_fixture("scale", src, size=size)
+        largest = max(e.nbytes for e in Checkpoint.open(src).stored.values())
+        nbytes = du(src)
+        subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm
+        shutil.rmtree(work / "cp", ignore_errors=True)
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(src), str(work / "cp")], check=True)
+        cp_s = time.perf_counter() - t
+        shutil.rmtree(work / "cp")
+        for quant in ("none", "fp8"):
+            r = shard(src, work / f"out-{quant}", quant, args.workers)
+            shutil.rmtree(work / f"out-{quant}")
+            rows.append({"size": size_text, "bytes": nbytes, "quant": quant, "cp_GBps": nbytes / cp_s / 1e9,
+                         "shard_GBps": nbytes / r["wall"] / 1e9, "ratio_to_cp": cp_s / r["wall"],
+                         "peak_rss": r["peak_rss_bytes"], "largest_tensor": largest,
+                         "rss_budget": int(1.5e9 + 3 * largest)})
+            print(json.dumps(rows[-1]))
+    print(f"\n{'size':>6} {'quant':>5} {'cp GB/s':>8} {'shard GB/s':>10} {'x cp':>6} {'peak RSS':>10} {'budget':>10}")
+    for r in rows:
+        print(f"{r['size']:>6} {r['quant']:>5} {r['cp_GBps']:8.2f} {r['shard_GBps']:10.2f} {r['ratio_to_cp']:6.2f} "
+              f"{fmt_bytes(r['peak_rss']):>10} {fmt_bytes(r['rss_budget']):>10}")
+
+
+if __name__ == "__main__":
+    main()

@@ -232,3 +232,17 @@ def test_nan_in_source_refuses_to_quantize(checkpoint, copy_checkpoint, tmp_path
     r = run_cli("shard", src, tmp_path / "o", "--tp", 2, "--quant", "fp8")
     assert_one_line_error(r, name, "NaN")
     assert not (tmp_path / "o" / "kconvert.json").exists()
+
+
+def test_ep1_splits_each_expert_over_all_ranks(checkpoint, tmp_path):
+    src = checkpoint("tiny-dsv32")
+    out = tmp_path / "ep1"
+    run_cli("shard", src, out, "--tp", 2, "--ep", 1, check=True)
+    source = load_source(src)
+    meta = json.loads((out / "kconvert.json").read_text())
+    assert meta["layout"]["experts"] == "split"
+    for rank in range(2):
+        got = rank_tensors(out, rank)
+        for leaf, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            name = f"model.layers.1.mlp.experts.7.{leaf}.weight"
+            assert torch.equal(got[name], source[name].chunk(2, dim=dim)[rank]), name

@@ -1,0 +1,159 @@
+"""kconvert.loader and `kconvert load`: every fixture conversion loads exactly, prefetch is ordered and
+bounded, device selection, and the bad inputs of issue 4 (one line, exit 2, nothing half-loaded)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import assert_one_line_error, run_cli
+from kconvert import loader as loader_mod
+from kconvert.loader import LoaderError, open_converted
+from kconvert.shard import ShardJob, shard
+
+
+@pytest.fixture(scope="module")
+def conversions(checkpoint, tmp_path_factory):
+    """(quant, tp) -> converted dir of tiny-k3 (fp8 from the block-FP8 source: the lossless path)."""
+    base = tmp_path_factory.mktemp("conv")
+    out = {}
+    for quant in ("none", "fp8", "int8"):
+        for tp in (1, 2):
+            src = checkpoint("tiny-k3-fp8" if quant == "fp8" else "tiny-k3")
+            out[quant, tp] = Path(shard(ShardJob(str(src), str(base / f"{quant}-{tp}"), tp=tp, quant=quant)).out)
+    return out
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "int8"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_tensor_equals_the_file(conversions, quant, tp):
+    out = conversions[quant, tp]
+    for rank in range(tp):
+        conv = open_converted(out, rank=rank, world_size=tp)
+        seen = []
+        for unit, tensors in conv.stream("cpu", prefetch=2, verify=True):
+            seen.append(unit)
+            want = load_file(conv.file_of(unit))
+            assert set(tensors) == set(want), unit
+            for name, t in tensors.items():
+                assert t.dtype == want[name].dtype and t.shape == want[name].shape, name
+                assert torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
+                                   want[name].view(torch.uint8) if t.dtype.itemsize == 1 else want[name]), name
+        assert seen == conv.units and seen[0] == "globals" and seen[1] == "vision"
+        assert seen[2:] == sorted(seen[2:])
+        if quant == "fp8":
+            assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+
+
+def test_cpu_tensors_share_one_buffer_per_file(conversions):
+    conv = open_converted(conversions["none", 1])
+    tensors = conv.load_unit("layer-0001")
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    assert len(ptrs) == 1  # views of the file buffer: no second copy
+
+
+def test_prefetch_is_bounded_and_in_order(conversions, monkeypatch):
+    conv = open_converted(conversions["none", 2], rank=0)
+    fetched: list[str] = []
+    real = conv._fetch
+
+    def spy(unit, *a, **k):
+        fetched.append(unit)
+        return real(unit, *a, **k)
+
+    monkeypatch.setattr(conv, "_fetch", spy)
+    consumed = 0
+    for unit, _ in conv.stream("cpu", prefetch=1):
+        consumed += 1
+        time.sleep(0.05)  # a slow consumer: the reader must not run ahead unboundedly
+        # at most: the one consumed + one waiting in the window + one being read
+        assert len(fetched) - consumed <= 2, (fetched, consumed)
+    assert fetched == conv.units
+
+
+def test_device_selection(conversions):
+    out = conversions["none", 1]
+    r = run_cli("load", out, "--device", "cpu", "--json", check=True)
+    rep = json.loads(r.stdout)
+    assert rep["device"] == "cpu" and rep["files"] == len(open_converted(out).units)
+    auto = json.loads(run_cli("load", out, "--json", check=True).stdout)
+    expect = "cpu" if not torch.cuda.is_available() else "cuda:0"
+    assert auto["device"] == expect
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli("load", out, "--device", "cuda:0"), "cuda:0", "not available")
+    assert_one_line_error(run_cli("load", out, "--device", "musa:3"), "musa:3")
+    assert_one_line_error(run_cli("load", out, "--device", "tpu-ish"), "tpu-ish")
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _copy(conversions, tmp_path, key=("none", 2)) -> Path:
+    import shutil
+
+    dst = tmp_path / "conv"
+    shutil.copytree(conversions[key], dst)
+    return dst
+
+
+def test_missing_shard(conversions, tmp_path):
+    out = _copy(conversions, tmp_path)
+    (out / "rank-001" / "layer-0001.safetensors").unlink()
+    assert_one_line_error(run_cli("load", out, "--rank", "1"), "rank-001/layer-0001.safetensors", "missing")
+
+
+def test_truncated_shard(conversions, tmp_path):
+    out = _copy(conversions, tmp_path)
+    f = out / "rank-000" / "layer-0002.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    assert_one_line_error(run_cli("load", out), "layer-0002.safetensors", "truncated")
+
+
+def test_flipped_byte_is_reported_before_use(conversions, tmp_path):
+    out = _copy(conversions, tmp_path)
+    f = out / "rank-000" / "layer-0001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    assert_one_line_error(run_cli("load", out, "--verify"), "layer-0001.safetensors", "checksum")
+    conv = open_converted(out)
+    got = []
+    with pytest.raises(LoaderError):
+        for unit, _ in conv.stream("cpu", verify=True):
+            got.append(unit)
+    assert "layer-0001" not in got and got == ["globals", "vision", "layer-0000"]
+
+
+def test_other_format_version(conversions, tmp_path):
+    out = _copy(conversions, tmp_path)
+    meta = json.loads((out / "kconvert.json").read_text())
+    meta["format_version"] = 99
+    (out / "kconvert.json").write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("load", out), "kconvert.json", "format version 99")
+
+
+def test_rank_out_of_range_and_world_size_mismatch(conversions):
+    out = conversions["none", 2]
+    assert_one_line_error(run_cli("load", out, "--rank", "2"), "rank 2", "tp 2")
+    assert_one_line_error(run_cli("load", out, "--world-size", "4"), "tp 2", "world size is 4")
+
+
+def test_tensor_missing_from_a_layer(conversions, tmp_path):
+    from safetensors.torch import save_file
+
+    out = _copy(conversions, tmp_path)
+    rel = "rank-000/layer-0001.safetensors"
+    tensors = load_file(out / rel)
+    victim = next(n for n in sorted(tensors) if "kv_b_proj" in n)
+    del tensors[victim]
+    save_file(tensors, out / rel)
+    meta = json.loads((out / "kconvert.json").read_text())
+    meta["files"][rel]["bytes"] = (out / rel).stat().st_size  # a consistent-looking but incomplete shard
+    (out / "kconvert.json").write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("load", out), rel, victim, "missing")

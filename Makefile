@@ -20,6 +20,7 @@ demo: install
 	$(BIN)/kconvert plan manifests/examples/kimi-k3-3t --tp 8 --quant fp8 --device H200 --context 128k
 	$(BIN)/kconvert shard $(DEMO)/tiny-k3 $(DEMO)/tiny-k3-tp2-fp8 --tp 2 --quant fp8
 	$(BIN)/kconvert verify-files $(DEMO)/tiny-k3-tp2-fp8
+	$(BIN)/kconvert load $(DEMO)/tiny-k3-tp2-fp8 --rank 1 --device auto --verify
 
 test: install
 	$(BIN)/pytest -x

@@ -1,0 +1,61 @@
+"""The llama.cpp-style statistics of `kconvert verify`, against independent computations."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kconvert.kld import RefLogprobs, compare, concat, summarize, topk_reference
+
+
+def _pair(seed: int, T=40, V=300, noise=0.3):
+    g = torch.Generator().manual_seed(seed)
+    ref_logits = torch.randn(T, V, generator=g) * 3
+    test_logits = ref_logits + noise * torch.randn(T, V, generator=g)
+    tokens = torch.randint(0, V, (T,), generator=g)
+    return tokens, ref_logits.log_softmax(-1), test_logits.log_softmax(-1)
+
+
+def test_full_reference_statistics_match_independent_formulas():
+    seed = int.from_bytes(os.urandom(4), "little")
+    tokens, r, t = _pair(seed)
+    s = summarize(compare(RefLogprobs(tokens=tokens, full=r), t))
+    kld = F.kl_div(t.double(), r.double(), log_target=True, reduction="none").sum(-1)
+    assert math.isclose(s.mean_kld, float(kld.mean()), rel_tol=1e-9), seed
+    assert math.isclose(s.max_kld, float(kld.max()), rel_tol=1e-9)
+    assert math.isclose(s.p99_kld, float(torch.quantile(kld, 0.99)), rel_tol=1e-9)
+    assert math.isclose(s.same_top1_pct, 100 * float((r.argmax(-1) == t.argmax(-1)).double().mean()))
+    dp = [math.exp(t[i, tokens[i + 1]]) - math.exp(r[i, tokens[i + 1]]) for i in range(len(tokens) - 1)]
+    assert math.isclose(s.rms_dp_pct, 100 * math.sqrt(sum(d * d for d in dp) / len(dp)), rel_tol=1e-6)
+    nll_r = -sum(float(r[i, tokens[i + 1]]) for i in range(len(tokens) - 1)) / (len(tokens) - 1)
+    nll_t = -sum(float(t[i, tokens[i + 1]]) for i in range(len(tokens) - 1)) / (len(tokens) - 1)
+    assert math.isclose(s.ppl_ratio, math.exp(nll_t) / math.exp(nll_r), rel_tol=1e-6)
+    cos = F.cosine_similarity(r - r.mean(-1, keepdim=True), t - t.mean(-1, keepdim=True), dim=-1)
+    assert math.isclose(s.mean_cosine, float(cos.mean()), rel_tol=1e-5)
+
+
+def test_identical_distributions_give_zero():
+    tokens, r, _ = _pair(1)
+    s = summarize(compare(RefLogprobs(tokens=tokens, full=r), r.clone()))
+    assert s.mean_kld < 1e-12 and s.same_top1_pct == 100 and s.rms_dp_pct < 1e-9 and abs(s.ppl_ratio - 1) < 1e-12
+
+
+def test_topk_reference_is_a_lower_bound_and_tight_when_peaked():
+    tokens, r, t = _pair(2, noise=0.5)
+    full = summarize(compare(RefLogprobs(tokens=tokens, full=r), t))
+    k = summarize(compare(topk_reference(tokens, r, 16), t))
+    assert k.mean_kld <= full.mean_kld + 1e-12
+    assert k.same_top1_pct == full.same_top1_pct
+    peaked = (r * 20).log_softmax(-1)  # nearly all mass in the top 16
+    tp = (peaked + 0.05 * torch.randn_like(peaked)).log_softmax(-1)
+    a = summarize(compare(RefLogprobs(tokens=tokens, full=peaked), tp)).mean_kld
+    b = summarize(compare(topk_reference(tokens, peaked, 16), tp)).mean_kld
+    assert abs(a - b) <= 1e-3 * max(a, 1e-9)
+
+
+def test_concat_pools_positions_across_prompts():
+    parts = [compare(RefLogprobs(tokens=tk, full=r), t) for tk, r, t in (_pair(3, T=10), _pair(4, T=30))]
+    assert summarize(concat(parts)).positions == 40

@@ -15,7 +15,7 @@ from kconvert import __version__
 from kconvert.errors import KConvertError
 
 from . import fixture_cmd, inspect_cmd, shard_cmd
-from . import load_cmd, plan_cmd
+from . import load_cmd, plan_cmd, verify_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -33,6 +33,7 @@ def app() -> None:
 app.add_command(inspect_cmd.inspect)
 app.add_command(plan_cmd.plan)
 app.add_command(load_cmd.load)
+app.add_command(verify_cmd.reference)
 app.add_command(fixture_cmd.fixture)
 app.add_command(shard_cmd.shard)
 app.add_command(shard_cmd.verify_files)

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import contextlib
 
-from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
 
 @contextlib.contextmanager
-def byte_progress(description: str, *, enabled: bool = True):
-    """Yields a callback `cb(event, **kw)` understanding ("start", total=), ("advance", n=), ("file", path=)."""
+def byte_progress(description: str, *, enabled: bool = True, unit: str = "bytes"):
+    """Yields a callback `cb(event, **kw)` understanding ("start", total=), ("advance", n=), ("file", path=).
+    `unit="items"` counts things (prompts, layers) instead of bytes."""
     if not enabled:
         yield lambda *a, **k: None
         return
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
-                  transient=False) as bar:
+    amount = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), *amount,
+                  TimeRemainingColumn(), TextColumn("{task.fields[note]}"), transient=False) as bar:
         task = bar.add_task(description, total=None, note="")
 
         def cb(event: str, **kw) -> None:

@@ -3,7 +3,7 @@
 For each source size: generate a `scale` checkpoint, then time `cp -r` of it and
 `kconvert shard --tp 8` with --quant none and fp8 on the same disk (page cache warm for all three:
 this machine cannot drop caches), and record each conversion's peak RSS in its own process.
-Prints ratios to cp and RSS against the 1.5 GB + 3 x largest-tensor budget.
+Prints ratios to cp (page cache) and to cp + sync (on disk, as shard's fsynced files are), and RSS against the 1.5 GB + 3 x largest-tensor budget.
 
     .venv/bin/python bench/shard_bench.py --sizes 1GB,4GB --workdir /tmp/kbench
 """
@@ -60,21 +60,28 @@ def main() -> None:
         nbytes = du(src)
         subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm
         shutil.rmtree(work / "cp", ignore_errors=True)
+        subprocess.run(["sync"], check=True)
         t = time.perf_counter()
         subprocess.run(["cp", "-r", str(src), str(work / "cp")], check=True)
         cp_s = time.perf_counter() - t
+        subprocess.run(["sync"], check=True)  # cp's data reaches the disk too: shard fsyncs every file
+        cp_sync_s = time.perf_counter() - t
         shutil.rmtree(work / "cp")
+        subprocess.run(["sync"], check=True)
         for quant in ("none", "fp8"):
             r = shard(src, work / f"out-{quant}", quant, args.workers)
             shutil.rmtree(work / f"out-{quant}")
             rows.append({"size": size_text, "bytes": nbytes, "quant": quant, "cp_GBps": nbytes / cp_s / 1e9,
-                         "shard_GBps": nbytes / r["wall"] / 1e9, "ratio_to_cp": cp_s / r["wall"],
+                         "cp_sync_GBps": nbytes / cp_sync_s / 1e9, "shard_GBps": nbytes / r["wall"] / 1e9,
+                         "ratio_to_cp": cp_s / r["wall"], "ratio_to_cp_sync": cp_sync_s / r["wall"],
                          "peak_rss": r["peak_rss_bytes"], "largest_tensor": largest,
                          "rss_budget": int(1.5e9 + 3 * largest)})
             print(json.dumps(rows[-1]))
-    print(f"\n{'size':>6} {'quant':>5} {'cp GB/s':>8} {'shard GB/s':>10} {'x cp':>6} {'peak RSS':>10} {'budget':>10}")
+    print(f"\n{'size':>6} {'quant':>5} {'cp GB/s':>8} {'cp+sync':>8} {'shard GB/s':>10} {'x cp':>6} {'x cp+sync':>9} "
+          f"{'peak RSS':>10} {'budget':>10}")
     for r in rows:
-        print(f"{r['size']:>6} {r['quant']:>5} {r['cp_GBps']:8.2f} {r['shard_GBps']:10.2f} {r['ratio_to_cp']:6.2f} "
+        print(f"{r['size']:>6} {r['quant']:>5} {r['cp_GBps']:8.2f} {r['cp_sync_GBps']:8.2f} {r['shard_GBps']:10.2f} "
+              f"{r['ratio_to_cp']:6.2f} {r['ratio_to_cp_sync']:9.2f} "
               f"{fmt_bytes(r['peak_rss']):>10} {fmt_bytes(r['rss_budget']):>10}")
 
 

@@ -1,0 +1,1 @@
+"""kconvert's inference engine: MLA + DSA sparse attention + MoE + MoonViT, over converted checkpoints."""

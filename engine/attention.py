@@ -1,0 +1,100 @@
+"""MLA attention in the absorbed form over the latent cache, with DSA sparse selection.
+
+Queries are projected into the latent space through kv_b's key half (q_nope · W_uk), scored against the
+cached latent + rope key, and the attended latent is projected out through kv_b's value half. With a DSA
+indexer each query gathers only its top-k latent entries (O(k) per query); without one (deepseek_v3) it
+attends causally over the whole cache."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache import LayerCache
+from engine.config import TextConfig
+from engine.indexer import Indexer
+from engine.linear import Weight, rms_norm
+from engine.rope import rotate_interleaved, softmax_scale
+
+GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once during prefill
+
+
+class MLA:
+    def __init__(self, cfg: TextConfig, t: dict, p: str, tp: int):
+        if cfg.num_heads % tp:
+            raise ValueError(f"{cfg.num_heads} heads do not split over tp={tp}")
+        self.cfg, self.heads = cfg, cfg.num_heads // tp
+        self.eps = cfg.rms_norm_eps
+        if cfg.q_lora_rank:
+            self.q_a = Weight.take(t, f"{p}q_a_proj")
+            self.q_a_norm = t.pop(f"{p}q_a_layernorm.weight")
+            self.q_b = Weight.take(t, f"{p}q_b_proj")
+        else:
+            self.q_proj = Weight.take(t, f"{p}q_proj")
+        self.kv_a = Weight.take(t, f"{p}kv_a_proj_with_mqa")
+        self.kv_a_norm = t.pop(f"{p}kv_a_layernorm.weight")
+        self.kv_b = Weight.take(t, f"{p}kv_b_proj")
+        self.o_proj = Weight.take(t, f"{p}o_proj")
+        self.indexer = Indexer(cfg, t, f"{p}indexer.") if cfg.index_topk else None
+        self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+
+    def forward(self, x: torch.Tensor, start: int, cache: LayerCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B,S,hidden] at positions start..start+S-1; returns this rank's partial o_proj output."""
+        c = self.cfg
+        B, S, _ = x.shape
+        dt = x.dtype
+        nope, rope, lat = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        if c.q_lora_rank:
+            q_lat = rms_norm(self.q_a(x), self.q_a_norm, self.eps)
+            q = self.q_b(q_lat)
+        else:
+            q_lat, q = None, self.q_proj(x)
+        q = q.view(B, S, self.heads, nope + rope)
+        q_rope = rotate_interleaved(q[..., nope:], cos[:, :, None], sin[:, :, None])
+        kv = self.kv_a(x)
+        cache.latent[:, start:start + S] = rms_norm(kv[..., :lat], self.kv_a_norm, self.eps).to(cache.latent.dtype)
+        cache.k_rope[:, start:start + S] = rotate_interleaved(kv[..., lat:], cos, sin).to(cache.k_rope.dtype)
+        T = start + S
+
+        wkv = self.kv_b.dense(dt).view(self.heads, nope + c.v_head_dim, lat)
+        q_abs = torch.einsum("bshd,hdc->bshc", q[..., :nope], wkv[:, :nope])  # [B,S,h,lat]
+        latent, k_rope = cache.latent[:, :T].to(dt), cache.k_rope[:, :T].to(dt)
+        if self.indexer is not None:
+            idx, valid = self.indexer.select(x, q_lat, cache.index_k, start, cos, sin)
+            o_lat = self._sparse(q_abs, q_rope, latent, k_rope, idx, valid)
+        else:
+            o_lat = self._dense(q_abs, q_rope, latent, k_rope, start)
+        o = torch.einsum("bshc,hvc->bshv", o_lat, wkv[:, nope:])
+        return self.o_proj(o.reshape(B, S, self.heads * c.v_head_dim))
+
+    def _sparse(self, q_abs, q_rope, latent, k_rope, idx, valid):
+        B, S, h, lat = q_abs.shape
+        k = idx.shape[-1]
+        out = torch.empty_like(q_abs)
+        chunk = max(1, GATHER_BUDGET // max(1, k * (lat + k_rope.shape[-1])))
+        bidx = torch.arange(B, device=idx.device)[:, None, None]
+        for s0 in range(0, S, chunk):
+            s1 = min(S, s0 + chunk)
+            sel = idx[:, s0:s1]
+            lat_g, rope_g = latent[bidx, sel], k_rope[bidx, sel]  # [B,s,k,lat], [B,s,k,rope]
+            scores = torch.einsum("bshc,bskc->bshk", q_abs[:, s0:s1], lat_g)
+            scores += torch.einsum("bshr,bskr->bshk", q_rope[:, s0:s1], rope_g)
+            scores = (scores * self.scale).masked_fill(~valid[:, s0:s1, None, :], float("-inf"))
+            p = torch.softmax(scores.float(), dim=-1).to(q_abs.dtype)
+            out[:, s0:s1] = torch.einsum("bshk,bskc->bshc", p, lat_g)
+        return out
+
+    def _dense(self, q_abs, q_rope, latent, k_rope, start):
+        B, S, h, lat = q_abs.shape
+        T = latent.shape[1]
+        out = torch.empty_like(q_abs)
+        chunk = max(1, GATHER_BUDGET // max(1, h * T))
+        keys = torch.arange(T, device=q_abs.device)
+        for s0 in range(0, S, chunk):
+            s1 = min(S, s0 + chunk)
+            scores = torch.einsum("bshc,btc->bsht", q_abs[:, s0:s1], latent)
+            scores += torch.einsum("bshr,btr->bsht", q_rope[:, s0:s1], k_rope)
+            future = keys[None, :] > torch.arange(start + s0, start + s1, device=keys.device)[:, None]
+            scores = (scores * self.scale).masked_fill(future[None, :, None, :], float("-inf"))
+            p = torch.softmax(scores.float(), dim=-1).to(q_abs.dtype)
+            out[:, s0:s1] = torch.einsum("bsht,btc->bshc", p, latent)
+        return out

@@ -1,0 +1,149 @@
+"""Model hyper-parameters read from a converted checkpoint's config.json (kimi_k25 / deepseek_v32 / deepseek_v3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kconvert.errors import KConvertError
+
+FAMILIES = ("kimi_k25", "deepseek_v32", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    kind: str  # "default" | "yarn"
+    factor: float = 1.0
+    original_max: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    experts_per_token: int
+    n_group: int
+    topk_group: int
+    first_k_dense: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    index_topk: int | None  # None: no DSA indexer (deepseek_v3)
+    index_n_heads: int
+    index_head_dim: int
+    hidden_act: str
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    pos_emb_height: int
+    pos_emb_width: int
+    merge_kernel: tuple[int, int]
+    hidden_act: str
+    rope_theta: float
+    projector_eps: float
+    text_hidden: int
+    image_token_id: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    text: TextConfig
+    vision: VisionConfig | None
+    raw: dict
+
+
+def _rope(c: dict) -> RopeConfig:
+    p = dict(c.get("rope_parameters") or {})
+    legacy = c.get("rope_scaling") or {}
+    theta = float(p.get("rope_theta", c.get("rope_theta", 10000.0)))
+    if not p.get("rope_type") and legacy:
+        p = {**legacy, **p}
+    kind = p.get("rope_type") or p.get("type") or "default"
+    if kind == "default":
+        return RopeConfig(theta, "default")
+    if kind != "yarn":
+        raise KConvertError(f"rope type {kind!r} is not supported (default, yarn)", file="config.json")
+    factor = p.get("factor")
+    orig = int(p.get("original_max_position_embeddings") or c.get("max_position_embeddings", 4096))
+    if factor is None:
+        factor = c["max_position_embeddings"] / orig
+    return RopeConfig(theta, "yarn", float(factor), orig, float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1),
+                      p.get("mscale"), p.get("mscale_all_dim"), p.get("attention_factor"), bool(p.get("truncate", True)))
+
+
+def _text(c: dict) -> TextConfig:
+    try:
+        g = c.get
+        n_routed = int(g("n_routed_experts") or 0)
+        return TextConfig(
+            vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]), num_layers=int(c["num_hidden_layers"]),
+            num_heads=int(c["num_attention_heads"]), q_lora_rank=int(g("q_lora_rank") or 0),
+            kv_lora_rank=int(c["kv_lora_rank"]), qk_nope_head_dim=int(c["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(c["qk_rope_head_dim"]), v_head_dim=int(c["v_head_dim"]),
+            intermediate_size=int(c["intermediate_size"]), moe_intermediate_size=int(g("moe_intermediate_size") or 0),
+            n_routed_experts=n_routed, n_shared_experts=int(g("n_shared_experts") or 0),
+            experts_per_token=int(g("num_experts_per_tok") or 0), n_group=int(g("n_group") or 1),
+            topk_group=int(g("topk_group") or 1), first_k_dense=int(g("first_k_dense_replace") or 0),
+            routed_scaling_factor=float(g("routed_scaling_factor") or 1.0), norm_topk_prob=bool(g("norm_topk_prob", True)),
+            rms_norm_eps=float(g("rms_norm_eps") or 1e-6), max_position_embeddings=int(g("max_position_embeddings") or 4096),
+            rope=_rope(c), index_topk=int(c["index_topk"]) if g("index_topk") else None,
+            index_n_heads=int(g("index_n_heads") or 0), index_head_dim=int(g("index_head_dim") or 0),
+            hidden_act=g("hidden_act") or "silu",
+        )
+    except KeyError as e:
+        raise KConvertError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
+
+
+def _vision(c: dict, text: TextConfig) -> VisionConfig:
+    v = c["vision_config"]
+    rp = v.get("rope_parameters") or {}
+    return VisionConfig(
+        hidden_size=int(v["hidden_size"]), num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
+        intermediate_size=int(v["intermediate_size"]), patch_size=int(v.get("patch_size", 14)),
+        pos_emb_height=int(v.get("pos_emb_height", 64)), pos_emb_width=int(v.get("pos_emb_width", 64)),
+        merge_kernel=tuple(v.get("merge_kernel_size", (2, 2))), hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
+        rope_theta=float(rp.get("rope_theta", 10000.0)), projector_eps=float(c.get("projection_layer_norm_eps", 1e-5)),
+        text_hidden=text.hidden_size, image_token_id=int(c.get("image_token_id", c.get("media_placeholder_token_id", 163605))),
+    )
+
+
+def model_config(config: dict, family: str) -> ModelConfig:
+    if family not in FAMILIES:
+        raise KConvertError(f"the engine does not run family {family!r} (known: {', '.join(FAMILIES)})", file="kconvert.json")
+    if family == "kimi_k25":
+        text = _text(config["text_config"])
+        return ModelConfig(family, text, _vision(config, text), config)
+    return ModelConfig(family, _text(config), None, config)

@@ -1,0 +1,66 @@
+"""DSA lightning indexer (DeepSeek-V3.2): picks the top-`index_topk` earlier keys for every query."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import TextConfig
+from engine.linear import Weight
+from engine.rope import rotate_half
+
+SCORE_BUDGET = 1 << 25  # elements of the [queries, heads, keys] score block computed at once
+
+
+def top_keys(index: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row; exact ties (ReLU makes many scores exactly 0) go to the
+    earliest positions, so the choice does not depend on the row's length or on how queries are batched."""
+    thr = torch.topk(index, k, dim=-1).values[..., -1:]
+    above = index > thr
+    tied = index == thr
+    need = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= need))
+    return torch.topk(chosen.to(torch.int8), k, dim=-1).indices
+
+
+class Indexer:
+    def __init__(self, cfg: TextConfig, t: dict, p: str):
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = Weight.take(t, f"{p}wq_b")
+        self.wk = Weight.take(t, f"{p}wk")
+        self.weights_proj = Weight.take(t, f"{p}weights_proj")
+        self.k_norm_w, self.k_norm_b = t.pop(f"{p}k_norm.weight"), t.pop(f"{p}k_norm.bias")
+        self.scale = self.head_dim ** -0.5
+
+    def _rope(self, x, cos, sin):
+        r = self.rope_dim
+        return torch.cat([rotate_half(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def select(self, x: torch.Tensor, q_lat: torch.Tensor, cache_k: torch.Tensor, start: int,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B,S,H], q_lat [B,S,q_lora]; writes this step's keys into cache_k [B,max,D].
+        Returns (indices [B,S,k], valid [B,S,k]) with k = min(topk, keys so far)."""
+        B, S, _ = x.shape
+        dt = x.dtype
+        q = self.wq_b(q_lat).view(B, S, self.n_heads, self.head_dim)
+        q = self._rope(q, cos[:, :, None], sin[:, :, None])
+        k = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm_w.to(dt), self.k_norm_b.to(dt), 1e-6)
+        cache_k[:, start:start + S] = self._rope(k, cos, sin).to(cache_k.dtype)
+        T = start + S
+        keys = cache_k[:, :T].float()
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B,S,h]
+        k_sel = min(self.topk, T)
+        pos = torch.arange(start, T, device=x.device)
+        chunk = max(1, SCORE_BUDGET // max(1, self.n_heads * T))
+        idx_parts = []
+        for s0 in range(0, S, chunk):
+            s1 = min(S, s0 + chunk)
+            scores = torch.einsum("bshd,btd->bsht", q[:, s0:s1].float(), keys).mul_(self.scale).relu_()
+            index = torch.einsum("bsh,bsht->bst", w[:, s0:s1], scores)
+            future = torch.arange(T, device=x.device)[None, :] > pos[s0:s1, None]
+            index = index.masked_fill(future, float("-inf"))
+            idx_parts.append(top_keys(index, k_sel))
+        idx = torch.cat(idx_parts, dim=1)
+        valid = idx <= pos[None, :, None]
+        return idx, valid

@@ -1,0 +1,91 @@
+"""Generation, tokenizer + chat template, and `python -m engine.chat` on a converted tiny-k3."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT
+from kconvert.shard import ShardJob, shard
+
+
+@pytest.fixture(scope="module")
+def tiny_converted(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("chat") / "tiny-k3-tp1"
+    shard(ShardJob(str(checkpoint("tiny-k3")), str(out), tp=1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def image_file(tmp_path_factory):
+    from PIL import Image, ImageDraw
+
+    im = Image.new("RGB", (120, 90), (30, 60, 200))
+    ImageDraw.Draw(im).ellipse((20, 10, 90, 80), fill=(250, 200, 20))
+    path = tmp_path_factory.mktemp("img") / "disk.png"
+    im.save(path)
+    return path
+
+
+def chat(*args, stdin=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "engine.chat", *map(str, args)], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_chat_one_turn_with_image(tiny_converted, image_file):
+    p = chat(tiny_converted, "--prompt", "What is in this picture?", "--image", image_file, "--max-new-tokens", "12")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert "TTFT" in lines[-1] and "tokens/s" in lines[-1] and "12 tokens" in lines[-1], p.stdout
+    assert len(p.stdout) > len(lines[-1]) + 1  # an answer was printed before the timing line
+
+
+def test_interactive_chat_survives_bad_input(tiny_converted, image_file):
+    script = f"hello\n/image /no/such.png\n/image {ROOT / 'pyproject.toml'}\n/image {image_file}\nand now?\n/clear\nbye\n/exit\n"
+    p = chat(tiny_converted, "--max-new-tokens", "4", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",
+             stdin=script)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("TTFT") == 3, p.stdout
+    assert "image file not found" in p.stderr and "not a readable image" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_chat_rejects_prompt_longer_than_context(tiny_converted):
+    p = chat(tiny_converted, "--prompt", "word " * 200, "--context", "64", "--max-new-tokens", "4")
+    assert p.returncode == 2 and "context" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_generation_greedy_equals_argmax_and_stops(tiny_converted):
+    from engine.generate import Sampling, generate
+    from engine.model import Model
+
+    model = Model.from_converted(tiny_converted, dtype=torch.float32)
+    seed = int.from_bytes(os.urandom(4), "little")
+    prompt = torch.randint(0, 768, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    res = generate(model, prompt, Sampling(max_new_tokens=6))
+    ids = list(prompt)
+    for _ in range(6):  # greedy generation = argmax of full forwards, token by token
+        ids.append(int(model.forward(torch.tensor([ids]))[0, -1].argmax()))
+    assert res.tokens == ids[12:], f"seed {seed}"
+    stop = generate(model, prompt, Sampling(max_new_tokens=6, stop_ids={res.tokens[2]}))
+    assert stop.tokens == res.tokens[:3] and stop.stop_reason == "stop"
+    a = generate(model, prompt, Sampling(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=8, seed=5))
+    b = generate(model, prompt, Sampling(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=8, seed=5))
+    assert a.tokens == b.tokens  # seeded sampling is reproducible
+
+
+def test_tokenizer_chat_template_and_image_expansion(tiny_converted):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_converted)
+    text = "Hello, world! 你好"
+    assert tok.decode(tok.encode(text)) == text
+    ids = tok.chat_ids([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}], [6])
+    assert ids.count(tok.media_pad) == 6
+    rendered = tok.decode_bytes(ids, skip_special=False).decode()
+    assert rendered.startswith("<|im_user|>user<|im_middle|><|media_begin|>image<|media_content|>")
+    assert rendered.endswith("hi<|im_end|><|im_assistant|>assistant<|im_middle|>")

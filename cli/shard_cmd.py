@@ -37,8 +37,11 @@ def _rank0() -> bool:
 @click.option("--keep-mtp", is_flag=True, help="Keep multi-token-prediction layers (dropped by default).")
 @click.option("--workers", type=int, default=1, show_default=True, help="Files converted in parallel (threads).")
 @click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) conversion in OUT.")
+@click.option("--compress", metavar="zstd[:LEVEL]",
+              help="Write compressed shards (lossless zstd, byte-grouped; the loader reads them transparently).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of tables.")
-def shard(src, out, tp, ep, quant, scale_format, keep, force, requantize, keep_mtp, workers, overwrite, as_json):
+def shard(src, out, tp, ep, quant, scale_format, keep, force, requantize, keep_mtp, workers, overwrite, compress,
+          as_json):
     """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8 or INT8 on the way.
 
     Streams tensor by tensor with bounded memory; every file is written to a temporary name and
@@ -49,10 +52,11 @@ def shard(src, out, tp, ep, quant, scale_format, keep, force, requantize, keep_m
     \b
     Example:
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-fp8 --tp 2 --quant fp8
+      kconvert shard ./tiny-k3 ./tiny-k3-tp2-z --tp 2 --compress zstd
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
     """
     job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, keep_mtp, workers,
-                   overwrite)
+                   overwrite, compress)
     with byte_progress(f"shard tp={tp} {quant}", enabled=not as_json and _rank0()) as cb:
         r = _shard(job, progress=cb)
     if not _rank0():

@@ -15,13 +15,30 @@ import zlib
 from pathlib import Path
 
 from .errors import CheckpointError, FormatError
-from .safetensors_file import read_bytes, read_header
+from .safetensors_file import read_bytes, read_entry_bytes, read_header
 
 FORMAT = "kconvert"
 FORMAT_VERSION = 1
 MANIFEST = "kconvert.json"
 JOURNAL_DIR = ".kconvert"
 CHUNK = 16 * 1024 * 1024
+PACK_STATE = "pack.json"  # in JOURNAL_DIR while `kconvert pack` / `unpack` is converting the directory
+
+
+def stored_bytes(rec: dict) -> int:
+    """Bytes on disk of a files[*] record: `bytes` is the plain file's size, `stored.bytes` a compressed one's."""
+    return rec["stored"]["bytes"] if rec.get("stored") else rec["bytes"]
+
+
+def check_not_mid_pack(out: Path) -> None:
+    state = Path(out) / JOURNAL_DIR / PACK_STATE
+    if state.exists():
+        try:
+            op = json.loads(state.read_text()).get("op", "pack")
+        except (OSError, ValueError):
+            op = "pack"
+        raise CheckpointError(f"an unfinished `kconvert {op}` is converting this directory; re-run `kconvert {op} "
+                              f"{out}` to finish it first", file=str(out))
 
 
 def unit_file(rank: int, unit: str) -> str:
@@ -64,16 +81,24 @@ def verify_files(out: str | Path, progress=None) -> dict:
     naming the first damaged tensor in it. Returns {"files": n, "bytes": b}."""
     out = Path(out)
     meta = read_manifest(out)
+    check_not_mid_pack(out)
     total = 0
     for rel, rec in meta["files"].items():
         path = out / rel
         if not path.is_file():
             raise CheckpointError("listed in kconvert.json but missing", file=str(path))
         size = path.stat().st_size
-        if size != rec["bytes"]:
-            raise CheckpointError(f"size {size} differs from the {rec['bytes']} bytes recorded: truncated or replaced",
-                                  file=str(path))
-        if file_crc32(path, size) != rec["crc32"]:
+        if size != stored_bytes(rec):
+            raise CheckpointError(f"size {size} differs from the {stored_bytes(rec)} bytes recorded: truncated or "
+                                  "replaced", file=str(path))
+        if rec.get("stored"):  # compressed: the CRC-32 is of the plain bytes it decompresses to
+            comp = read_header(path).compressed
+            if comp is None:
+                raise CheckpointError("kconvert.json records a compressed shard but the file is plain", file=str(path))
+            crc = comp.crc32()
+        else:
+            crc = file_crc32(path, size)
+        if crc != rec["crc32"]:
             raise CheckpointError("checksum mismatch: the file is damaged", file=str(path),
                                   tensor=_first_bad_tensor(path, meta, rel))
         total += size
@@ -89,6 +114,10 @@ def _first_bad_tensor(path: Path, meta: dict, rel: str) -> str | None:
         return "(header)"
     want = {t["name"]: t["crc32"] for t in meta["tensors"] if t["file"] == rel}
     for entry in sorted(header.tensors.values(), key=lambda e: e.begin):
-        if f"{zlib.crc32(read_bytes(path, entry.begin, entry.nbytes)):08x}" != want.get(entry.name):
+        try:
+            data = read_entry_bytes(entry)
+        except FormatError:
+            return entry.name
+        if f"{zlib.crc32(data):08x}" != want.get(entry.name):
             return entry.name
     return "(header)"

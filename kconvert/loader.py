@@ -9,6 +9,8 @@ consumes the current one; each file is read in parallel chunks straight into one
 the tensors are views of that buffer (no second copy). On an accelerator the buffer is pinned host
 memory, reused across files, and copied to one device allocation per unit on a side stream.
 With `verify`, the file's CRC-32 is checked against kconvert.json before any tensor is handed out.
+Compressed shards (kconvert/compressed.py) are decompressed chunk by chunk on the same threads into
+the same buffer, so everything after the read (verify, views, device copy) is unchanged.
 Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing is the engine's call.
 """
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import devices
-from .converted import read_manifest
+from .converted import check_not_mid_pack, read_manifest, stored_bytes
 from .errors import CheckpointError, UsageError
 from .safetensors_file import DTYPES, SafetensorsHeader, read_header
 
@@ -78,10 +80,13 @@ class ConvertedCheckpoint:
         if not path.is_file():
             raise LoaderError("shard listed in kconvert.json is missing", file=str(path))
         size = path.stat().st_size
-        if size != rec["bytes"]:
-            raise LoaderError(f"shard is {size} bytes, kconvert.json records {rec['bytes']}: truncated or replaced",
+        if size != stored_bytes(rec):
+            raise LoaderError(f"shard is {size} bytes, kconvert.json records {stored_bytes(rec)}: truncated or replaced",
                               file=str(path))
         header = read_header(path)
+        if (header.compressed is not None) != bool(rec.get("stored")):
+            raise LoaderError("shard is " + ("compressed" if header.compressed is not None else "plain") +
+                              " but kconvert.json records otherwise", file=str(path))
         for t in self._tensors.get(rel, []):
             e = header.tensors.get(t["name"])
             if e is None:
@@ -117,7 +122,10 @@ class ConvertedCheckpoint:
         size = header.size
         t0 = time.perf_counter()
         buf = staging[:size] if staging is not None else torch.empty(size, dtype=torch.uint8)
-        self._read_into(path, memoryview(buf.numpy()).cast("B"), size, pool)
+        if header.compressed is not None:
+            header.compressed.read_into(buf.numpy(), pool)
+        else:
+            self._read_into(path, memoryview(buf.numpy()).cast("B"), size, pool)
         t1 = time.perf_counter()
         self.stats.read_seconds += t1 - t0
         if verify:
@@ -245,12 +253,13 @@ def open_converted(path: str | Path, rank: int = 0, world_size: int | None = Non
                           f"(torchrun --nproc-per-node {tp}) or convert again with --tp {world_size}", file=where)
     if not 0 <= rank < tp:
         raise LoaderError(f"rank {rank} does not exist: converted for tp {tp} (ranks 0..{tp - 1})", file=where)
+    check_not_mid_pack(root)
     conv = ConvertedCheckpoint(root, meta, rank)
     for rel in conv.files:  # cheap existence/size checks before anything is read
         p = root / rel
         if not p.is_file():
             raise LoaderError("shard listed in kconvert.json is missing", file=str(p))
-        if p.stat().st_size != conv.files[rel]["bytes"]:
-            raise LoaderError(f"shard is {p.stat().st_size} bytes, kconvert.json records {conv.files[rel]['bytes']}: "
-                              "truncated or replaced", file=str(p))
+        if p.stat().st_size != stored_bytes(conv.files[rel]):
+            raise LoaderError(f"shard is {p.stat().st_size} bytes, kconvert.json records "
+                              f"{stored_bytes(conv.files[rel])}: truncated or replaced", file=str(p))
     return conv

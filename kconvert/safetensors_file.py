@@ -12,7 +12,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
+    compressed: object = field(default=None, repr=False, compare=False)  # CompressedLayout of a compressed shard
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +66,12 @@ class SafetensorsHeader:
     data_start: int
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
+    compressed: object = None  # CompressedLayout when the file is a compressed shard (kconvert/compressed.py)
+
+    @property
+    def stored_size(self) -> int:
+        """Bytes on disk (`size` is the plain file's size, also for a compressed shard)."""
+        return self.compressed.stored_size if self.compressed is not None else self.size
 
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
@@ -96,13 +103,22 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     data_start = 8 + n
     data_len = size - data_start
     metadata = obj.pop("__metadata__", None) or {}
+    metadata = metadata if isinstance(metadata, dict) else {}
+    comp = None
+    if "kconvert_codec" in metadata:  # a compressed shard: offsets are into the plain file it decompresses to
+        from .compressed import CompressedLayout
+
+        comp = CompressedLayout(path, size, data_start, raw, metadata, obj)
+        data_start, data_len = comp.data_start, comp.size - comp.data_start
     tensors: dict[str, TensorEntry] = {}
     for name, spec in obj.items():
-        tensors[name] = _entry(path, name, spec, data_start, data_len)
-    return SafetensorsHeader(path, size, data_start, tensors, metadata if isinstance(metadata, dict) else {})
+        tensors[name] = _entry(path, name, spec, data_start, data_len, comp)
+    if comp is not None:
+        comp.load_index(tensors)
+    return SafetensorsHeader(path, comp.size if comp else size, data_start, tensors, metadata, comp)
 
 
-def _entry(path: Path, name: str, spec, data_start: int, data_len: int) -> TensorEntry:
+def _entry(path: Path, name: str, spec, data_start: int, data_len: int, comp=None) -> TensorEntry:
     try:
         dtype, shape, (lo, hi) = spec["dtype"], spec["shape"], spec["data_offsets"]
         shape = tuple(int(s) for s in shape)
@@ -119,7 +135,7 @@ def _entry(path: Path, name: str, spec, data_start: int, data_len: int) -> Tenso
     expect = math.prod(shape) * ITEMSIZE[dtype]
     if hi - lo != expect:
         raise FormatError(f"holds {hi - lo} bytes but {dtype}{list(shape)} needs {expect}", file=str(path), tensor=name)
-    return TensorEntry(name, path, dtype, shape, data_start + lo, data_start + hi)
+    return TensorEntry(name, path, dtype, shape, data_start + lo, data_start + hi, comp)
 
 
 def read_bytes(path: Path, begin: int, length: int, *, tensor: str | None = None) -> bytearray:
@@ -152,5 +168,15 @@ def read_tensor(entry: TensorEntry, rows: tuple[int, int] | None = None) -> torc
     dtype = entry.torch_dtype
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    buf = read_bytes(entry.file, begin, nbytes, tensor=entry.name)
+    buf = read_entry_bytes(entry, begin, nbytes)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def read_entry_bytes(entry: TensorEntry, begin: int | None = None, nbytes: int | None = None) -> bytearray:
+    """A tensor's bytes (or plain bytes [begin, begin + nbytes) of its file), decompressing only what they
+    overlap when the file is a compressed shard."""
+    begin = entry.begin if begin is None else begin
+    nbytes = entry.nbytes if nbytes is None else nbytes
+    if entry.compressed is not None:
+        return entry.compressed.read_range(begin, nbytes)
+    return read_bytes(entry.file, begin, nbytes, tensor=entry.name)

@@ -22,7 +22,7 @@ import torch
 
 from . import __version__
 from .checkpoint import Checkpoint
-from .converted import FORMAT, FORMAT_VERSION, JOURNAL_DIR, MANIFEST
+from .converted import FORMAT, FORMAT_VERSION, JOURNAL_DIR, MANIFEST, stored_bytes
 from .errors import KConvertError, UsageError
 from .layout import Layout
 from .quant_policy import FP8_BLOCK, QuantPolicy
@@ -50,6 +50,7 @@ class ShardJob:
     keep_mtp: bool = False
     workers: int = 1
     overwrite: bool = False
+    compress: str | None = None  # "zstd[:LEVEL]": compressed shards (a storage form, not part of identity())
 
     def identity(self, fingerprint: str, layout: Layout) -> dict:
         """What must match for two runs to write into the same directory."""
@@ -85,6 +86,11 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     items = plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp)
     identity = job.identity(ck.fingerprint(), layout)
     result = ShardResult(str(out))
+    level = None
+    if job.compress:
+        from .compressed import parse_codec
+
+        level = parse_codec(job.compress)[1]
 
     dist = distributed.Group.from_env()
     if dist.rank == 0:
@@ -110,10 +116,12 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     log = open(journal / f"done-{dist.rank:04d}.jsonl", "a")
     try:
         with ThreadPoolExecutor(max(1, job.workers)) as pool:
-            for batch, recs in zip(batches, pool.map(lambda b: _run_unit(ck, b, out, progress), batches)):
-                for w, rec in zip(batch, recs):
-                    log.write(json.dumps({"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32,
-                                          "tensors": rec.tensor_crc32}) + "\n")
+            for batch, recs in zip(batches, pool.map(lambda b: _run_unit(ck, b, out, progress, level), batches)):
+                for w, (rec, stored) in zip(batch, recs):
+                    entry = {"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32}
+                    if stored:
+                        entry["stored"] = stored
+                    log.write(json.dumps(entry) + "\n")
                     log.flush()
                     os.fsync(log.fileno())
                     result.files_written += 1
@@ -128,7 +136,7 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     dist.barrier()
     meta = json.loads((out / MANIFEST).read_text())
     for rel, rec in meta["files"].items():
-        result.per_rank_bytes[rec["rank"]] = result.per_rank_bytes.get(rec["rank"], 0) + rec["bytes"]
+        result.per_rank_bytes[rec["rank"]] = result.per_rank_bytes.get(rec["rank"], 0) + stored_bytes(rec)
     result.bytes_out = sum(result.per_rank_bytes.values())
     result.seconds = time.perf_counter() - t0
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -138,10 +146,12 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
 # --------------------------------------------------------------------------- one work item
 
 
-def _run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> list[WrittenFile]:
+def _run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
+              level: int | None = None) -> list[tuple[WrittenFile, dict | None]]:
     """Write every rank's file of one unit (a layer, globals or vision) in one pass over the source:
     each source tensor is read once, and each rank's slice of it goes to that rank's file. Memory:
-    the tensor being written plus the one read ahead."""
+    the tensor being written plus the one read ahead. With a zstd `level`, each committed file is
+    then compressed in place (temp + fsync + rename) before the caller journals it."""
     writers = []
     try:
         for w in batch:
@@ -171,11 +181,17 @@ def _run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> lis
                     if progress:
                         progress("advance", n=o.bytes_in)
                 del x
-        return [wr.commit() for wr in writers]
+        written = [wr.commit() for wr in writers]
     except BaseException:
         for wr in writers:
             wr.abort()
         raise
+    if level is None:
+        return [(rec, None) for rec in written]
+    from .compressed import compress_file
+
+    return [(rec, compress_file(rec.path, rec.path, level=level, threads=min(8, os.cpu_count() or 1),
+                                expect_crc32=rec.crc32).record()) for rec in written]
 
 
 def _load(ck: Checkpoint, o: Output):
@@ -274,7 +290,7 @@ def _read_journal(journal: Path, out: Path) -> dict[str, dict]:
             except json.JSONDecodeError:
                 continue
             path = out / rec["file"]
-            if path.is_file() and path.stat().st_size == rec["bytes"]:
+            if path.is_file() and path.stat().st_size == stored_bytes(rec):
                 done[rec["file"]] = rec
     return done
 
@@ -294,6 +310,8 @@ def _finish(ck: Checkpoint, out: Path, items: list[WorkItem], identity: dict, la
         rec = done[w.file]
         layer = int(w.unit.split("-")[1]) if w.unit.startswith("layer-") else None
         files[w.file] = {"rank": w.rank, "unit": w.unit, "layer": layer, "bytes": rec["bytes"], "crc32": rec["crc32"]}
+        if rec.get("stored"):
+            files[w.file]["stored"] = rec["stored"]
         for o in w.outputs:
             for name, dtype, shape in o.specs():
                 tensors.append({"name": name, "file": w.file, "rank": w.rank, "layer": layer, "unit": w.unit,

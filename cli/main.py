@@ -14,7 +14,7 @@ import click
 from kconvert import __version__
 from kconvert.errors import KConvertError
 
-from . import fixture_cmd, inspect_cmd, shard_cmd
+from . import fixture_cmd, inspect_cmd, pack_cmd, shard_cmd
 from . import load_cmd, plan_cmd, verify_cmd
 
 
@@ -34,9 +34,12 @@ app.add_command(inspect_cmd.inspect)
 app.add_command(plan_cmd.plan)
 app.add_command(load_cmd.load)
 app.add_command(verify_cmd.reference)
+app.add_command(verify_cmd.verify)
 app.add_command(fixture_cmd.fixture)
 app.add_command(shard_cmd.shard)
 app.add_command(shard_cmd.verify_files)
+app.add_command(pack_cmd.pack)
+app.add_command(pack_cmd.unpack)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,11 +23,11 @@ _PARAGRAPH = (
 )
 
 
-def default_prompts(index_topk: int | None = None) -> list[dict]:
-    """Default set; long prompts reach about 3 x index_topk tokens (at least ~200 characters more)."""
+def default_prompts(index_topk: int | None = None, vision: bool = True) -> list[dict]:
+    """Default set; long prompts reach about 3 x index_topk tokens; image prompts only with `vision`."""
     long_chars = max(600, 12 * 3 * (index_topk or 64))
     long_text = (_PARAGRAPH * (1 + long_chars // len(_PARAGRAPH)))[:long_chars]
-    return [
+    prompts = [
         {"id": "short-1", "kind": "short", "text": "Mixture-of-experts models route each token to a few experts."},
         {"id": "short-2", "kind": "short", "text": "print(sum(x * x for x in range(10)))"},
         {"id": "long-1", "kind": "long", "text": long_text},
@@ -37,11 +37,12 @@ def default_prompts(index_topk: int | None = None) -> list[dict]:
         {"id": "image-1", "kind": "image", "text": "Describe this picture.", "image": {"seed": 1, "width": 84, "height": 56}},
         {"id": "image-2", "kind": "image", "text": "What shapes do you see?", "image": {"seed": 2, "width": 60, "height": 90}},
     ]
+    return [p for p in prompts if vision or p["kind"] != "image"]
 
 
-def load_prompts(path: str | Path | None, index_topk: int | None = None) -> list[dict]:
+def load_prompts(path: str | Path | None, index_topk: int | None = None, vision: bool = True) -> list[dict]:
     if path is None:
-        return default_prompts(index_topk)
+        return default_prompts(index_topk, vision)
     try:
         prompts = json.loads(Path(path).read_text())
     except FileNotFoundError:

@@ -117,6 +117,9 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
         if hidden_states:
             for L, h in enumerate(res.hidden_states):
                 tensors[f"prompt.{i}.hidden.{L}"] = h[0].float().contiguous()
+            if pi.pixel_values is not None:
+                feats = model.model.get_image_features(kwargs["pixel_values"], pi.grid_thw, return_dict=True)
+                tensors[f"prompt.{i}.vision"] = torch.cat(feats.pooler_output).float().contiguous()
         if progress:
             progress("advance", n=1)
     meta = {"format": FORMAT, "source": str(src), "source_fingerprint": ck.fingerprint(), "family": ck.family,

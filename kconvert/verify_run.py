@@ -1,0 +1,121 @@
+"""The engine side of `kconvert verify`: run every prompt through the converted model on this rank
+and (with per_layer) each layer's hidden states, then attribute the first layer's error to tensors.
+
+Runs once per tensor-parallel rank: in-process when the world is 1 or under torchrun, else in
+processes `verify.py` spawns (gloo on cpu). Rank 0 writes its results to a safetensors file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+
+def engine_inputs(prompt: dict, tokens: torch.Tensor, model, config: dict):
+    """(ids [1, T], image features or None) for one reference prompt."""
+    ids = tokens[None].to(torch.int64)
+    if not prompt.get("image"):
+        return ids, None
+    from engine.image import ImageRules, preprocess
+
+    from .prompts import synthetic_image
+
+    vc = config["vision_config"]
+    im = prompt["image"]
+    merge = (vc.get("merge_kernel_size") or [2, 2])[0]
+    patches, grid = preprocess(synthetic_image(im["seed"], im["width"], im["height"]),
+                               ImageRules(patch_size=vc.get("patch_size", 14), merge=merge))
+    return ids, model.vision(patches.to(model.dtype), [grid])
+
+
+def hidden_states(model, ids: torch.Tensor, image_embeds) -> list[torch.Tensor]:
+    """[embeddings, after layer 0, ..., after layer N-2, final-norm(after layer N-1)]: the same
+    positions transformers' output_hidden_states reports."""
+    from engine.linear import rms_norm
+
+    cache = model.new_cache(1, ids.shape[1])
+    x = model.embed_tokens(ids)
+    if image_embeds is not None:
+        x = model.scatter_images(ids, x, image_embeds)
+    cos, sin = model.rotary(torch.arange(ids.shape[1]), model.dtype)
+    out = [x[0].float()]
+    for i, layer in enumerate(model.layers):
+        x = layer.forward(x, 0, cache.layers[i], cos[None], sin[None], model.par)
+        out.append(x[0].float())
+    out[-1] = rms_norm(x, model.norm, model.cfg.rms_norm_eps)[0].float()
+    return out
+
+
+def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
+             per_layer: dict | None = None, device: str = "cpu") -> None:
+    """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ per-layer errors)."""
+    from engine.model import Model
+    from engine.parallel import Parallel
+
+    torch.manual_seed(0)
+    par = Parallel.from_env(device)
+    model = Model.from_converted(out_dir, device=device, dtype=torch.float32, par=par)
+    result: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for i, (p, tk) in enumerate(zip(prompts, tokens)):
+            ids, img = engine_inputs(p, tk, model, model.mc.raw)
+            logits = model.forward(ids, image_embeds=img)
+            result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
+            if per_layer is not None:
+                for L, h in enumerate(hidden_states(model, ids, img)):
+                    result[f"prompt.{i}.hidden.{L}"] = h.contiguous()
+                if img is not None:
+                    result[f"prompt.{i}.vision"] = img.float().contiguous()
+        if per_layer is not None and per_layer.get("attribute_layer") is not None:
+            from .verify_attribution import attribute
+
+            ranking = attribute(model, out_dir, par.rank, prompts, tokens, per_layer)
+            if par.rank == 0:
+                import json
+
+                Path(result_path + ".attribution.json").write_text(json.dumps(ranking))
+    if par.rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(result, result_path)
+
+
+def spawn_main(rank: int, world: int, port: int, args: tuple) -> None:
+    """Entry point of a spawned rank (torch.multiprocessing)."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    run_rank(*args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_all_ranks(out_dir: str, tp: int, prompts, tokens, result_path: str, per_layer=None, device="cpu") -> None:
+    """Run the converted model's tp ranks (spawned unless already under torchrun) to result_path."""
+    if tp == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run_rank(out_dir, prompts, tokens, result_path, per_layer, device)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(spawn_main, args=(tp, free_port(), (out_dir, prompts, tokens, result_path, per_layer, device)),
+             nprocs=tp, join=True)
+
+
+def load_result(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))

@@ -118,7 +118,7 @@ def _print_report(rep) -> None:
         if rep.vision_error is not None:
             con.print(f"vision tower output: rel. error {rep.vision_error:.3e}")
         if rep.first_bad_layer is not None:
-            con.print(f"first layer where the error jumps: [bold]{rep.first_bad_layer}[/]")
+            con.print(f"layer adding the most error: [bold]{rep.first_bad_layer}[/] (tensors to blame below)")
         if rep.attribution:
             head, *rows = rep.attribution
             at = Table(title=f"layer {head['layer']}: output error {head['layer_error']:.3e}; share removed when exact")

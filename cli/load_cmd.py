@@ -23,8 +23,11 @@ from .units import fmt_bytes
               help="Check each file's CRC-32 against kconvert.json before its tensors are used.")
 @click.option("--prefetch", type=int, default=2, show_default=True, help="Units read ahead of the consumer.")
 @click.option("--threads", type=int, default=4, show_default=True, help="Reader threads per file.")
+@click.option("--warmup", type=int, default=0, show_default=True,
+              help="Build our engine from the streamed units and run N warmup forward passes "
+                   "(tp 1, or every rank under torchrun).")
 @click.option("--json", "as_json", is_flag=True, help="Print the phase table as JSON.")
-def load(out, rank, world_size, device, verify, prefetch, threads, as_json):
+def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_json):
     """Load rank RANK of converted checkpoint OUT onto DEVICE, layer by layer, and time it.
 
     Prints the phases (open, read, verify, copy), bytes/s and peak host/device memory.
@@ -36,31 +39,70 @@ def load(out, rank, world_size, device, verify, prefetch, threads, as_json):
     from kconvert import devices
     from kconvert.loader import open_converted
 
+    import os
+
+    from kconvert.errors import UsageError
+
     t0 = time.perf_counter()
-    conv = open_converted(out, rank=rank, world_size=world_size)
-    t_open = time.perf_counter() - t0
     dev = devices.resolve(device)
+    if dev.type != "cpu" and "LOCAL_RANK" in os.environ:  # one accelerator per torchrun process
+        dev = devices.resolve(f"{dev.type}:{os.environ['LOCAL_RANK']}")
+    par = None
+    if warmup:
+        from engine.parallel import Parallel
+
+        par = Parallel.from_env(dev)
+        rank, world_size = par.rank, par.world
+    conv = open_converted(out, rank=rank, world_size=world_size)
+    if warmup and conv.tp != par.world:
+        raise UsageError(f"--warmup runs the model: launch all {conv.tp} ranks "
+                         f"(torchrun --nproc-per-node {conv.tp} -m cli.main load ... --warmup {warmup})", file=str(out))
+    t_open = time.perf_counter() - t0
     held = {}
+    model = None
+    if warmup:
+        import torch
+
+        from engine.model import Model
+
+        model = Model(conv.config, conv.family, par, dev, torch.bfloat16)  # holds no weights until units arrive
     t1 = time.perf_counter()
-    with byte_progress(f"load rank {rank} → {dev}", enabled=not as_json) as cb:
+    with byte_progress(f"load rank {rank} → {dev}", enabled=not as_json and os.environ.get("RANK", "0") == "0") as cb:
         cb("start", total=conv.total_bytes)
         for unit, tensors in conv.stream(dev, prefetch=prefetch, verify=verify, threads=threads):
-            held[unit] = tensors  # keep them, as an engine would
+            if model is not None:
+                model.take_unit(unit, tensors)  # each layer materialised as its tensors arrive
+                held[unit] = tensors
+            else:
+                held[unit] = tensors  # keep them, as an engine would
             cb("advance", n=conv.files[str(conv.file_of(unit).relative_to(conv.root))]["bytes"])
             cb("file", path=unit)
     devices.synchronize(dev)
     t_load = time.perf_counter() - t1
+    t_warm = 0.0
+    if model is not None:
+        import torch
+
+        model.check_complete()
+        t2 = time.perf_counter()
+        ids = torch.arange(32).remainder(model.cfg.vocab_size)[None]
+        for _ in range(warmup):
+            model.forward(ids, last_only=True)
+        devices.synchronize(dev)
+        t_warm = time.perf_counter() - t2
     s = conv.stats
     report = {
         "out": str(out), "rank": rank, "device": str(dev), "files": s.files, "bytes": s.bytes,
         "tensors": sum(len(t) for t in held.values()),
         "seconds": {"open": t_open, "load": t_load, "read": s.read_seconds, "verify": s.verify_seconds,
-                    "copy": s.copy_seconds, "ready": t_open + t_load},
+                    "copy": s.copy_seconds, "warmup": t_warm, "ready": t_open + t_load + t_warm},
         "GBps": s.bytes / t_load / 1e9 if t_load else 0.0,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": devices.memory_allocated_peak(dev),
         "verified": verify,
     }
+    if os.environ.get("RANK", "0") != "0":
+        return
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -68,8 +110,8 @@ def load(out, rank, world_size, device, verify, prefetch, threads, as_json):
     t = Table()
     t.add_column("phase")
     t.add_column("seconds", justify="right")
-    for phase in ("open", "read", "verify", "copy", "load", "ready"):
-        if (phase == "verify" and not verify) or (phase == "copy" and dev.type == "cpu"):
+    for phase in ("open", "read", "verify", "copy", "load", "warmup", "ready"):
+        if (phase == "verify" and not verify) or (phase == "copy" and dev.type == "cpu") or (phase == "warmup" and not warmup):
             continue
         t.add_row(phase, f"{report['seconds'][phase]:.3f}")
     Console().print(t)

@@ -157,3 +157,10 @@ def test_tensor_missing_from_a_layer(conversions, tmp_path):
     meta["files"][rel]["bytes"] = (out / rel).stat().st_size  # a consistent-looking but incomplete shard
     (out / "kconvert.json").write_text(json.dumps(meta))
     assert_one_line_error(run_cli("load", out), rel, victim, "missing")
+
+
+def test_load_with_engine_warmup(conversions):
+    rep = json.loads(run_cli("load", conversions["fp8", 1], "--warmup", "2", "--json", check=True).stdout)
+    s = rep["seconds"]
+    assert s["warmup"] > 0 and abs(s["ready"] - (s["open"] + s["load"] + s["warmup"])) < 1e-6
+    assert_one_line_error(run_cli("load", conversions["none", 2], "--warmup", "1"), "world size is 1")

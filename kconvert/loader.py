@@ -4,10 +4,11 @@
     for unit, tensors in conv.stream(device="cuda:0", prefetch=2, verify=True):
         model.load_unit(unit, tensors)        # "globals", "vision", "layer-0000", ...
 
-Each unit is one file. Background threads read the next `prefetch` files while the caller
-consumes the current one; each file is read in parallel chunks straight into one buffer. On CPU
-the tensors are views of that buffer (no second copy). On an accelerator the buffer is pinned host
-memory, reused across files, and copied to one device allocation per unit on a side stream.
+Each unit is one file. Background threads fetch the next `prefetch` files while the caller
+consumes the current one. On CPU the tensors are views of a private, pre-populated mapping of the
+file (the page cache itself: no copy). On an accelerator each file is read in parallel chunks into
+pinned host memory, reused across files, and copied to one device allocation per unit on a side
+stream; compressed shards are decompressed in parallel chunks into the same buffers.
 With `verify`, the file's CRC-32 is checked against kconvert.json before any tensor is handed out.
 Compressed shards (kconvert/compressed.py) are decompressed chunk by chunk on the same threads into
 the same buffer, so everything after the read (verify, views, device copy) is unchanged.
@@ -50,8 +51,9 @@ class LoadStats:
 
 
 class ConvertedCheckpoint:
-    def __init__(self, root: Path, meta: dict, rank: int):
+    def __init__(self, root: Path, meta: dict, rank: int, zero_copy: bool = True):
         self.root, self.meta, self.rank = root, meta, rank
+        self.zero_copy = zero_copy
         self.config: dict = meta["config"]
         self.tp: int = meta["layout"]["tp"]
         self.family: str = meta["source"]["family"]
@@ -121,11 +123,14 @@ class ConvertedCheckpoint:
         header = self._check_header(rel)
         size = header.size
         t0 = time.perf_counter()
-        buf = staging[:size] if staging is not None else torch.empty(size, dtype=torch.uint8)
-        if header.compressed is not None:
-            header.compressed.read_into(buf.numpy(), pool)
+        if staging is None and self.zero_copy and header.compressed is None:
+            buf = _map_file(path, size)  # CPU: the page cache itself, no copy
         else:
-            self._read_into(path, memoryview(buf.numpy()).cast("B"), size, pool)
+            buf = staging[:size] if staging is not None else torch.empty(size, dtype=torch.uint8)
+            if header.compressed is not None:
+                header.compressed.read_into(buf.numpy(), pool)
+            else:
+                self._read_into(path, memoryview(buf.numpy()).cast("B"), size, pool)
         t1 = time.perf_counter()
         self.stats.read_seconds += t1 - t0
         if verify:
@@ -242,8 +247,26 @@ class ConvertedCheckpoint:
                 yield unit, self._views(header, dst)
 
 
-def open_converted(path: str | Path, rank: int = 0, world_size: int | None = None) -> ConvertedCheckpoint:
-    """Open and validate a converted directory for one rank (and, if given, the world size it will run at)."""
+def _map_file(path: Path, size: int) -> torch.Tensor:
+    """A private (copy-on-write) mapping of the whole file, its pages faulted in now by reads (in
+    the reader thread, so the consumer never waits on the disk). Read faults map the page cache
+    without copying; a write copies just that page, privately."""
+    import mmap
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm.madvise(mmap.MADV_WILLNEED)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    int(buf[:: mmap.PAGESIZE].sum())  # touch every page
+    return buf
+
+
+def open_converted(path: str | Path, rank: int = 0, world_size: int | None = None, *,
+                   zero_copy: bool = True) -> ConvertedCheckpoint:
+    """Open and validate a converted directory for one rank (and, if given, the world size it will run at).
+
+    zero_copy (CPU only): tensors are copy-on-write views of the mapped shard files, as safetensors'
+    safe_open does; pass False to read into private memory when the files may change while in use."""
     root = Path(path)
     meta = read_manifest(root)
     tp = meta["layout"]["tp"]
@@ -254,7 +277,7 @@ def open_converted(path: str | Path, rank: int = 0, world_size: int | None = Non
     if not 0 <= rank < tp:
         raise LoaderError(f"rank {rank} does not exist: converted for tp {tp} (ranks 0..{tp - 1})", file=where)
     check_not_mid_pack(root)
-    conv = ConvertedCheckpoint(root, meta, rank)
+    conv = ConvertedCheckpoint(root, meta, rank, zero_copy)
     for rel in conv.files:  # cheap existence/size checks before anything is read
         p = root / rel
         if not p.is_file():

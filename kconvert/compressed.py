@@ -17,7 +17,6 @@ mantissa bytes. One tensor, or a row range, is read by decompressing only the ch
 from __future__ import annotations
 
 import bisect
-import errno
 import json
 import os
 import struct
@@ -32,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from .errors import CheckpointError, FormatError, KConvertError, UsageError
+from .errors import CheckpointError, FormatError, UsageError
 from .safetensors_file import ITEMSIZE, read_bytes, read_header
 
 CODEC = "zstd"
@@ -317,23 +316,11 @@ def plan_chunks(segments: list[tuple[int, int, int]], chunk: int) -> list[tuple[
     return [tuple(c) for c in out]
 
 
-def _tmp(dst: Path) -> Path:
-    return dst.with_name(f".{dst.name}.tmp-{os.getpid()}-z")
-
-
-def _fail_write(e: OSError, dst: Path):
-    from .safetensors_writer import DiskFullError
-
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError("disk full while writing; free space and re-run the same command to resume", file=str(dst))
-    return KConvertError(f"cannot write: {e.strerror}", file=str(dst))
-
-
 def compress_file(src: Path, dst: Path, *, level: int = DEFAULT_LEVEL, threads: int = 4, chunk: int = CHUNK,
                   expect_crc32: str | None = None, progress=None) -> Packed:
     """Compress plain safetensors `src` into `dst` (may be the same path): temp + fsync + rename.
     With `expect_crc32`, a plain file with another CRC-32 is refused (ChecksumMismatch) and `dst` untouched."""
-    from .safetensors_writer import fsync_dir
+    from .safetensors_writer import atomic_file
 
     src, dst = Path(src), Path(dst)
     header = read_header(src)
@@ -375,51 +362,39 @@ def compress_file(src: Path, dst: Path, *, level: int = DEFAULT_LEVEL, threads: 
             data = np.frombuffer(_pread(fd, c[0], c[1], src, None), np.uint8)
             return data, _cctx(level).compress(group_bytes(data, c[2]))
 
-        tmp = _tmp(dst)
         entries, crc, at = [], 0, data_at
-        try:
-            with open(tmp, "wb") as f, ThreadPoolExecutor(max(1, threads)) as pool:
-                f.write(h0)
-                f.write(bytes(len(chunks) * ENTRY.size))
-                ahead: deque = deque()
-                todo = iter(chunks)
-                for c in todo:
-                    ahead.append((c, pool.submit(work, c)))
-                    if len(ahead) >= 2 * threads:
-                        break
-                while ahead:
-                    c, fut = ahead.popleft()
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        ahead.append((nxt, pool.submit(work, nxt)))
-                    data, frame = fut.result()
-                    crc = zlib.crc32(data, crc)
-                    f.write(frame)
-                    entries.append(ENTRY.pack(c[0], at, c[1], len(frame), c[2], 0, 0, 0))
-                    at += len(frame)
-                    if progress:
-                        progress(c[1])
-                crc_s = f"{crc:08x}"
-                if expect_crc32 is not None and crc_s != expect_crc32:
-                    raise ChecksumMismatch(f"checksum mismatch: the plain file has CRC-32 {crc_s}, kconvert.json "
-                                           f"records {expect_crc32}; not compressing a damaged file", file=str(src))
-                index = b"".join(entries)
-                h1 = head(f"{zlib.crc32(index, zlib.crc32(h0[8:])):08x}")
-                assert len(h1) == len(h0)
-                f.seek(len(h0))
-                f.write(index)
-                f.seek(0)
-                f.write(h1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dst)
-            fsync_dir(dst.parent)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise _fail_write(e, dst) from None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with atomic_file(dst, "-z") as f, ThreadPoolExecutor(max(1, threads)) as pool:
+            f.write(h0)
+            f.write(bytes(len(chunks) * ENTRY.size))
+            ahead: deque = deque()
+            todo = iter(chunks)
+            for c in todo:
+                ahead.append((c, pool.submit(work, c)))
+                if len(ahead) >= 2 * threads:
+                    break
+            while ahead:
+                c, fut = ahead.popleft()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    ahead.append((nxt, pool.submit(work, nxt)))
+                data, frame = fut.result()
+                crc = zlib.crc32(data, crc)
+                f.write(frame)
+                entries.append(ENTRY.pack(c[0], at, c[1], len(frame), c[2], 0, 0, 0))
+                at += len(frame)
+                if progress:
+                    progress(c[1])
+            crc_s = f"{crc:08x}"
+            if expect_crc32 is not None and crc_s != expect_crc32:
+                raise ChecksumMismatch(f"checksum mismatch: the plain file has CRC-32 {crc_s}, kconvert.json "
+                                       f"records {expect_crc32}; not compressing a damaged file", file=str(src))
+            index = b"".join(entries)
+            h1 = head(f"{zlib.crc32(index, zlib.crc32(h0[8:])):08x}")
+            assert len(h1) == len(h0)
+            f.seek(len(h0))
+            f.write(index)
+            f.seek(0)
+            f.write(h1)
     finally:
         os.close(fd)
     return Packed(header.size, crc_s, at, level)
@@ -429,33 +404,21 @@ def decompress_file(src: Path, dst: Path, *, threads: int = 4, expect_crc32: str
                     progress=None) -> tuple[int, str]:
     """Write the plain file of compressed shard `src` to `dst` (may be the same path), streaming:
     temp + fsync + rename. Returns (plain bytes, CRC-32). ChecksumMismatch leaves `dst` untouched."""
-    from .safetensors_writer import fsync_dir
+    from .safetensors_writer import atomic_file
 
     src, dst = Path(src), Path(dst)
     comp = read_header(src).compressed
     if comp is None:
         raise FormatError("not a compressed shard", file=str(src))
-    tmp = _tmp(dst)
     crc = 0
-    try:
-        with open(tmp, "wb") as f:
-            for part in comp.iter_chunks(threads):
-                crc = zlib.crc32(part, crc)
-                f.write(part)
-                if progress:
-                    progress(len(part))
-            crc_s = f"{crc:08x}"
-            if expect_crc32 is not None and crc_s != expect_crc32:
-                raise ChecksumMismatch(f"checksum mismatch: the uncompressed bytes have CRC-32 {crc_s}, kconvert.json "
-                                       f"records {expect_crc32}", file=str(src))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-        fsync_dir(dst.parent)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _fail_write(e, dst) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(dst, "-z") as f:
+        for part in comp.iter_chunks(threads):
+            crc = zlib.crc32(part, crc)
+            f.write(part)
+            if progress:
+                progress(len(part))
+        crc_s = f"{crc:08x}"
+        if expect_crc32 is not None and crc_s != expect_crc32:
+            raise ChecksumMismatch(f"checksum mismatch: the uncompressed bytes have CRC-32 {crc_s}, kconvert.json "
+                                   f"records {expect_crc32}", file=str(src))
     return comp.size, crc_s

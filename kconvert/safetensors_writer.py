@@ -8,6 +8,7 @@ always complete. CRC-32 of the whole file and of each tensor's bytes are compute
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -67,10 +68,7 @@ class SafetensorsWriter:
             self._f.write(data)
         except OSError as e:
             self.abort()
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError("disk full while writing; free space and re-run the same command to resume",
-                                    file=str(self.path)) from None
-            raise KConvertError(f"cannot write: {e.strerror}", file=str(self.path)) from None
+            raise write_error(e, self.path) from None
         self._crc = zlib.crc32(data, self._crc)
 
     def write(self, name: str, t: torch.Tensor) -> None:
@@ -95,9 +93,7 @@ class SafetensorsWriter:
             fsync_dir(self.path.parent)
         except OSError as e:
             self.abort()
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError("disk full while writing; free space and re-run to resume", file=str(self.path)) from None
-            raise KConvertError(f"cannot write: {e.strerror}", file=str(self.path)) from None
+            raise write_error(e, self.path) from None
         return WrittenFile(self.path, self.total, f"{self._crc:08x}", self._tensor_crc)
 
     def abort(self) -> None:
@@ -115,17 +111,34 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Small files (kconvert.json, journal snapshots): temp + fsync + rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_error(e: OSError, path: Path) -> KConvertError:
+    """An OSError while writing `path` as a one-line error (disk full stays resumable)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError("disk full while writing; free space and re-run the same command to resume", file=str(path))
+    return KConvertError(f"cannot write: {e.strerror}", file=str(path))
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, tag: str = ""):
+    """Write `path` through a hidden temporary beside it: on success fsync, rename into place and
+    fsync the directory; on any error remove the temporary, so `path` is never half-written."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{tag}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        cls = DiskFullError if e.errno in (errno.ENOSPC, errno.EDQUOT) else KConvertError
-        raise cls(f"cannot write: {e.strerror}", file=str(path)) from None
+        raise write_error(e, path) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Small files (kconvert.json, journal snapshots)."""
+    with atomic_file(path) as f:
+        f.write(data)

@@ -35,7 +35,7 @@ class PromptInputs:
 def encode_prompts(prompts: list[dict], model_dir: Path, config: dict) -> list[PromptInputs]:
     """Tokenize (Kimi chat format where asked) and preprocess images, expanding each image's
     placeholder to its number of merged patches."""
-    from .fixtures.tokenizer import load_kimi_tokenizer
+    from .tokenizer import load_kimi_tokenizer
 
     if not (Path(model_dir) / "tiktoken.model").exists():
         raise UsageError("no tiktoken.model beside the checkpoint: a Kimi-format tokenizer is needed", file=str(model_dir))

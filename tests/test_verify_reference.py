@@ -7,7 +7,7 @@ import json
 import torch
 
 from helpers import assert_one_line_error, run_cli
-from kconvert.fixtures.tokenizer import load_kimi_tokenizer
+from kconvert.tokenizer import load_kimi_tokenizer
 from kconvert.reference import load_reference
 
 

@@ -32,7 +32,7 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, as_json):
     from kconvert.reference import run_reference
 
     ck = Checkpoint.open(src, headers_only=True)
-    prompts = load_prompts(prompts_file, ck.text_config.get("index_topk"), vision="vision_config" in ck.config)
+    prompts = load_prompts(prompts_file, ck.config)
     with byte_progress("reference", enabled=not as_json, unit="items") as cb:
         cb("start", total=len(prompts))
         meta = run_reference(src, out, prompts, dtype=dtype, top_k=top_k, hidden_states=hidden_states, progress=cb)

@@ -112,14 +112,17 @@ class Checkpoint:
                 raise ManifestError(f"required by the {self.family} manifest but absent from the checkpoint",
                                     file=str(self.root / where), tensor=info.name)
 
+    @property
+    def quantization_config(self) -> dict:
+        """The source's quantization_config (top level, or the text config's for multimodal families)."""
+        return self.config.get("quantization_config") or self.text_config.get("quantization_config") or {}
+
     def quant_block(self) -> tuple[int, int]:
-        q = self.config.get("quantization_config") or self.text_config.get("quantization_config") or {}
-        b = q.get("weight_block_size") or [128, 128]
+        b = self.quantization_config.get("weight_block_size") or [128, 128]
         return int(b[0]), int(b[1])
 
     def int4_group(self) -> int:
-        q = self.config.get("quantization_config") or self.text_config.get("quantization_config") or {}
-        for group in (q.get("config_groups") or {}).values():
+        for group in (self.quantization_config.get("config_groups") or {}).values():
             g = (group.get("weights") or {}).get("group_size")
             if g:
                 return int(g)

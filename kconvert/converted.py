@@ -100,14 +100,14 @@ def verify_files(out: str | Path, progress=None) -> dict:
             crc = file_crc32(path, size)
         if crc != rec["crc32"]:
             raise CheckpointError("checksum mismatch: the file is damaged", file=str(path),
-                                  tensor=_first_bad_tensor(path, meta, rel))
+                                  tensor=first_bad_tensor(path, meta, rel))
         total += size
         if progress:
             progress(size)
     return {"files": len(meta["files"]), "bytes": total}
 
 
-def _first_bad_tensor(path: Path, meta: dict, rel: str) -> str | None:
+def first_bad_tensor(path: Path, meta: dict, rel: str) -> str | None:
     try:
         header = read_header(path)
     except FormatError:

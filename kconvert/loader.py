@@ -137,10 +137,10 @@ class ConvertedCheckpoint:
             crc = f"{zlib.crc32(buf.numpy()):08x}"
             self.stats.verify_seconds += time.perf_counter() - t1
             if crc != self.files[rel]["crc32"]:
-                from .converted import _first_bad_tensor
+                from .converted import first_bad_tensor
 
                 raise LoaderError("checksum mismatch: the shard is damaged (nothing from it was used)", file=str(path),
-                                  tensor=_first_bad_tensor(path, self.meta, rel))
+                                  tensor=first_bad_tensor(path, self.meta, rel))
         return header, buf
 
     @staticmethod

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .compressed import DEFAULT_LEVEL, ChecksumMismatch, compress_file, decompress_file
-from .converted import JOURNAL_DIR, MANIFEST, PACK_STATE, _first_bad_tensor, file_crc32, read_manifest
+from .converted import JOURNAL_DIR, MANIFEST, PACK_STATE, first_bad_tensor, file_crc32, read_manifest
 from .errors import CheckpointError, UsageError
 from .safetensors_file import read_header
 from .safetensors_writer import write_atomic
@@ -138,7 +138,7 @@ def _convert_one(out: Path, rel: str, rec: dict, meta: dict, op: str, level: int
         decompress_file(path, path, threads=threads, expect_crc32=rec["crc32"], progress=advance)
         return None
     except ChecksumMismatch as e:
-        e.tensor = _first_bad_tensor(path, meta, rel)
+        e.tensor = first_bad_tensor(path, meta, rel)
         raise
 
 

@@ -40,9 +40,14 @@ def default_prompts(index_topk: int | None = None, vision: bool = True) -> list[
     return [p for p in prompts if vision or p["kind"] != "image"]
 
 
-def load_prompts(path: str | Path | None, index_topk: int | None = None, vision: bool = True) -> list[dict]:
+def prompts_for(config: dict) -> list[dict]:
+    """The default set sized for a model: long prompts past its index_topk, images only with a vision tower."""
+    return default_prompts(config.get("text_config", config).get("index_topk"), "vision_config" in config)
+
+
+def load_prompts(path: str | Path | None, config: dict) -> list[dict]:
     if path is None:
-        return default_prompts(index_topk, vision)
+        return prompts_for(config)
     try:
         prompts = json.loads(Path(path).read_text())
     except FileNotFoundError:

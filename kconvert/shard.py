@@ -105,12 +105,13 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
 
     journal = out / JOURNAL_DIR
     done = _read_journal(journal, out)
-    units = list(dict.fromkeys(w.unit for w in items))
-    mine = [w for w in items if units.index(w.unit) % dist.world == dist.rank]
-    todo = [w for w in mine if w.file not in done]
-    result.files_resumed = len(mine) - len(todo)
-    batches = [[w for w in todo if w.unit == u] for u in units]
-    batches = [b for b in batches if b]
+    by_unit: dict[str, list[WorkItem]] = {}
+    for w in items:  # items come in unit order; process p takes units p, p + P, ...
+        by_unit.setdefault(w.unit, []).append(w)
+    mine = [b for i, b in enumerate(by_unit.values()) if i % dist.world == dist.rank]
+    batches = [todo for b in mine if (todo := [w for w in b if w.file not in done])]
+    result.files_resumed = sum(len(b) for b in mine) - sum(len(b) for b in batches)
+    todo = [w for b in batches for w in b]
     if progress:
         progress("start", total=sum(w.bytes_in for w in todo))
     log = open(journal / f"done-{dist.rank:04d}.jsonl", "a")

@@ -114,8 +114,7 @@ def _transform(fmt: str, quant: bool, policy: QuantPolicy, ck: Checkpoint, p: Pi
     if not quant:
         return "copy" if fmt == "plain" else "bf16"
     if policy.scheme == "fp8" and fmt == "block_fp8" and ck.quant_block() == (FP8_BLOCK, FP8_BLOCK):
-        source_ue8m0 = (ck.config.get("quantization_config") or ck.text_config.get("quantization_config") or {}).get(
-            "scale_fmt") == "ue8m0"
+        source_ue8m0 = ck.quantization_config.get("scale_fmt") == "ue8m0"
         if policy.scale_format == "fp32" or source_ue8m0:
             return "fp8_copy" if _aligned(p, shape) else "fp8_misaligned"
     return policy.scheme

@@ -77,11 +77,10 @@ def run_verify(out: str, *, reference: str | None = None, against: str | None = 
                 raise UsageError("give --reference REF.safetensors or --against SRC")
             if progress:
                 progress("phase", name="reference")
-            from .prompts import default_prompts
+            from .prompts import prompts_for
 
             reference = str(Path(tmp) / "ref.safetensors")
-            run_reference(against, reference, default_prompts(_index_topk(meta["config"]), "vision_config" in meta["config"]),
-                          hidden_states=per_layer)
+            run_reference(against, reference, prompts_for(meta["config"]), hidden_states=per_layer)
         ref_meta, refs, ref_tensors = load_reference(reference)
         if ref_meta["source_fingerprint"] != meta["source"]["fingerprint"] and not force:
             raise UsageError(f"the reference was made from another source (fingerprint {ref_meta['source_fingerprint']}"
@@ -107,10 +106,6 @@ def run_verify(out: str, *, reference: str | None = None, against: str | None = 
                 report.attribution = json.loads(Path(result_path + ".attribution.json").read_text())
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def _index_topk(config: dict) -> int | None:
-    return config.get("text_config", config).get("index_topk")
 
 
 def _report(out, meta, ref_meta, refs, got, overrides: dict | None = None) -> VerifyReport:

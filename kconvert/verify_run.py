@@ -7,6 +7,7 @@ processes `verify.py` spawns (gloo on cpu). Rank 0 writes its results to a safet
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -51,32 +52,34 @@ def hidden_states(model, ids: torch.Tensor, image_embeds) -> list[torch.Tensor]:
 
 def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
              per_layer: dict | None = None, device: str = "cpu") -> None:
-    """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ per-layer errors)."""
+    """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
+    per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking."""
     from engine.model import Model
     from engine.parallel import Parallel
 
-    torch.manual_seed(0)
     par = Parallel.from_env(device)
     model = Model.from_converted(out_dir, device=device, dtype=torch.float32, par=par)
+    if per_layer is not None and per_layer.get("attribute_layer") is not None:
+        from .verify_attribution import attribute
+
+        ranking = attribute(model, out_dir, par.rank, prompts, tokens, per_layer)
+        if par.rank == 0:
+            Path(result_path + ".attribution.json").write_text(json.dumps(ranking))
+        return
     result: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         for i, (p, tk) in enumerate(zip(prompts, tokens)):
             ids, img = engine_inputs(p, tk, model, model.mc.raw)
-            logits = model.forward(ids, image_embeds=img)
-            result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
-            if per_layer is not None:
-                for L, h in enumerate(hidden_states(model, ids, img)):
+            if per_layer is None:
+                logits = model.forward(ids, image_embeds=img)
+            else:  # one pass gives both: the logits are the head of the last (final-norm) state
+                states = hidden_states(model, ids, img)
+                logits = model.par.all_gather_last(model.head(states[-1][None].to(model.dtype))).float()
+                for L, h in enumerate(states):
                     result[f"prompt.{i}.hidden.{L}"] = h.contiguous()
                 if img is not None:
                     result[f"prompt.{i}.vision"] = img.float().contiguous()
-        if per_layer is not None and per_layer.get("attribute_layer") is not None:
-            from .verify_attribution import attribute
-
-            ranking = attribute(model, out_dir, par.rank, prompts, tokens, per_layer)
-            if par.rank == 0:
-                import json
-
-                Path(result_path + ".attribution.json").write_text(json.dumps(ranking))
+            result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
     if par.rank == 0:
         from safetensors.torch import save_file
 

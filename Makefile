@@ -23,7 +23,7 @@ demo: install
 	$(BIN)/kconvert load $(DEMO)/tiny-k3-tp2-fp8 --rank 1 --device auto --verify
 	$(BIN)/kconvert reference $(DEMO)/tiny-k3 --out $(DEMO)/ref.safetensors --hidden-states
 	$(BIN)/kconvert verify $(DEMO)/tiny-k3-tp2-fp8 --reference $(DEMO)/ref.safetensors --per-layer
-	$(BIN)/python -c "from kconvert.prompts import synthetic_image; synthetic_image(3, 84, 56).save('$(DEMO)/picture.png')"
+	$(BIN)/python -c "from kconvert.verify.prompts import synthetic_image; synthetic_image(3, 84, 56).save('$(DEMO)/picture.png')"
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 2 -m engine.chat $(DEMO)/tiny-k3-tp2-fp8 \
 	  --prompt "Describe the image." --image $(DEMO)/picture.png --max-new-tokens 16
 

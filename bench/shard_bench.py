@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    from kconvert.checkpoint import Checkpoint
+    from kconvert.source.checkpoint import Checkpoint
     from kconvert.fixtures import build_fixture
 
     rows = []

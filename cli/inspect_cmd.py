@@ -8,8 +8,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kconvert.checkpoint import Checkpoint
-from kconvert.inspect import summarize
+from kconvert.source.checkpoint import Checkpoint
+from kconvert.plan.inspect import summarize
 
 from .units import fmt_bytes, fmt_count
 

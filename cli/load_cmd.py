@@ -36,8 +36,8 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
     Example:
       kconvert load ./tiny-k3-tp2-fp8 --rank 1 --device cpu --verify
     """
-    from kconvert import devices
-    from kconvert.loader import open_converted
+    from kconvert.load import devices
+    from kconvert.load.loader import open_converted
 
     import os
 

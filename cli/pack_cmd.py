@@ -40,8 +40,8 @@ def pack(out, codec, threads, as_json):
     Example:
       kconvert pack ./tiny-k3-tp2 --compress zstd:3
     """
-    from kconvert.compressed import parse_codec
-    from kconvert.pack import pack as _pack
+    from kconvert.io.compressed import parse_codec
+    from kconvert.convert.pack import pack as _pack
 
     _, level = parse_codec(codec)
     with byte_progress(f"pack zstd:{level}", enabled=not as_json) as cb:
@@ -60,7 +60,7 @@ def unpack(out, threads, as_json):
     Example:
       kconvert unpack ./tiny-k3-tp2
     """
-    from kconvert.pack import unpack as _unpack
+    from kconvert.convert.pack import unpack as _unpack
 
     with byte_progress("unpack", enabled=not as_json) as cb:
         r = _unpack(out, threads=threads, progress=cb)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kconvert.errors import UsageError
-from kconvert.plan import GIB, make_plan
+from kconvert.plan.memory import GIB, make_plan
 
 from .units import fmt_count
 

@@ -9,9 +9,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kconvert.converted import verify_files as _verify_files
-from kconvert.quant_policy import SCALE_FORMATS, SCHEMES
-from kconvert.shard import ShardJob, shard as _shard
+from kconvert.converted.format import verify_files as _verify_files
+from kconvert.convert.quant_policy import SCALE_FORMATS, SCHEMES
+from kconvert.convert.shard import ShardJob, shard as _shard
 
 from .progress import byte_progress
 from .units import fmt_bytes

@@ -27,9 +27,9 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, as_json):
     Example:
       kconvert reference ./tiny-k3 --out ref.safetensors --hidden-states
     """
-    from kconvert.checkpoint import Checkpoint
-    from kconvert.prompts import load_prompts
-    from kconvert.reference import run_reference
+    from kconvert.source.checkpoint import Checkpoint
+    from kconvert.verify.prompts import load_prompts
+    from kconvert.verify.reference import run_reference
 
     ck = Checkpoint.open(src, headers_only=True)
     prompts = load_prompts(prompts_file, ck.config)
@@ -66,7 +66,8 @@ def verify(out, reference_file, against, per_layer, device, force, threshold, pl
       kconvert verify ./tiny-k3-tp2-fp8 --reference ref.safetensors --per-layer
     """
     from kconvert.errors import UsageError
-    from kconvert.verify import VerifyFailed, run_verify
+    from kconvert.errors import VerifyFailed
+    from kconvert.verify.verdict import run_verify
 
     limits = {}
     for item in threshold:

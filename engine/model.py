@@ -15,8 +15,8 @@ from engine.moe import MLP, MoE
 from engine.parallel import Parallel
 from engine.rope import Rotary
 from kconvert.errors import KConvertError
-from kconvert.loader import open_converted
-from kconvert.manifest import bind
+from kconvert.load.loader import open_converted
+from kconvert.family.manifest import bind
 
 
 class Layer:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from kconvert.errors import KConvertError
-from kconvert.tokenizer import load_kimi_tokenizer
+from kconvert.source.tokenizer import load_kimi_tokenizer
 
 IMAGE_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
 

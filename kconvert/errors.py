@@ -1,4 +1,9 @@
-"""Typed errors. Every user-facing failure is a KConvertError: the CLI prints its one line and exits 2."""
+"""Every error kconvert raises on purpose, in one place.
+
+Each is a KConvertError (the CLI prints `one_line()` and exits with `exit_code`: 2 for bad input,
+1 for a verify FAIL) and also the Python built-in that fits, so library callers can catch
+`FileNotFoundError`, `ValueError` or `OSError` as they would anywhere else. Anything else reaching the CLI is
+a bug in kconvert and is reported as an internal error (exit 3)."""
 
 from __future__ import annotations
 
@@ -25,17 +30,68 @@ class KConvertError(Exception):
         return " ".join(text.split())  # one line, always
 
 
-class CheckpointError(KConvertError):
-    """The source checkpoint is unreadable, inconsistent or incomplete."""
+# --- inputs: checkpoints, converted directories, files
+class CheckpointError(KConvertError, ValueError):
+    """A checkpoint (source or converted) is unreadable, inconsistent or incomplete."""
 
 
 class FormatError(CheckpointError):
     """A safetensors file (or its index) is malformed."""
 
 
-class ManifestError(KConvertError):
-    """No manifest matches, a manifest is malformed, or a tensor disagrees with it."""
+class MissingFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs is not there."""
 
 
-class UsageError(KConvertError):
-    """Arguments that cannot work (bad size string, unknown preset, ...)."""
+class ChecksumMismatch(CheckpointError):
+    """The bytes of a file do not have the CRC-32 kconvert.json records."""
+
+
+class LoaderError(CheckpointError):
+    """A converted checkpoint that cannot be loaded as asked."""
+
+
+class NonFiniteError(CheckpointError):
+    """NaN or Inf in a tensor, a scale or a result that must be finite."""
+
+
+# --- model families
+class ManifestError(KConvertError, ValueError):
+    """No manifest matches, a manifest is malformed, or a tensor or config value disagrees with it."""
+
+
+class MissingKey(ManifestError):
+    """An expression named a config key the config does not have."""
+
+
+# --- requests
+class UsageError(KConvertError, ValueError):
+    """Arguments that cannot work (bad size string, unknown preset, a tp degree that does not divide ...)."""
+
+
+class DeviceError(UsageError):
+    """The requested device does not exist on this machine."""
+
+
+class MissingDependency(UsageError, ImportError):
+    """An optional package is needed for this command; the message says how to install it."""
+
+
+class EngineError(KConvertError, ValueError):
+    """The engine cannot run this model or these inputs as asked (layout, shapes, family)."""
+
+
+# --- outputs
+class WriteError(KConvertError, OSError):
+    """Writing failed (permissions, I/O error); nothing half-written is left behind."""
+
+
+class DiskFullError(WriteError):
+    """No space left (or quota) while writing; the output stays resumable."""
+
+
+# --- verdicts
+class VerifyFailed(KConvertError):
+    """The conversion ran but is not faithful (or its files are damaged): exit code 1."""
+
+    exit_code = 1

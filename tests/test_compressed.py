@@ -14,14 +14,15 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import assert_one_line_error, run_cli
-from kconvert import compressed as comp_mod
-from kconvert.compressed import compress_file, parse_codec
-from kconvert.converted import verify_files
+from kconvert.io import compressed as comp_mod
+from kconvert.io.compress_file import compress_file
+from kconvert.io.compressed import parse_codec
+from kconvert.converted.format import verify_files
 from kconvert.errors import CheckpointError, KConvertError, UsageError
-from kconvert.loader import open_converted
-from kconvert.pack import pack, unpack
-from kconvert.safetensors_file import read_header, read_tensor
-from kconvert.shard import ShardJob, shard
+from kconvert.load.loader import open_converted
+from kconvert.convert.pack import pack, unpack
+from kconvert.io.safetensors_read import read_header, read_tensor
+from kconvert.convert.shard import ShardJob, shard
 
 CASES = {"none": ("tiny-k3", 2), "fp8": ("tiny-k3-fp8", 1), "int8": ("tiny-k3", 1)}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import ROOT
-from kconvert.shard import ShardJob, shard
+from kconvert.convert.shard import ShardJob, shard
 
 
 @pytest.fixture(scope="module")

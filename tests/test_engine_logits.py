@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.indexer import top_keys
-from kconvert.shard import ShardJob, shard
+from kconvert.convert.shard import ShardJob, shard
 
 TOL = 1e-4  # max |Δ| relative to the reference's max |logit|
 

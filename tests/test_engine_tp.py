@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from kconvert.shard import ShardJob, shard
+from kconvert.convert.shard import ShardJob, shard
 from helpers import ROOT
 
 

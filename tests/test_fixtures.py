@@ -374,7 +374,7 @@ def test_logits_are_not_degenerate_and_router_spreads(checkpoint):
 
 # ---------------------------------------------------------------- tokenizer
 def test_tokenizer(checkpoint):
-    from kconvert.tokenizer import load_kimi_tokenizer
+    from kconvert.source.tokenizer import load_kimi_tokenizer
 
     ck = checkpoint("tiny-k3")
     enc = load_kimi_tokenizer(ck)

@@ -1,4 +1,4 @@
-"""kconvert.loader and `kconvert load`: every fixture conversion loads exactly, prefetch is ordered and
+"""kconvert.load.loader and `kconvert load`: every fixture conversion loads exactly, prefetch is ordered and
 bounded, device selection, and the bad inputs of issue 4 (one line, exit 2, nothing half-loaded)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import assert_one_line_error, run_cli
-from kconvert import loader as loader_mod
-from kconvert.loader import LoaderError, open_converted
-from kconvert.shard import ShardJob, shard
+from kconvert.load import loader as loader_mod
+from kconvert.errors import LoaderError
+from kconvert.load.loader import open_converted
+from kconvert.convert.shard import ShardJob, shard
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ def test_wheel_install_finds_manifests(tmp_path):
     wheel = next((tmp_path / "wheel").glob("kconvert-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
                     str(wheel)], check=True, capture_output=True)
-    probe = ("import kconvert.manifest as m, pathlib; d = m.manifests_dir(); "
+    probe = ("import kconvert.family.manifest as m, pathlib; d = m.manifests_dir(); "
              "assert str(d).startswith(%r), d; "
              "print(sorted(p.name for p in d.rglob('*.toml')), (d / 'examples/kimi-k3-3t/config.json').exists())"
              % str(tmp_path / "site"))

@@ -9,8 +9,8 @@ import pytest
 from cli.main import main
 from cli.plan_cmd import parse_tokens
 from kconvert.errors import UsageError
-from kconvert.manifest import manifests_dir
-from kconvert.plan import GIB, default_reserve, devices, find_device, make_plan
+from kconvert.family.manifest import manifests_dir
+from kconvert.plan.memory import GIB, default_reserve, devices, find_device, make_plan
 
 K3 = "kimi-k3-3t"  # manifests/examples/kimi-k3-3t/config.json, found by name
 K3_CONFIG = manifests_dir() / "examples" / K3 / "config.json"

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers import assert_one_line_error, header_offsets, load_source, run_cli
-from kconvert import safetensors_file
-from kconvert.checkpoint import Checkpoint
+from kconvert.io import safetensors_read as safetensors_file
+from kconvert.source.checkpoint import Checkpoint
 
 
 def test_inspect_counts_match_transformers_model(checkpoint):

@@ -7,8 +7,8 @@ import json
 import torch
 
 from helpers import assert_one_line_error, run_cli
-from kconvert.tokenizer import load_kimi_tokenizer
-from kconvert.reference import load_reference
+from kconvert.source.tokenizer import load_kimi_tokenizer
+from kconvert.verify.reference import load_reference
 
 
 def test_reference_full_and_topk(checkpoint, tmp_path):

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kconvert.kld import RefLogprobs, compare, concat, summarize, topk_reference
+from kconvert.verify.kld import RefLogprobs, compare, concat, summarize, topk_reference
 
 
 def _pair(seed: int, T=40, V=300, noise=0.3):

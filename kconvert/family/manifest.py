@@ -1,0 +1,223 @@
+"""Model-family manifests (manifests/*.toml): which tensors a family has, their shapes as functions
+of config.json, their tensor-parallel split rule and default quantization policy.
+
+A family manifest composes reusable *parts* (manifests/parts/*.toml: DeepSeek text, DSA indexer,
+MoonViT, projector), each with a name prefix and the sub-config its shapes are evaluated against.
+`load_manifest(config)` picks the family; `.bind(config)` gives a `ModelMap` that classifies
+tensor names and enumerates every expected tensor (which `plan` uses for models too big to exist).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kconvert.errors import ManifestError
+from kconvert.family.expr import MissingKey, evaluate
+
+SPLITS = ("vocab", "col", "row", "expert", "replicate")
+_NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def manifests_dir() -> Path:
+    return Path(str(importlib.resources.files("manifests")))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ManifestError("manifest file not found", file=str(path)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"manifest is not valid TOML: {e}", file=str(path)) from None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One manifest tensor entry, bound to a part instance (prefix + sub-config)."""
+
+    pattern: str  # full name with {L}/{E}
+    component: str
+    split: str
+    quantize: bool
+    shape: tuple[str, ...]
+    layers: str | None  # layer kind, None for non-layer tensors
+    required: str
+    part: "BoundPart"
+    regex: re.Pattern
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the manifest says about one concrete tensor name."""
+
+    name: str
+    rule: Rule
+    layer: int | None
+    expert: int | None
+
+    @property
+    def group(self) -> str:
+        return self.rule.part.group
+
+    @property
+    def component(self) -> str:
+        if self.group == "text" and self.layer is not None and self.layer >= self.rule.part.layer_count:
+            return "mtp"
+        return self.rule.component
+
+    @property
+    def split(self) -> str:
+        return self.rule.split
+
+    @property
+    def quantize(self) -> bool:
+        return self.rule.quantize
+
+    def expected_shape(self) -> tuple[int, ...]:
+        env = self.rule.part.env(self.layer)
+        return tuple(int(evaluate(s, env)) for s in self.rule.shape)
+
+
+class BoundPart:
+    """A part (parts/NAME.toml) applied to one config."""
+
+    def __init__(self, name: str, spec: dict, prefix: str, config: dict):
+        self.name, self.prefix, self.config = name, prefix, config
+        head = spec.get("part", {})
+        self.group = head.get("group", name)
+        self.kinds: dict[str, str] = spec.get("layer_kinds", {})
+        self._env = {**spec.get("defaults", {}), **config}
+        self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
+        self.extra_layers = int(self._eval(head["extra_layers"])) if "extra_layers" in head else 0
+        self.expert_count = int(self._eval(head["expert_count"])) if "expert_count" in head else 0
+        self.rules: list[Rule] = []
+        for t in spec.get("tensor", []):
+            if not self._eval(t.get("when", "True")):
+                continue
+            split = t.get("split", "replicate")
+            if split not in SPLITS or (t.get("layers") and t["layers"] not in self.kinds):
+                raise ManifestError(f"bad split {split!r} or layer kind {t.get('layers')!r}", file=f"parts/{name}.toml",
+                                    tensor=t.get("name"))
+            pattern = prefix + t["name"]
+            regex = re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$")
+            self.rules.append(Rule(pattern, t["component"], split, bool(t.get("quantize", False)),
+                                   tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
+                                   str(t.get("required", "True")), self, regex))
+
+    def env(self, layer: int | None = None) -> dict:
+        return self._env if layer is None else {**self._env, "L": layer}
+
+    def _eval(self, text, layer: int | None = None):
+        try:
+            return evaluate(text, self.env(layer))
+        except MissingKey as e:
+            raise ManifestError(f"{e.message} (part {self.name})", file="config.json") from None
+
+    def layer_matches(self, rule: Rule, layer: int) -> bool:
+        if not 0 <= layer < self.layer_count + self.extra_layers:
+            return False
+        return bool(self._eval(self.kinds[rule.layers], layer))
+
+    def is_required(self, rule: Rule, layer: int | None) -> bool:
+        if self.group == "text" and layer is not None and layer >= self.layer_count:
+            return False  # MTP layers: published by some releases, not needed for inference
+        return bool(self._eval(rule.required, layer))
+
+
+class ModelMap:
+    """A family manifest bound to one config.json."""
+
+    def __init__(self, family: dict, parts: list[BoundPart], config: dict):
+        self.family = family
+        self.name: str = family["name"]
+        self.parts = parts
+        self.config = config
+        key = family.get("text_config", ".")
+        self.text_config: dict = config if key == "." else config.get(key, {})
+        self._index: dict[str, list[Rule]] = {}
+        for part in parts:
+            for rule in part.rules:
+                self._index.setdefault(_key(rule.pattern), []).append(rule)
+
+    @property
+    def text(self) -> BoundPart:
+        return next(p for p in self.parts if p.group == "text")
+
+    def classify(self, name: str) -> TensorInfo | None:
+        """The manifest entry for `name`, or None when the family does not know it."""
+        for rule in self._index.get(_key(name), ()):
+            m = rule.regex.match(name)
+            if not m:
+                continue
+            layer = int(m["L"]) if "L" in rule.regex.groupindex else None
+            expert = int(m["E"]) if "E" in rule.regex.groupindex else None
+            if layer is not None and not rule.part.layer_matches(rule, layer):
+                continue
+            if expert is not None and not 0 <= expert < rule.part.expert_count:
+                continue
+            return TensorInfo(name, rule, layer, expert)
+        return None
+
+    def expected(self, *, include_optional: bool = False) -> Iterator[tuple[TensorInfo, bool]]:
+        """Every tensor the config implies, as (info, required), in model order."""
+        for part in self.parts:
+            for rule in part.rules:
+                layers = [None] if rule.layers is None else [
+                    L for L in range(part.layer_count + part.extra_layers) if part.layer_matches(rule, L)]
+                experts = range(part.expert_count) if "{E}" in rule.pattern else [None]
+                for L in layers:
+                    required = part.is_required(rule, L)
+                    if not (required or include_optional):
+                        continue
+                    for E in experts:
+                        name = rule.pattern.replace("{L}", str(L)).replace("{E}", str(E))
+                        yield TensorInfo(name, rule, L, E), required
+
+
+def _key(name: str) -> str:
+    return _NUM.sub("#", name.replace("{L}", "0").replace("{E}", "0"))
+
+
+@functools.lru_cache(maxsize=None)
+def families() -> tuple[tuple[str, dict], ...]:
+    out = []
+    for path in sorted(manifests_dir().glob("*.toml")):
+        spec = _read_toml(path)
+        if "family" in spec:
+            out.append((path.name, spec))
+    return tuple(out)
+
+
+def find_family(config: dict, *, config_file: str = "config.json") -> dict:
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    for _, spec in families():
+        fam = spec["family"]
+        if any(a in fam.get("architectures", []) for a in archs) or model_type in fam.get("model_types", []):
+            return spec
+    known = ", ".join(spec["family"]["name"] for _, spec in families())
+    raise ManifestError(f"unknown architecture {archs or model_type!r}: no manifest matches (known families: {known})",
+                        file=config_file)
+
+
+def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
+    """Pick the family manifest for `config` and bind it."""
+    spec = find_family(config, config_file=config_file)
+    parts = []
+    for p in spec.get("parts", []):
+        sub = config if p.get("config", ".") == "." else config.get(p["config"])
+        if not isinstance(sub, dict):
+            raise ManifestError(f"config has no {p['config']!r} section (family {spec['family']['name']})", file=config_file)
+        if "if_config_has" in p and p["if_config_has"] not in sub:
+            continue
+        part_spec = _read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
+        parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub))
+    return ModelMap(spec["family"], parts, config)

@@ -1,0 +1,17 @@
+"""safetensors dtype tags and their torch dtypes and sizes."""
+
+from __future__ import annotations
+
+import torch
+
+# safetensors dtype tag -> torch dtype
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+TAGS: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {tag: torch.empty(0, dtype=dt).element_size() for tag, dt in DTYPES.items()}

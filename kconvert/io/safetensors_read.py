@@ -1,0 +1,154 @@
+"""Read safetensors files lazily and defensively: headers are parsed and checked without touching
+tensor data; data is read with positioned reads (no mmap, so RSS reflects what we hold), whole
+tensors or row ranges only.
+
+Format: 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets}},
+then the data region; offsets are relative to the data region.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kconvert.errors import FormatError
+from kconvert.io.compressed import CompressedLayout
+from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.pread import read_bytes
+
+MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one stored tensor lives. `begin`/`end` are absolute file offsets."""
+
+    name: str
+    file: Path
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    compressed: object = field(default=None, repr=False, compare=False)  # CompressedLayout of a compressed shard
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: Path
+    size: int
+    data_start: int
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    compressed: object = None  # CompressedLayout when the file is a compressed shard (kconvert/compressed.py)
+
+    @property
+    def stored_size(self) -> int:
+        """Bytes on disk (`size` is the plain file's size, also for a compressed shard)."""
+        return self.compressed.stored_size if self.compressed is not None else self.size
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Parse and check one file's header. Raises FormatError naming the file (and tensor)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise FormatError("truncated safetensors file (no header length)", file=str(path))
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise FormatError(f"header length {n} runs past the file ({size} bytes): truncated or not safetensors",
+                                  file=str(path))
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise FormatError("file not found", file=str(path)) from None
+    except IsADirectoryError:
+        raise FormatError("is a directory, not a safetensors file", file=str(path)) from None
+    except PermissionError:
+        raise FormatError("permission denied", file=str(path)) from None
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"header is not valid JSON ({e.__class__.__name__})", file=str(path)) from None
+    if not isinstance(obj, dict):
+        raise FormatError("header is not a JSON object", file=str(path))
+    data_start = 8 + n
+    data_len = size - data_start
+    metadata = obj.pop("__metadata__", None) or {}
+    metadata = metadata if isinstance(metadata, dict) else {}
+    comp = None
+    if "kconvert_codec" in metadata:  # a compressed shard: offsets are into the plain file it decompresses to
+        comp = CompressedLayout(path, size, data_start, raw, metadata, obj)
+        data_start, data_len = comp.data_start, comp.size - comp.data_start
+    tensors: dict[str, TensorEntry] = {}
+    for name, spec in obj.items():
+        tensors[name] = _entry(path, name, spec, data_start, data_len, comp)
+    if comp is not None:
+        comp.load_index(tensors)
+    return SafetensorsHeader(path, comp.size if comp else size, data_start, tensors, metadata, comp)
+
+
+def _entry(path: Path, name: str, spec, data_start: int, data_len: int, comp=None) -> TensorEntry:
+    try:
+        dtype, shape, (lo, hi) = spec["dtype"], spec["shape"], spec["data_offsets"]
+        shape = tuple(int(s) for s in shape)
+        lo, hi = int(lo), int(hi)
+    except (KeyError, TypeError, ValueError):
+        raise FormatError("malformed header entry (needs dtype, shape, data_offsets)", file=str(path), tensor=name) from None
+    if dtype not in DTYPES:
+        raise FormatError(f"unsupported dtype {dtype!r}", file=str(path), tensor=name)
+    if any(s < 0 for s in shape) or lo < 0 or hi < lo:
+        raise FormatError(f"invalid shape {list(shape)} or offsets [{lo}, {hi}]", file=str(path), tensor=name)
+    if hi > data_len:
+        raise FormatError(f"data offsets [{lo}, {hi}] run past the end of the file (data region {data_len} bytes): "
+                          "truncated file", file=str(path), tensor=name)
+    expect = math.prod(shape) * ITEMSIZE[dtype]
+    if hi - lo != expect:
+        raise FormatError(f"holds {hi - lo} bytes but {dtype}{list(shape)} needs {expect}", file=str(path), tensor=name)
+    return TensorEntry(name, path, dtype, shape, data_start + lo, data_start + hi, comp)
+
+
+def read_tensor(entry: TensorEntry, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Read a stored tensor, or rows [a, b) of its first dimension (only those bytes are read)."""
+    shape = list(entry.shape)
+    begin, nbytes = entry.begin, entry.nbytes
+    if rows is not None:
+        a, b = rows
+        if not shape or not (0 <= a <= b <= shape[0]):
+            raise FormatError(f"row range [{a}, {b}) outside shape {shape}", file=str(entry.file), tensor=entry.name)
+        row_bytes = (nbytes // shape[0]) if shape[0] else 0
+        begin, nbytes, shape[0] = entry.begin + a * row_bytes, (b - a) * row_bytes, b - a
+    dtype = entry.torch_dtype
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = read_entry_bytes(entry, begin, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def read_entry_bytes(entry: TensorEntry, begin: int | None = None, nbytes: int | None = None) -> bytearray:
+    """A tensor's bytes (or plain bytes [begin, begin + nbytes) of its file), decompressing only what they
+    overlap when the file is a compressed shard."""
+    begin = entry.begin if begin is None else begin
+    nbytes = entry.nbytes if nbytes is None else nbytes
+    if entry.compressed is not None:
+        return entry.compressed.read_range(begin, nbytes)
+    return read_bytes(entry.file, begin, nbytes, tensor=entry.name)

@@ -1,0 +1,285 @@
+"""Stream one rank of a converted checkpoint (docs/FORMAT.md) onto cpu / cuda / musa, layer by layer.
+
+    conv = open_converted("out/", rank=0, world_size=2)
+    for unit, tensors in conv.stream(device="cuda:0", prefetch=2, verify=True):
+        model.load_unit(unit, tensors)        # "globals", "vision", "layer-0000", ...
+
+Each unit is one file. Background threads fetch the next `prefetch` files while the caller
+consumes the current one. On CPU the tensors are views of a private, pre-populated mapping of the
+file (the page cache itself: no copy). On an accelerator each file is read in parallel chunks into
+pinned host memory, reused across files, and copied to one device allocation per unit on a side
+stream; compressed shards are decompressed in parallel chunks into the same buffers.
+With `verify`, the file's CRC-32 is checked against kconvert.json before any tensor is handed out.
+Compressed shards (kconvert/compressed.py) are decompressed chunk by chunk on the same threads into
+the same buffer, so everything after the read (verify, views, device copy) is unchanged.
+Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing is the engine's call.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kconvert.load import devices
+from kconvert.converted.format import check_not_mid_pack, read_manifest, stored_bytes
+from kconvert.errors import LoaderError, UsageError
+from kconvert.io.dtypes import DTYPES
+from kconvert.io.safetensors_read import SafetensorsHeader, read_header
+
+CHUNK = 8 * 1024 * 1024
+
+
+@dataclass
+class LoadStats:
+    files: int = 0
+    bytes: int = 0
+    read_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    per_unit: list[tuple[str, int, float]] = field(default_factory=list)  # (unit, bytes, seconds until ready)
+
+
+class ConvertedCheckpoint:
+    def __init__(self, root: Path, meta: dict, rank: int, zero_copy: bool = True):
+        self.root, self.meta, self.rank = root, meta, rank
+        self.zero_copy = zero_copy
+        self.config: dict = meta["config"]
+        self.tp: int = meta["layout"]["tp"]
+        self.family: str = meta["source"]["family"]
+        self.quant: str = meta["quantization"]["scheme"]
+        self.files: dict[str, dict] = {f: r for f, r in meta["files"].items() if r["rank"] == rank}
+        by_unit = {r["unit"]: f for f, r in self.files.items()}
+        self.units: list[str] = [u for u in meta["layout"]["units"] if u in by_unit]
+        self._file_of = by_unit
+        self._tensors: dict[str, list[dict]] = {}
+        for t in meta["tensors"]:
+            if t["rank"] == rank:
+                self._tensors.setdefault(t["file"], []).append(t)
+        self.stats = LoadStats()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r["bytes"] for r in self.files.values())
+
+    def file_of(self, unit: str) -> Path:
+        return self.root / self._file_of[unit]
+
+    # ------------------------------------------------------------------ reading
+    def _check_header(self, rel: str) -> SafetensorsHeader:
+        path = self.root / rel
+        rec = self.files[rel]
+        if not path.is_file():
+            raise LoaderError("shard listed in kconvert.json is missing", file=str(path))
+        size = path.stat().st_size
+        if size != stored_bytes(rec):
+            raise LoaderError(f"shard is {size} bytes, kconvert.json records {stored_bytes(rec)}: truncated or replaced",
+                              file=str(path))
+        header = read_header(path)
+        if (header.compressed is not None) != bool(rec.get("stored")):
+            raise LoaderError("shard is " + ("compressed" if header.compressed is not None else "plain") +
+                              " but kconvert.json records otherwise", file=str(path))
+        for t in self._tensors.get(rel, []):
+            e = header.tensors.get(t["name"])
+            if e is None:
+                raise LoaderError("tensor listed in kconvert.json is missing from the shard", file=str(path),
+                                  tensor=t["name"])
+            if e.dtype != t["dtype"] or list(e.shape) != t["shape"]:
+                raise LoaderError(f"stored as {e.dtype}{list(e.shape)}, kconvert.json says {t['dtype']}{t['shape']}",
+                                  file=str(path), tensor=t["name"])
+        return header
+
+    def _read_into(self, path: Path, buf: memoryview, size: int, pool: ThreadPoolExecutor) -> None:
+        import os
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            def part(lo: int) -> None:
+                hi = min(lo + CHUNK, size)
+                done = lo
+                while done < hi:
+                    got = os.preadv(fd, [buf[done:hi]], done)
+                    if got == 0:
+                        raise LoaderError(f"file ended at byte {done} while reading", file=str(path))
+                    done += got
+            list(pool.map(part, range(0, size, CHUNK)))
+        finally:
+            os.close(fd)
+
+    def _fetch(self, unit: str, verify: bool, pool: ThreadPoolExecutor, staging: torch.Tensor | None):
+        """Read one unit's file into memory: (header, uint8 tensor of the whole file, seconds)."""
+        rel = self._file_of[unit]
+        path = self.root / rel
+        header = self._check_header(rel)
+        size = header.size
+        t0 = time.perf_counter()
+        if staging is None and self.zero_copy and header.compressed is None:
+            buf = _map_file(path, size)  # CPU: the page cache itself, no copy
+        else:
+            buf = staging[:size] if staging is not None else torch.empty(size, dtype=torch.uint8)
+            if header.compressed is not None:
+                header.compressed.read_into(buf.numpy(), pool)
+            else:
+                self._read_into(path, memoryview(buf.numpy()).cast("B"), size, pool)
+        t1 = time.perf_counter()
+        self.stats.read_seconds += t1 - t0
+        if verify:
+            crc = f"{zlib.crc32(buf.numpy()):08x}"
+            self.stats.verify_seconds += time.perf_counter() - t1
+            if crc != self.files[rel]["crc32"]:
+                from kconvert.converted.format import first_bad_tensor
+
+                raise LoaderError("checksum mismatch: the shard is damaged (nothing from it was used)", file=str(path),
+                                  tensor=first_bad_tensor(path, self.meta, rel))
+        return header, buf
+
+    @staticmethod
+    def _views(header: SafetensorsHeader, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Tensors as views of the file buffer (no copy); a tensor whose offset is not a multiple
+        of its element size (possible after an odd-sized tensor) is copied to stay aligned."""
+        out = {}
+        for name, e in header.tensors.items():
+            dtype = DTYPES[e.dtype]
+            raw = buf[e.begin:e.end]
+            if not e.nbytes:
+                t = torch.empty(0, dtype=dtype)
+            elif e.begin % torch.empty(0, dtype=dtype).element_size():
+                t = raw.clone().view(dtype)
+            else:
+                t = raw.view(dtype)
+            out[name] = t.reshape(e.shape)
+        return out
+
+    def load_unit(self, unit: str, device: str | torch.device = "cpu", *, verify: bool = False) -> dict[str, torch.Tensor]:
+        return dict(next(iter(self.stream(device, prefetch=0, verify=verify, units=[unit])))[1])
+
+    def stream(self, device: str | torch.device = "cpu", *, prefetch: int = 2, verify: bool = False,
+               threads: int = 4, units: list[str] | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """Yield (unit, {name: tensor on device}) in load order, reading ahead `prefetch` units."""
+        dev = devices.resolve(device)
+        order = list(units or self.units)
+        for u in order:
+            if u not in self._file_of:
+                raise UsageError(f"rank {self.rank} has no unit {u!r} (units: {', '.join(self.units)})", file=str(self.root))
+        if dev.type == "cpu":
+            yield from self._stream_cpu(order, prefetch, verify, threads)
+        else:
+            yield from self._stream_device(order, dev, prefetch, verify, threads)
+
+    def _stream_cpu(self, order, prefetch, verify, threads):
+        results: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        stop = threading.Event()
+
+        def producer():
+            with ThreadPoolExecutor(threads) as pool:
+                for u in order:
+                    if stop.is_set():
+                        return
+                    try:
+                        item = (u, *self._fetch(u, verify, pool, None))
+                    except BaseException as e:  # hand the error to the consumer, in order
+                        results.put(("error", e, None))
+                        return
+                    results.put(item)
+
+        t_start = time.perf_counter()
+        worker = threading.Thread(target=producer, daemon=True, name="kconvert-loader")
+        worker.start()
+        try:
+            for _ in order:
+                unit, header, buf = results.get()
+                if unit == "error":
+                    raise header
+                self.stats.files += 1
+                self.stats.bytes += header.size
+                self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
+                yield unit, self._views(header, buf)
+        finally:
+            stop.set()
+            while worker.is_alive():  # drain so the producer can finish
+                try:
+                    results.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+
+    def _stream_device(self, order, dev, prefetch, verify, threads):
+        """Accelerators: two pinned staging buffers alternate; the copy of unit i overlaps the read of i+1."""
+        mod = torch.get_device_module(dev.type)
+        biggest = max(self.files[self._file_of[u]]["bytes"] for u in order)
+        staging = [torch.empty(biggest, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        copy_done = [None, None]
+        stream = mod.Stream(dev)
+        t_start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as reader:
+            def fetch(i):
+                slot = i % 2
+                if copy_done[slot] is not None:
+                    copy_done[slot].synchronize()  # the staging buffer is free again
+                return self._fetch(order[i], verify, pool, staging[slot])
+
+            ahead = reader.submit(fetch, 0)
+            for i, unit in enumerate(order):
+                header, buf = ahead.result()
+                t0 = time.perf_counter()
+                with mod.stream(stream):
+                    dst = torch.empty(header.size, dtype=torch.uint8, device=dev)
+                    dst.copy_(buf, non_blocking=True)
+                    event = mod.Event()
+                    event.record(stream)
+                copy_done[i % 2] = event
+                if i + 1 < len(order):
+                    ahead = reader.submit(fetch, i + 1)
+                event.synchronize()
+                self.stats.copy_seconds += time.perf_counter() - t0
+                self.stats.files += 1
+                self.stats.bytes += header.size
+                self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
+                yield unit, self._views(header, dst)
+
+
+def _map_file(path: Path, size: int) -> torch.Tensor:
+    """A private (copy-on-write) mapping of the whole file, its pages faulted in now by reads (in
+    the reader thread, so the consumer never waits on the disk). Read faults map the page cache
+    without copying; a write copies just that page, privately."""
+    import mmap
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm.madvise(mmap.MADV_WILLNEED)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    int(buf[:: mmap.PAGESIZE].sum())  # touch every page
+    return buf
+
+
+def open_converted(path: str | Path, rank: int = 0, world_size: int | None = None, *,
+                   zero_copy: bool = True) -> ConvertedCheckpoint:
+    """Open and validate a converted directory for one rank (and, if given, the world size it will run at).
+
+    zero_copy (CPU only): tensors are copy-on-write views of the mapped shard files, as safetensors'
+    safe_open does; pass False to read into private memory when the files may change while in use."""
+    root = Path(path)
+    meta = read_manifest(root)
+    tp = meta["layout"]["tp"]
+    where = str(root / "kconvert.json")
+    if world_size is not None and world_size != tp:
+        raise LoaderError(f"converted for tp {tp} but the world size is {world_size}: launch {tp} ranks "
+                          f"(torchrun --nproc-per-node {tp}) or convert again with --tp {world_size}", file=where)
+    if not 0 <= rank < tp:
+        raise LoaderError(f"rank {rank} does not exist: converted for tp {tp} (ranks 0..{tp - 1})", file=where)
+    check_not_mid_pack(root)
+    conv = ConvertedCheckpoint(root, meta, rank, zero_copy)
+    for rel in conv.files:  # cheap existence/size checks before anything is read
+        p = root / rel
+        if not p.is_file():
+            raise LoaderError("shard listed in kconvert.json is missing", file=str(p))
+        if p.stat().st_size != stored_bytes(conv.files[rel]):
+            raise LoaderError(f"shard is {p.stat().st_size} bytes, kconvert.json records "
+                              f"{stored_bytes(conv.files[rel])}: truncated or replaced", file=str(p))
+    return conv

@@ -1,0 +1,75 @@
+"""`kconvert inspect`: what a checkpoint holds, from config.json and headers only."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from kconvert.source.checkpoint import Checkpoint
+
+COMPONENTS = ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp", "router", "norm",
+              "embed", "head", "mtp", "vision", "projector")
+TEXT_ACTIVE = ("attention", "indexer", "shared_experts", "dense_mlp", "router", "norm", "embed", "head")
+
+
+@dataclass
+class Summary:
+    source: str
+    family: str
+    architectures: list[str]
+    model: dict
+    params: dict[str, int]
+    total_params: int
+    active_params: int
+    formats: list[dict] = field(default_factory=list)
+    files: int = 0
+    bytes_on_disk: int = 0
+    tensors: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def summarize(ck: Checkpoint) -> Summary:
+    """Validate `ck` against its manifest and count what it holds (no tensor data is read)."""
+    ck.validate()
+    params: dict[str, int] = defaultdict(int)
+    formats: dict[tuple[str, str], dict] = {}
+    for name, t in ck.logical.items():
+        info = ck.info(name)
+        params[info.component] += t.numel
+        key = (t.format, t.stored_dtype)
+        row = formats.setdefault(key, {"format": t.format, "dtype": t.stored_dtype, "tensors": 0, "params": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["params"] += t.numel
+        row["bytes"] += t.stored_bytes
+    tc = ck.text_config
+    n_experts = int(tc.get("n_routed_experts") or 0)
+    per_tok = int(tc.get("num_experts_per_tok") or 0)
+    active = sum(params[c] for c in TEXT_ACTIVE)
+    if n_experts:
+        active += params["routed_experts"] * per_tok // n_experts
+    text = ck.model.text
+    vision = next((p for p in ck.model.parts if p.group == "vision"), None)
+    model = {
+        "layers": text.layer_count,
+        "mtp_layers": text.extra_layers,
+        "dense_layers": int(tc.get("first_k_dense_replace") or 0),
+        "hidden_size": tc.get("hidden_size"),
+        "attention_heads": tc.get("num_attention_heads"),
+        "routed_experts": n_experts,
+        "experts_per_token": per_tok,
+        "shared_experts": tc.get("n_shared_experts"),
+        "vocab_size": tc.get("vocab_size"),
+        "sparse_attention_topk": tc.get("index_topk"),
+        "vision_layers": vision.layer_count if vision else 0,
+        "max_position_embeddings": tc.get("max_position_embeddings"),
+    }
+    sizes = [h.size for h in ck.files.values() if h is not None]
+    bytes_on_disk = sum(sizes) if len(sizes) == len(ck.files) else sum(e.nbytes for e in ck.stored.values())
+    return Summary(
+        source=ck.source, family=ck.family, architectures=list(ck.config.get("architectures") or []), model=model,
+        params={c: params[c] for c in COMPONENTS if params.get(c)}, total_params=sum(params.values()),
+        active_params=active, formats=sorted(formats.values(), key=lambda r: -r["bytes"]),
+        files=len(ck.files), bytes_on_disk=bytes_on_disk, tensors=len(ck.logical),
+    )

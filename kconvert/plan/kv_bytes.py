@@ -1,0 +1,75 @@
+"""KV-cache bytes per token for MLA + DSA models, as the serving engines store it.
+
+Per decoder layer (MTP layers excluded: the converter drops them by default) a token keeps
+- the MLA latent: `kv_lora_rank` compressed KV + `qk_rope_head_dim` rotary key, shared by all heads;
+  - bf16: 2 * (kv_lora_rank + rope) bytes (1152 for 512 + 64);
+  - fp8 as FlashMLA stores it: the latent in e4m3 with one float32 scale per 128 values, the rope
+    part left in bf16: kv_lora_rank + 4 * ceil(kv_lora_rank / 128) + 2 * rope (656 for 512 + 64);
+- the DSA lightning-indexer key (`index_head_dim`, one per token, shared by the indexer heads);
+  - bf16: 2 * index_head_dim (256 for 128);
+  - fp8 as vLLM stores it: index_head_dim + 4 * ceil(index_head_dim / 128) (132 for 128).
+Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
+
+Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank
+holds the whole latent and indexer cache of every sequence it serves, so these are bytes per token
+*per rank*, whatever the tp degree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from kconvert.errors import UsageError
+
+KV_DTYPES = ("bf16", "fp8")
+SCALE_GROUP = 128  # values per float32 scale in the fp8 caches
+
+
+@dataclass(frozen=True)
+class KVCache:
+    dtype: str
+    layers: int
+    latent_bytes: int  # per token per layer
+    indexer_bytes: int  # per token per layer
+
+    @property
+    def per_layer(self) -> int:
+        return self.latent_bytes + self.indexer_bytes
+
+    @property
+    def per_token(self) -> int:
+        """Bytes per token per rank, all layers."""
+        return self.layers * self.per_layer
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "bytes_per_token_per_layer": self.per_layer, "bytes_per_token": self.per_token,
+                "replicated_across_tp": True}
+
+
+def latent_bytes(kv_lora_rank: int, rope_dim: int, dtype: str) -> int:
+    if dtype == "bf16":
+        return 2 * (kv_lora_rank + rope_dim)
+    return kv_lora_rank + 4 * math.ceil(kv_lora_rank / SCALE_GROUP) + 2 * rope_dim
+
+
+def indexer_bytes(index_head_dim: int, dtype: str) -> int:
+    if not index_head_dim:
+        return 0
+    if dtype == "bf16":
+        return 2 * index_head_dim
+    return index_head_dim + 4 * math.ceil(index_head_dim / SCALE_GROUP)
+
+
+def kv_cache(text_config: dict, dtype: str = "bf16") -> KVCache:
+    """The KV cache a text config implies (num_hidden_layers layers; MTP layers not counted)."""
+    if dtype not in KV_DTYPES:
+        raise UsageError(f"unknown --kv-cache-dtype {dtype!r} (choose from {', '.join(KV_DTYPES)})")
+    tc = text_config
+    index_dim = int(tc.get("index_head_dim") or 0) if tc.get("index_topk") else 0
+    return KVCache(
+        dtype=dtype,
+        layers=int(tc["num_hidden_layers"]),
+        latent_bytes=latent_bytes(int(tc["kv_lora_rank"]), int(tc["qk_rope_head_dim"]), dtype),
+        indexer_bytes=indexer_bytes(index_dim, dtype),
+    )

@@ -1,0 +1,203 @@
+"""A source checkpoint: config.json + (sharded) safetensors, opened lazily.
+
+`Checkpoint.open(src)` reads config.json, the index and every file's header (never tensor data),
+folds quantization companions into logical weights (`source_formats.fold`) and binds the family
+manifest. `validate()` checks every tensor against the manifest (known, right shape, none missing).
+`read(name)` reads one logical weight, or a row range of it, dequantized on request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from kconvert.source import hub
+from kconvert.errors import CheckpointError, ManifestError
+from kconvert.family.manifest import ModelMap, TensorInfo, bind
+from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
+from kconvert.source.formats import LogicalTensor, fold, read_logical
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class Checkpoint:
+    def __init__(self, root: Path, config: dict, files: dict[str, SafetensorsHeader | None],
+                 stored: dict[str, TensorEntry], *, source: str, remote: bool = False):
+        self.root, self.config, self.files, self.stored = root, config, files, stored
+        self.source, self.remote = source, remote
+        self.logical: dict[str, LogicalTensor] = fold(stored)
+        self.model: ModelMap = bind(config, config_file=str(root / "config.json"))
+        self._info: dict[str, TensorInfo] = {}
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, src: str | os.PathLike, *, revision: str | None = None, headers_only: bool = False) -> "Checkpoint":
+        text = str(src)
+        if hub.looks_like_repo_id(text):
+            if headers_only and not hub._offline():
+                root = hub.snapshot(text, revision=revision, weights=False)
+                return cls._from_remote(root, text, revision)
+            root = hub.snapshot(text, revision=revision, weights=True)
+        else:
+            root = Path(text)
+            if not root.is_dir():
+                raise CheckpointError("not a directory (nor a Hub repo id like org/name)", file=text)
+        config = read_config(root)
+        names = _shard_files(root)
+        files = {n: read_header(root / n) for n in names}
+        stored: dict[str, TensorEntry] = {}
+        index_map = _index_map(root)
+        for fname, header in files.items():
+            for tname, entry in header.tensors.items():
+                if tname in stored:
+                    raise CheckpointError(f"tensor stored twice (also in {stored[tname].file.name})", file=str(entry.file),
+                                          tensor=tname)
+                if index_map is not None and index_map.get(tname) != fname:
+                    raise CheckpointError(f"tensor is in {fname} but the index says {index_map.get(tname)}",
+                                          file=str(root / INDEX), tensor=tname)
+                stored[tname] = entry
+        if index_map is not None:
+            for tname, fname in index_map.items():
+                if tname not in stored:
+                    raise CheckpointError(f"the index places this tensor in {fname}, which does not hold it",
+                                          file=str(root / fname), tensor=tname)
+        return cls(root, config, files, stored, source=text)
+
+    @classmethod
+    def _from_remote(cls, root: Path, repo_id: str, revision: str | None) -> "Checkpoint":
+        config = read_config(root)
+        stored: dict[str, TensorEntry] = {}
+        for fname, tensors in hub.remote_headers(repo_id, revision=revision).items():
+            for tname, spec in tensors.items():
+                lo, hi = spec["data_offsets"]
+                stored[tname] = TensorEntry(tname, root / fname, spec["dtype"], tuple(spec["shape"]), lo, hi)
+        return cls(root, config, {f: None for f in {e.file.name for e in stored.values()}}, stored,
+                   source=repo_id, remote=True)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def family(self) -> str:
+        return self.model.name
+
+    @property
+    def text_config(self) -> dict:
+        return self.model.text_config
+
+    def info(self, name: str) -> TensorInfo:
+        """Manifest classification of a logical tensor (ManifestError if unknown)."""
+        if name not in self._info:
+            info = self.model.classify(name)
+            if info is None:
+                t = self.logical[name]
+                raise ManifestError(f"tensor not known to the {self.family} manifest", file=str(t.main.file), tensor=name)
+            self._info[name] = info
+        return self._info[name]
+
+    def validate(self) -> None:
+        """Every tensor known with the shape config.json implies; every required tensor present."""
+        for name, t in self.logical.items():
+            info = self.info(name)
+            expect = info.expected_shape()
+            if tuple(t.shape) != expect:
+                raise ManifestError(f"shape {list(t.shape)} disagrees with config.json, which implies {list(expect)}",
+                                    file=str(t.main.file), tensor=name)
+        for info, required in self.model.expected():
+            if required and info.name not in self.logical:
+                where = INDEX if (self.root / INDEX).exists() else SINGLE
+                raise ManifestError(f"required by the {self.family} manifest but absent from the checkpoint",
+                                    file=str(self.root / where), tensor=info.name)
+
+    @property
+    def quantization_config(self) -> dict:
+        """The source's quantization_config (top level, or the text config's for multimodal families)."""
+        return self.config.get("quantization_config") or self.text_config.get("quantization_config") or {}
+
+    def quant_block(self) -> tuple[int, int]:
+        b = self.quantization_config.get("weight_block_size") or [128, 128]
+        return int(b[0]), int(b[1])
+
+    def int4_group(self) -> int:
+        for group in (self.quantization_config.get("config_groups") or {}).values():
+            g = (group.get("weights") or {}).get("group_size")
+            if g:
+                return int(g)
+        return 32
+
+    def read(self, name: str, *, rows: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A logical weight (or rows [a, b) of it), dequantized from block-FP8 / INT4 / scaled forms."""
+        if self.remote:
+            raise CheckpointError("only headers were fetched from the Hub; download the repo to read weights",
+                                  file=self.source, tensor=name)
+        t = self.logical.get(name)
+        if t is None:
+            raise CheckpointError("no such tensor in the checkpoint", file=str(self.root), tensor=name)
+        return read_logical(t, rows=rows, dtype=dtype, block=self.quant_block(), group=self.int4_group())
+
+    def fingerprint(self) -> str:
+        """Identity of the source from what defines it cheaply: config + every header (names, dtypes,
+        shapes, offsets) + file sizes. Changes when any tensor is added, moved, resized or retyped."""
+        h = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode())
+        for name in sorted(self.stored):
+            e = self.stored[name]
+            h.update(f"{name}|{e.file.name}|{e.dtype}|{e.shape}|{e.begin}|{e.end}\n".encode())
+        for fname, header in sorted(self.files.items()):
+            h.update(f"{fname}:{header.size if header else -1}\n".encode())
+        return h.hexdigest()[:32]
+
+
+def read_config(root: Path) -> dict:
+    path = root / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError("config.json is missing: not a model checkpoint directory", file=str(path)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"config.json is not valid JSON: {e}", file=str(path)) from None
+    if not isinstance(config, dict):
+        raise CheckpointError("config.json is not a JSON object", file=str(path))
+    return config
+
+
+def _index_map(root: Path) -> dict[str, str] | None:
+    path = root / INDEX
+    if not path.exists():
+        return None
+    try:
+        index = json.loads(path.read_text())
+        weight_map = index["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
+        raise CheckpointError("index is not JSON with a weight_map object", file=str(path)) from None
+    for tname, fname in weight_map.items():
+        _check_relative(root, str(fname), tname)
+    return {t: str(f) for t, f in weight_map.items()}
+
+
+def _check_relative(root: Path, fname: str, tensor: str | None) -> None:
+    p = PurePosixPath(fname)
+    if p.is_absolute() or ".." in p.parts or "\\" in fname or not fname:
+        raise CheckpointError(f"the index names file {fname!r}, which is not a plain relative path inside the checkpoint",
+                              file=str(root / INDEX), tensor=tensor)
+
+
+def _shard_files(root: Path) -> list[str]:
+    index = _index_map(root)
+    if index is not None:
+        names = sorted(set(index.values()))
+        for n in names:
+            if not (root / n).is_file():
+                who = next(t for t, f in index.items() if f == n)
+                raise CheckpointError(f"the index names {n}, which does not exist", file=str(root / n), tensor=who)
+        return names
+    if (root / SINGLE).is_file():
+        return [SINGLE]
+    raise CheckpointError(f"no {INDEX} and no {SINGLE}: no safetensors weights here", file=str(root))
+
+
+__all__ = ["Checkpoint", "read_config", "DTYPES", "ITEMSIZE"]

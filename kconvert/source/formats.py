@@ -1,0 +1,185 @@
+"""Source weight formats: how stored tensors fold into logical weights, and one dequantizer each.
+
+- plain:        `X` stored as is (bf16 / fp16 / fp32 ...).
+- block_fp8:    DeepSeek/Kimi release FP8: `X.weight` float8_e4m3fn + `X.weight_scale_inv` float32
+                [ceil(out/B0), ceil(in/B1)], dequant = weight * scale of its block.
+- int4_packed:  compressed-tensors pack-quantized: `X.weight_packed` int32 [out, in/8] (low nibble
+                first, offset 8), `X.weight_scale` [out, in/G], `X.weight_shape` [2]; value = (q - 8) * scale.
+- scaled:       compressed-tensors float-/int-quantized: `X.weight` fp8/int8 + `X.weight_scale` with a
+                per-tensor (1,), per-channel (out, 1) or block grid; `X.input_scale` (static activations)
+                is carried but not needed to dequantize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kconvert.errors import CheckpointError
+from kconvert.io.safetensors_read import TensorEntry, read_tensor
+
+FP8_TAGS = ("F8_E4M3", "F8_E5M2")
+
+
+@dataclass
+class LogicalTensor:
+    """One model weight as the model sees it, whatever its stored form."""
+
+    name: str
+    shape: tuple[int, ...]
+    format: str  # plain | block_fp8 | int4_packed | scaled
+    parts: dict[str, TensorEntry] = field(default_factory=dict)  # role -> stored entry
+
+    @property
+    def main(self) -> TensorEntry:
+        return self.parts["packed"] if self.format == "int4_packed" else self.parts["weight"]
+
+    @property
+    def stored_dtype(self) -> str:
+        return "I4" if self.format == "int4_packed" else self.main.dtype
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
+    """Group stored tensors into logical ones. Raises CheckpointError on orphans or missing companions."""
+    out: dict[str, LogicalTensor] = {}
+    used: set[str] = set()
+
+    def need(base: str, suffix: str, for_name: str) -> TensorEntry:
+        e = stored.get(base + suffix)
+        if e is None:
+            raise CheckpointError(f"{for_name} needs a companion {base + suffix} that is absent",
+                                  file=str(stored[for_name].file), tensor=for_name)
+        return e
+
+    for name, e in stored.items():
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            scale = need(base, "_scale", name)
+            shape_t = need(base, "_shape", name)
+            if e.dtype != "I32" or len(e.shape) != 2:
+                raise CheckpointError(f"weight_packed must be int32 2-D, is {e.dtype}{list(e.shape)}",
+                                      file=str(e.file), tensor=name)
+            shape = (e.shape[0], e.shape[1] * 8)
+            out[base] = LogicalTensor(base, shape, "int4_packed", {"packed": e, "scale": scale, "shape": shape_t})
+            used.update({name, scale.name, shape_t.name})
+        elif name.endswith(".weight_scale_inv"):
+            base = name[: -len("_scale_inv")]
+            w = need(base, "", name)
+            out[base] = LogicalTensor(base, w.shape, "block_fp8", {"weight": w, "scale": e})
+            used.update({name, base})
+    for name, e in stored.items():
+        if name in used:
+            continue
+        if name.endswith(".weight_scale") or name.endswith(".input_scale"):
+            base = name.rsplit(".", 1)[0] + ".weight"
+            if base not in stored:
+                raise CheckpointError("quantization scale without its weight", file=str(e.file), tensor=name)
+            continue  # folded below with its weight
+        if e.dtype in FP8_TAGS or (e.dtype == "I8" and name + "_scale" in stored):
+            scale = stored.get(name + "_scale")
+            if scale is None:
+                raise CheckpointError(f"{e.dtype} weight has no weight_scale_inv / weight_scale",
+                                      file=str(e.file), tensor=name)
+            parts = {"weight": e, "scale": scale}
+            inp = stored.get(name.rsplit(".", 1)[0] + ".input_scale")
+            if inp is not None:
+                parts["input_scale"] = inp
+            out[name] = LogicalTensor(name, e.shape, "scaled", parts)
+        else:
+            out[name] = LogicalTensor(name, e.shape, "plain", {"weight": e})
+    return out
+
+
+# --------------------------------------------------------------------------- dequantizers
+
+
+def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                      *, row_offset: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [R, C] fp8 times the scale of each element's (row_offset + r) // B0, c // B1 block.
+
+    `row_offset` lets a row slice starting mid-checkpoint use the right scale rows (scale_inv must
+    then start at block row row_offset // B0)."""
+    b0, b1 = block
+    rows, cols = weight.shape
+    r_idx = (torch.arange(rows) + row_offset) // b0 - row_offset // b0
+    c_idx = torch.arange(cols) // b1
+    s = scale_inv.to(torch.float32)[r_idx][:, c_idx]
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+def unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], group: int = 32,
+                *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """compressed-tensors pack-quantized INT4 -> float. packed int32 [R, C/8], scale [R, C/group]."""
+    rows, cols = shape
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # treat as unsigned 32-bit
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF  # [R, C/8, 8], low nibble first
+    q = nibbles.reshape(rows, -1)[:, :cols].to(torch.float32) - 8.0
+    s = scale.to(torch.float32).repeat_interleave(group, dim=1)[:, :cols]
+    return (q * s).to(dtype)
+
+
+def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+                   *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """compressed-tensors fp8/int8: per-tensor (1,) / per-channel (R, 1) / block-grid scale."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if s.numel() == 1:
+        return (w * s.reshape(())).to(dtype)
+    if s.dim() == 2 and s.shape[1] == 1:
+        return (w * s).to(dtype)
+    return dequant_block_fp8(weight, scale, block, dtype=dtype)
+
+
+def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype: torch.dtype | None = None,
+                 block: tuple[int, int] = (128, 128), group: int = 32) -> torch.Tensor:
+    """Read a logical tensor (or rows [a, b) of it), dequantized. Plain tensors keep their dtype
+    unless `dtype` is given; quantized ones come back as `dtype or float32`."""
+    if t.format == "plain":
+        x = read_tensor(t.parts["weight"], rows)
+        return x if dtype is None else x.to(dtype)
+    out_dtype = dtype or torch.float32
+    a = rows[0] if rows else 0
+    if t.format == "int4_packed":
+        packed = read_tensor(t.parts["packed"], rows)
+        scale = read_tensor(t.parts["scale"], rows)
+        declared = tuple(int(v) for v in read_tensor(t.parts["shape"]).tolist())
+        if len(declared) != 2 or declared[0] != t.shape[0] or not (t.shape[1] - 8 < declared[1] <= t.shape[1]):
+            raise CheckpointError(f"weight_shape {list(declared)} disagrees with weight_packed {list(t.parts['packed'].shape)}",
+                                  file=str(t.parts["shape"].file), tensor=t.parts["shape"].name)
+        return unpack_int4(packed, scale, (packed.shape[0], declared[1]), group, dtype=out_dtype)
+    w = read_tensor(t.parts["weight"], rows)
+    kind = scale_kind(t)
+    srows = None
+    if rows and kind == "block":
+        srows = (rows[0] // block[0], -(-rows[1] // block[0]))
+    elif rows and kind == "channel":
+        srows = rows
+    scale = read_tensor(t.parts["scale"], srows)
+    if kind == "block":
+        return dequant_block_fp8(w, scale, block, row_offset=a, dtype=out_dtype)
+    return dequant_scaled(w, scale, block, dtype=out_dtype)
+
+
+def scale_kind(t: LogicalTensor) -> str:
+    """tensor | channel | block (how a scaled or block-FP8 weight's scale is laid out)."""
+    shape = t.parts["scale"].shape
+    if t.format == "block_fp8":
+        return "block"
+    if len(shape) <= 1 and (not shape or shape[0] == 1):
+        return "tensor"
+    if len(shape) == 2 and shape[1] == 1 and shape[0] == t.shape[0]:
+        return "channel"
+    return "block"

@@ -1,0 +1,75 @@
+"""Which tensors make one layer wrong: run the layer on the engine's own input with the converted
+weights, with exact source weights, and with exact weights for one tensor at a time. A tensor's
+share is how much of the layer's output error disappears when only it is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.source.checkpoint import Checkpoint
+from kconvert.load.loader import open_converted
+from kconvert.verify.forward import engine_inputs, hidden_states
+
+
+def _exact(meta_tensors: list[dict], ck: Checkpoint, name: str) -> torch.Tensor | None:
+    for t in meta_tensors:
+        if t["name"] == name:
+            x = ck.read(name, dtype=torch.float32)
+            if t["slice"]:
+                dim, a, b = t["slice"]
+                x = x.narrow(dim, a, b - a).contiguous()
+            return x
+    return None
+
+
+def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) -> list[dict]:
+    from engine.model import Layer
+
+    L = per_layer["attribute_layer"]
+    conv = open_converted(out_dir, rank=rank, world_size=model.par.world)
+    ck = Checkpoint.open(per_layer["source"])
+    unit = f"layer-{L:04d}"
+    converted = conv.load_unit(unit)
+    mine = [t for t in conv.meta["tensors"] if t["rank"] == rank and t["unit"] == unit]
+    everyone = sorted({t["name"] for t in conv.meta["tensors"] if t["unit"] == unit
+                       and not t["name"].endswith(("_scale_inv", "_scale")) and len(t["shape"]) >= 2})
+    prefix = f"{model.prefix}model.layers.{L}."
+
+    def with_exact(names: set[str]) -> dict:
+        t = dict(converted)
+        for n in names:
+            x = _exact(mine, ck, n)
+            if x is None:
+                continue  # another rank holds it
+            t[n] = x
+            t.pop(n + "_scale_inv", None)
+            t.pop(n + "_scale", None)
+        return t
+
+    inputs = []
+    for p, tk in zip(prompts, tokens):
+        ids, img = engine_inputs(p, tk, model, model.mc.raw)
+        inputs.append(hidden_states(model, ids, img)[L].unsqueeze(0))
+
+    def run(layer) -> list[torch.Tensor]:
+        outs = []
+        for x in inputs:
+            cache = model.new_cache(1, x.shape[1])
+            cos, sin = model.rotary(torch.arange(x.shape[1]), model.dtype)
+            outs.append(layer.forward(x.clone(), 0, cache.layers[L], cos[None], sin[None], model.par)[0])
+        return outs
+
+    exact = run(Layer(model.mc, L, with_exact(set(everyone)), prefix, model.par))
+    ref_norm = sum(float(e.pow(2).sum()) for e in exact) ** 0.5
+
+    def err(outs) -> float:
+        return sum(float((o - e).pow(2).sum()) for o, e in zip(outs, exact)) ** 0.5 / max(ref_norm, 1e-30)
+
+    base = err(run(Layer(model.mc, L, dict(converted), prefix, model.par)))
+    ranking = []
+    for n in everyone:
+        e = err(run(Layer(model.mc, L, with_exact({n}), prefix, model.par)))
+        ranking.append({"tensor": n, "layer_error_without_it": e, "share": (base - e) / base if base > 0 else 0.0})
+    ranking.sort(key=lambda r: -r["share"])
+    return [{"layer": L, "layer_error": base}] + ranking

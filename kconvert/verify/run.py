@@ -1,0 +1,90 @@
+"""The engine side of `kconvert verify`: run every prompt through the converted model on this rank
+and (with per_layer) each layer's hidden states, then attribute the first layer's error to tensors.
+
+Runs once per tensor-parallel rank: in-process when the world is 1 or under torchrun, else in
+processes `verify.py` spawns (gloo on cpu). Rank 0 writes its results to a safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kconvert.verify.forward import engine_inputs, hidden_states
+
+
+def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
+             per_layer: dict | None = None, device: str = "cpu") -> None:
+    """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
+    per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking."""
+    from engine.model import Model
+    from engine.parallel import Parallel
+
+    par = Parallel.from_env(device)
+    model = Model.from_converted(out_dir, device=device, dtype=torch.float32, par=par)
+    if per_layer is not None and per_layer.get("attribute_layer") is not None:
+        from kconvert.verify.attribution import attribute
+
+        ranking = attribute(model, out_dir, par.rank, prompts, tokens, per_layer)
+        if par.rank == 0:
+            Path(result_path + ".attribution.json").write_text(json.dumps(ranking))
+        return
+    result: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for i, (p, tk) in enumerate(zip(prompts, tokens)):
+            ids, img = engine_inputs(p, tk, model, model.mc.raw)
+            if per_layer is None:
+                logits = model.forward(ids, image_embeds=img)
+            else:  # one pass gives both: the logits are the head of the last (final-norm) state
+                states = hidden_states(model, ids, img)
+                logits = model.par.all_gather_last(model.head(states[-1][None].to(model.dtype))).float()
+                for L, h in enumerate(states):
+                    result[f"prompt.{i}.hidden.{L}"] = h.contiguous()
+                if img is not None:
+                    result[f"prompt.{i}.vision"] = img.float().contiguous()
+            result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
+    if par.rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(result, result_path)
+
+
+def spawn_main(rank: int, world: int, port: int, args: tuple) -> None:
+    """Entry point of a spawned rank (torch.multiprocessing)."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    run_rank(*args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_all_ranks(out_dir: str, tp: int, prompts, tokens, result_path: str, per_layer=None, device="cpu") -> None:
+    """Run the converted model's tp ranks (spawned unless already under torchrun) to result_path."""
+    if tp == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run_rank(out_dir, prompts, tokens, result_path, per_layer, device)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(spawn_main, args=(tp, free_port(), (out_dir, prompts, tokens, result_path, per_layer, device)),
+             nprocs=tp, join=True)
+
+
+def load_result(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))

@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kconvert.converted.format import verify_files as _verify_files
+from kconvert.converted.integrity import verify_files as _verify_files
 from kconvert.convert.quant_policy import SCALE_FORMATS, SCHEMES
 from kconvert.convert.shard import ShardJob, shard as _shard
 

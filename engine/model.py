@@ -15,6 +15,7 @@ from engine.moe import MLP, MoE
 from engine.parallel import Parallel
 from engine.rope import Rotary
 from kconvert.errors import KConvertError
+from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_layer
 from kconvert.load.loader import open_converted
 from kconvert.family.manifest import bind
 
@@ -61,18 +62,18 @@ class Model:
 
     def take_unit(self, unit: str, t: dict) -> None:
         t = dict(t)
-        if unit == "globals":
+        if unit == GLOBALS:
             p = self.prefix
             self.embed = t.pop(f"{p}model.embed_tokens.weight")
             self.norm = t.pop(f"{p}model.norm.weight")
             head = t.pop(f"{p}lm_head.weight", None)
             self.head = Weight(head if head is not None else self.embed)
-        elif unit == "vision":
+        elif unit == VISION:
             from engine.vision import VisionTower
 
             self.vision = VisionTower(self.mc.vision, t)
-        elif unit.startswith("layer-"):
-            L = int(unit.split("-")[1])
+        elif is_unit(unit):
+            L = unit_layer(unit)
             if L >= self.cfg.num_layers:
                 return  # MTP layers kept by --keep-mtp: not used for decoding
             self.layers[L] = Layer(self.mc, L, t, f"{self.prefix}model.layers.{L}.", self.par)

@@ -49,3 +49,14 @@ def header_offsets(path: Path) -> tuple[int, dict]:
     (n,) = struct.unpack("<Q", raw)
     header = json.loads(path.read_bytes()[8:8 + n])
     return 8 + n, header
+
+
+def rewrite_catalog(out: Path, meta: dict) -> None:
+    """Write `meta` as OUT/kconvert.json with a fresh digest: a consistent-looking document, as a tool
+    that knows the format (or a careful attacker) would leave it. Checks then have to catch the damage
+    elsewhere; a plain edit without the digest is refused on open (tests/test_catalog.py)."""
+    from kconvert.converted.catalog import digest_of
+
+    meta = dict(meta)
+    meta["digest"] = digest_of(meta)
+    (Path(out) / "kconvert.json").write_text(json.dumps(meta, indent=1))

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli, rewrite_catalog
 from kconvert.io import compressed as comp_mod
 from kconvert.io.compress_file import compress_file
 from kconvert.io.compressed import parse_codec
-from kconvert.converted.format import verify_files
+from kconvert.converted.integrity import verify_files
 from kconvert.errors import CheckpointError, KConvertError, UsageError
 from kconvert.load.loader import open_converted
 from kconvert.convert.pack import pack, unpack
@@ -60,6 +60,7 @@ def test_shard_compress_loads_the_same_tensors_and_unpacks_to_the_plain_conversi
     assert stored == sum((z / f).stat().st_size for f in mz["files"]) < sum(r["bytes"] for r in mp["files"].values())
     for r in mz["files"].values():
         assert r.pop("stored")["codec"] == "zstd"
+    assert mz.pop("digest") != mp.pop("digest")  # the digest covers the storage form too
     assert mz == mp  # same sizes and CRC-32s of the plain bytes: verify means the same for both forms
     assert verify_files(z)["files"] == len(mp["files"])
     for rank in range(mp["layout"]["tp"]):
@@ -205,7 +206,7 @@ def _restat(out: Path, rel: str) -> None:
     """Make kconvert.json agree with the file's new size (a consistent-looking but damaged shard)."""
     meta = json.loads((out / "kconvert.json").read_text())
     meta["files"][rel]["stored"]["bytes"] = (out / rel).stat().st_size
-    (out / "kconvert.json").write_text(json.dumps(meta, indent=1))
+    rewrite_catalog(out, meta)
 
 
 REL = "rank-000/layer-0001.safetensors"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli, rewrite_catalog
 from kconvert.load import loader as loader_mod
 from kconvert.errors import LoaderError
 from kconvert.load.loader import open_converted
@@ -135,7 +135,7 @@ def test_other_format_version(conversions, tmp_path):
     out = _copy(conversions, tmp_path)
     meta = json.loads((out / "kconvert.json").read_text())
     meta["format_version"] = 99
-    (out / "kconvert.json").write_text(json.dumps(meta))
+    rewrite_catalog(out, meta)
     assert_one_line_error(run_cli("load", out), "kconvert.json", "format version 99")
 
 
@@ -156,7 +156,7 @@ def test_tensor_missing_from_a_layer(conversions, tmp_path):
     save_file(tensors, out / rel)
     meta = json.loads((out / "kconvert.json").read_text())
     meta["files"][rel]["bytes"] = (out / rel).stat().st_size  # a consistent-looking but incomplete shard
-    (out / "kconvert.json").write_text(json.dumps(meta))
+    rewrite_catalog(out, meta)
     assert_one_line_error(run_cli("load", out), rel, victim, "missing")
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli, rewrite_catalog
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def _rewrite(out: Path, rel: str, mutate) -> None:
         if t["file"] == rel:
             lo, hi = header[t["name"]]["data_offsets"]
             t["crc32"] = f"{zlib.crc32(data[8 + n + lo:8 + n + hi]):08x}"
-    (out / "kconvert.json").write_text(json.dumps(meta))
+    rewrite_catalog(out, meta)
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:

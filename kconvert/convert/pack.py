@@ -17,13 +17,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kconvert.errors import ChecksumMismatch
+from kconvert.errors import ChecksumMismatch, UsageError
+from kconvert.io.atomic import write_atomic
 from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
-from kconvert.converted.format import JOURNAL_DIR, MANIFEST, PACK_STATE, first_bad_tensor, file_crc32, read_manifest
-from kconvert.errors import CheckpointError, UsageError
 from kconvert.io.safetensors_read import read_header
-from kconvert.io.atomic import write_atomic
+from kconvert.converted.catalog import Catalog
+from kconvert.converted.integrity import check_size, file_crc32, first_bad_tensor
+from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE, JournalLog, read_done
 
 LOG = "pack-done.jsonl"
 
@@ -56,11 +57,15 @@ def unpack(out: str | Path, *, threads: int | None = None, progress=None) -> Pac
 def _convert(out: Path, op: str, level: int | None, threads: int | None, progress) -> PackResult:
     t0 = time.perf_counter()
     threads = threads or min(8, os.cpu_count() or 1)
-    meta = read_manifest(out)
+    cat = Catalog.read(out)
     journal = out / JOURNAL_DIR
     state = journal / PACK_STATE
     if state.exists():
-        prev = json.loads(state.read_text())
+        try:
+            prev = json.loads(state.read_text())
+        except (OSError, ValueError):
+            prev = {"op": op}
+        prev = prev if isinstance(prev, dict) else {"op": op}
         if prev.get("op") != op:
             raise UsageError(f"an unfinished `kconvert {prev.get('op')}` is converting this directory; re-run "
                              f"`kconvert {prev.get('op')} {out}` first", file=str(out))
@@ -70,8 +75,8 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
                          file=str(out))
     result = PackResult(str(out), op)
     want_stored = op == "pack"
-    todo = [rel for rel, rec in meta["files"].items() if bool(rec.get("stored")) != want_stored]
-    result.untouched = len(meta["files"]) - len(todo)
+    todo = [rel for rel, rec in cat.files.items() if bool(rec.get("stored")) != want_stored]
+    result.untouched = len(cat.files) - len(todo)
     if not todo:
         shutil.rmtree(journal, ignore_errors=True)
         result.seconds = time.perf_counter() - t0
@@ -79,28 +84,26 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     journal.mkdir(exist_ok=True)
     if not state.exists():
         write_atomic(state, json.dumps({"op": op, "level": level}).encode())
-    done = _read_log(journal / LOG, out)
+    done = {rel: rec.get("stored") for rel, rec in read_done([journal / LOG], out, _journalled_size).items()}
     if progress:
-        progress("start", total=sum(meta["files"][rel]["bytes"] for rel in todo))
+        progress("start", total=sum(cat.files[rel]["bytes"] for rel in todo))
     advance = (lambda n: progress("advance", n=n)) if progress else None
-    with open(journal / LOG, "a") as log:
+    with JournalLog(journal / LOG) as log:
         for rel in todo:
-            rec = meta["files"][rel]
+            rec = cat.files[rel]
             if rel in done:
                 result.resumed += 1
                 if progress:
                     progress("advance", n=rec["bytes"])
                 continue
-            stored = _convert_one(out, rel, rec, meta, op, level, threads, advance)
-            log.write(json.dumps({"file": rel, "stored": stored}) + "\n")
-            log.flush()
-            os.fsync(log.fileno())
+            stored = _convert_one(out, rel, rec, cat, op, level, threads, advance)
+            log.add({"file": rel, "stored": stored})
             done[rel] = stored
             result.files += 1
             if progress:
                 progress("file", path=rel)
     for rel in todo:
-        rec = meta["files"][rel]
+        rec = cat.files[rel]
         result.plain_bytes += rec["bytes"]
         if want_stored:
             rec["stored"] = done[rel]
@@ -108,17 +111,17 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
         else:
             rec.pop("stored", None)
             result.stored_bytes += rec["bytes"]
-    write_atomic(out / MANIFEST, json.dumps(meta, indent=1).encode())
+    cat.write(out)
     shutil.rmtree(journal, ignore_errors=True)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _convert_one(out: Path, rel: str, rec: dict, meta: dict, op: str, level: int | None, threads: int,
+def _convert_one(out: Path, rel: str, rec: dict, cat: Catalog, op: str, level: int | None, threads: int,
                  advance) -> dict | None:
-    path = out / rel
+    path = cat.path_of(out, rel)
     if not path.is_file():
-        raise CheckpointError("listed in kconvert.json but missing", file=str(path))
+        check_size(path, rec)  # names the missing file
     header = read_header(path)
     try:
         if op == "pack":
@@ -140,21 +143,12 @@ def _convert_one(out: Path, rel: str, rec: dict, meta: dict, op: str, level: int
         decompress_file(path, path, threads=threads, expect_crc32=rec["crc32"], progress=advance)
         return None
     except ChecksumMismatch as e:
-        e.tensor = first_bad_tensor(path, meta, rel)
+        e.tensor = first_bad_tensor(path, cat, rel)
         raise
 
 
-def _read_log(log: Path, out: Path) -> dict[str, dict | None]:
-    done: dict[str, dict | None] = {}
-    if not log.exists():
-        return done
-    for line in log.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line: that file is redone
-        path = out / rec["file"]
-        stored = rec.get("stored")
-        if path.is_file() and (stored is None or path.stat().st_size == stored["bytes"]):
-            done[rec["file"]] = stored
-    return done
+def _journalled_size(rec: dict) -> int | None:
+    """A packed file must have the size its journal line records; an unpacked one any size (its CRC is
+    checked again when kconvert.json is next verified)."""
+    stored = rec.get("stored")
+    return stored.get("bytes") if isinstance(stored, dict) else None

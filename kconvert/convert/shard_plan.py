@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.converted.format import layer_unit, unit_file
+from kconvert.converted.units import GLOBALS, layer_unit, unit_file
 from kconvert.errors import UsageError
 from kconvert.convert.layout import Layout, Piece, check, pieces
 from kconvert.family.manifest import TensorInfo
@@ -70,7 +70,7 @@ class WorkItem:
 def unit_of(info: TensorInfo) -> str:
     if info.group in ("vision", "projector"):
         return "vision"
-    return "globals" if info.layer is None else layer_unit(info.layer)
+    return GLOBALS if info.layer is None else layer_unit(info.layer)
 
 
 def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from kconvert.load import devices
-from kconvert.converted.format import check_not_mid_pack, read_manifest, stored_bytes
+from kconvert.converted.catalog import Catalog
+from kconvert.converted.journal import check_not_mid_pack
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
@@ -48,19 +49,20 @@ class LoadStats:
 
 
 class ConvertedCheckpoint:
-    def __init__(self, root: Path, meta: dict, rank: int, zero_copy: bool = True):
-        self.root, self.meta, self.rank = root, meta, rank
+    def __init__(self, root: Path, catalog: Catalog, rank: int, zero_copy: bool = True):
+        self.root, self.catalog, self.rank = root, catalog, rank
+        self.meta = catalog.doc  # the validated kconvert.json document
         self.zero_copy = zero_copy
-        self.config: dict = meta["config"]
-        self.tp: int = meta["layout"]["tp"]
-        self.family: str = meta["source"]["family"]
-        self.quant: str = meta["quantization"]["scheme"]
-        self.files: dict[str, dict] = {f: r for f, r in meta["files"].items() if r["rank"] == rank}
+        self.config: dict = catalog.config
+        self.tp: int = catalog.tp
+        self.family: str = catalog.family
+        self.quant: str = catalog.scheme
+        self.files: dict[str, dict] = catalog.rank_files(rank)
         by_unit = {r["unit"]: f for f, r in self.files.items()}
-        self.units: list[str] = [u for u in meta["layout"]["units"] if u in by_unit]
+        self.units: list[str] = [u for u in catalog.units if u in by_unit]
         self._file_of = by_unit
         self._tensors: dict[str, list[dict]] = {}
-        for t in meta["tensors"]:
+        for t in catalog.tensors:
             if t["rank"] == rank:
                 self._tensors.setdefault(t["file"], []).append(t)
         self.stats = LoadStats()
@@ -70,18 +72,13 @@ class ConvertedCheckpoint:
         return sum(r["bytes"] for r in self.files.values())
 
     def file_of(self, unit: str) -> Path:
-        return self.root / self._file_of[unit]
+        return self.catalog.path_of(self.root, self._file_of[unit])
 
     # ------------------------------------------------------------------ reading
     def _check_header(self, rel: str) -> SafetensorsHeader:
-        path = self.root / rel
+        path = self.catalog.path_of(self.root, rel)
         rec = self.files[rel]
-        if not path.is_file():
-            raise LoaderError("shard listed in kconvert.json is missing", file=str(path))
-        size = path.stat().st_size
-        if size != stored_bytes(rec):
-            raise LoaderError(f"shard is {size} bytes, kconvert.json records {stored_bytes(rec)}: truncated or replaced",
-                              file=str(path))
+        _check_size(path, rec)
         header = read_header(path)
         if (header.compressed is not None) != bool(rec.get("stored")):
             raise LoaderError("shard is " + ("compressed" if header.compressed is not None else "plain") +
@@ -116,7 +113,7 @@ class ConvertedCheckpoint:
     def _fetch(self, unit: str, verify: bool, pool: ThreadPoolExecutor, staging: torch.Tensor | None):
         """Read one unit's file into memory: (header, uint8 tensor of the whole file, seconds)."""
         rel = self._file_of[unit]
-        path = self.root / rel
+        path = self.catalog.path_of(self.root, rel)
         header = self._check_header(rel)
         size = header.size
         t0 = time.perf_counter()
@@ -134,10 +131,10 @@ class ConvertedCheckpoint:
             crc = f"{zlib.crc32(buf.numpy()):08x}"
             self.stats.verify_seconds += time.perf_counter() - t1
             if crc != self.files[rel]["crc32"]:
-                from kconvert.converted.format import first_bad_tensor
+                from kconvert.converted.integrity import first_bad_tensor
 
                 raise LoaderError("checksum mismatch: the shard is damaged (nothing from it was used)", file=str(path),
-                                  tensor=first_bad_tensor(path, self.meta, rel))
+                                  tensor=first_bad_tensor(path, self.catalog, rel))
         return header, buf
 
     @staticmethod
@@ -265,8 +262,8 @@ def open_converted(path: str | Path, rank: int = 0, world_size: int | None = Non
     zero_copy (CPU only): tensors are copy-on-write views of the mapped shard files, as safetensors'
     safe_open does; pass False to read into private memory when the files may change while in use."""
     root = Path(path)
-    meta = read_manifest(root)
-    tp = meta["layout"]["tp"]
+    cat = Catalog.read(root)
+    tp = cat.tp
     where = str(root / "kconvert.json")
     if world_size is not None and world_size != tp:
         raise LoaderError(f"converted for tp {tp} but the world size is {world_size}: launch {tp} ranks "
@@ -274,12 +271,15 @@ def open_converted(path: str | Path, rank: int = 0, world_size: int | None = Non
     if not 0 <= rank < tp:
         raise LoaderError(f"rank {rank} does not exist: converted for tp {tp} (ranks 0..{tp - 1})", file=where)
     check_not_mid_pack(root)
-    conv = ConvertedCheckpoint(root, meta, rank, zero_copy)
-    for rel in conv.files:  # cheap existence/size checks before anything is read
-        p = root / rel
-        if not p.is_file():
-            raise LoaderError("shard listed in kconvert.json is missing", file=str(p))
-        if p.stat().st_size != stored_bytes(conv.files[rel]):
-            raise LoaderError(f"shard is {p.stat().st_size} bytes, kconvert.json records "
-                              f"{stored_bytes(conv.files[rel])}: truncated or replaced", file=str(p))
+    conv = ConvertedCheckpoint(root, cat, rank, zero_copy)
+    for rel, rec in conv.files.items():  # cheap existence/size checks before anything is read
+        _check_size(cat.path_of(root, rel), rec)
     return conv
+
+
+def _check_size(path: Path, rec: dict) -> None:
+    if not path.is_file():
+        raise LoaderError("shard listed in kconvert.json is missing", file=str(path))
+    size, want = path.stat().st_size, Catalog.stored_bytes(rec)
+    if size != want:
+        raise LoaderError(f"shard is {size} bytes, kconvert.json records {want}: truncated or replaced", file=str(path))

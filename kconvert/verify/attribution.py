@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.converted.units import layer_unit
 from kconvert.load.loader import open_converted
 from kconvert.verify.forward import engine_inputs, hidden_states
 
@@ -29,7 +30,7 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
     L = per_layer["attribute_layer"]
     conv = open_converted(out_dir, rank=rank, world_size=model.par.world)
     ck = Checkpoint.open(per_layer["source"])
-    unit = f"layer-{L:04d}"
+    unit = layer_unit(L)
     converted = conv.load_unit(unit)
     mine = [t for t in conv.meta["tensors"] if t["rank"] == rank and t["unit"] == unit]
     everyone = sorted({t["name"] for t in conv.meta["tensors"] if t["unit"] == unit

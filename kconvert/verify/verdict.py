@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from kconvert.verify import kld
-from kconvert.converted.format import read_manifest, verify_files
+from kconvert.converted.catalog import Catalog
+from kconvert.converted.integrity import verify_files
 from kconvert.errors import KConvertError, UsageError, VerifyFailed
 from kconvert.family.manifest import manifests_dir
 from kconvert.verify.reference import load_reference, run_reference
@@ -58,7 +59,7 @@ def run_verify(out: str, *, reference: str | None = None, against: str | None = 
     import time
 
     t0 = time.perf_counter()
-    meta = read_manifest(out)
+    meta = Catalog.read(out).doc
     if progress:
         progress("phase", name="integrity")
     try:

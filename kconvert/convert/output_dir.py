@@ -1,0 +1,81 @@
+"""The output directory of `kconvert shard`: which state it is in (fresh, resumable, complete, someone
+else's) and the side files (config, tokenizer) copied beside the shards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from kconvert.errors import CheckpointError, UsageError
+from kconvert.io.atomic import write_atomic
+from kconvert.io.paths import contained
+from kconvert.source.checkpoint import Checkpoint
+from kconvert.converted.catalog import MANIFEST
+from kconvert.converted.journal import JOURNAL_DIR
+
+COPY_PATTERNS = ("config.json", "generation_config.json", "tokenizer_config.json", "tiktoken.model", "*.tiktoken",
+                 "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json", "processor_config.json")
+
+
+def check_paths(ck: Checkpoint, out: Path) -> None:
+    src = ck.root.resolve()
+    if out == src or src in out.parents:
+        raise UsageError("the output directory is inside the source checkpoint; choose a path outside it", file=str(out))
+    if out.exists() and not out.is_dir():
+        raise UsageError("output path exists and is not a directory", file=str(out))
+
+
+def prepare_out(out: Path, identity: dict, overwrite: bool, follower: bool = False) -> str:
+    """Make `out` ready for this job: 'fresh', 'resume' or 'complete'. Refuses to mix jobs."""
+    journal = out / JOURNAL_DIR
+    job_file = journal / "job.json"
+    if (out / MANIFEST).exists():
+        meta = _read_json(out / MANIFEST)
+        if meta.get("job") == identity and not overwrite:
+            return "complete"
+        if not overwrite:
+            raise UsageError("the output directory holds a different conversion (other source or arguments); "
+                             "pass --overwrite to replace it or choose another directory", file=str(out))
+    elif job_file.exists():
+        if _read_json(job_file) == identity:
+            return "resume"
+        if not overwrite and not follower:
+            raise UsageError("the output directory holds an unfinished conversion with other arguments or another "
+                             "source; re-run that command to finish it, or pass --overwrite", file=str(out))
+    elif out.exists() and any(out.iterdir()) and not follower:
+        raise UsageError("the output directory is not empty and holds no kconvert conversion; choose an empty one",
+                         file=str(out))
+    if follower:
+        return "resume"
+    if overwrite and out.exists():
+        if not ((out / MANIFEST).exists() or job_file.exists() or not any(out.iterdir())):
+            raise UsageError("refusing to --overwrite a directory that is not a kconvert output", file=str(out))
+        shutil.rmtree(out)
+    try:
+        journal.mkdir(parents=True, exist_ok=True)
+        write_atomic(job_file, json.dumps(identity, indent=1).encode())
+    except PermissionError:
+        raise UsageError("the output directory is not writable", file=str(out)) from None
+    except OSError as e:
+        raise UsageError(f"cannot create the output directory: {e.strerror}", file=str(out)) from None
+    return "fresh"
+
+
+def copy_side_files(ck: Checkpoint, out: Path) -> None:
+    """Config and tokenizer files, each a regular file inside the source (a symlink leading out is refused)."""
+    for pattern in COPY_PATTERNS:
+        for f in sorted(ck.root.glob(pattern)):
+            src = contained(ck.root, f.name, named_in=ck.root)
+            if not src.is_file():
+                raise CheckpointError("side file is not a regular file", file=str(src))
+            shutil.copyfile(src, out / f.name)
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object, or {} when the file is damaged (then it matches no job and needs --overwrite)."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}

@@ -1,0 +1,70 @@
+"""The journal of an unfinished `shard`, `pack` or `unpack` (OUT/.kconvert/): append-only JSON lines,
+one per finished file, fsynced, so a killed run resumes where it stopped. A torn last line is ignored
+(that file is redone); a record counts only while its file is still there with the recorded size."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from kconvert.errors import CheckpointError
+
+JOURNAL_DIR = ".kconvert"
+PACK_STATE = "pack.json"  # in JOURNAL_DIR while `kconvert pack` / `unpack` is converting the directory
+
+
+def read_done(logs: Iterable[Path], out: Path, size_of: Callable[[dict], int | None]) -> dict[str, dict]:
+    """{file: record} of every journalled file whose bytes are still there. `size_of(record)` is the size
+    the file must have, or None when any size will do."""
+    done: dict[str, dict] = {}
+    for log in logs:
+        if not log.exists():
+            continue
+        for line in log.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                rel = rec["file"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+            if not isinstance(rel, str) or ".." in rel.split("/") or rel.startswith("/"):
+                continue
+            path = out / rel
+            want = size_of(rec)
+            if path.is_file() and (want is None or path.stat().st_size == want):
+                done[rel] = rec
+    return done
+
+
+class JournalLog:
+    """Append records to one journal file, each durable before the next file is started."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "a")
+
+    def add(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def check_not_mid_pack(out: Path) -> None:
+    state = Path(out) / JOURNAL_DIR / PACK_STATE
+    if state.exists():
+        try:
+            op = json.loads(state.read_text()).get("op", "pack")
+        except (OSError, ValueError, AttributeError):
+            op = "pack"
+        op = op if op in ("pack", "unpack") else "pack"
+        raise CheckpointError(f"an unfinished `kconvert {op}` is converting this directory; re-run `kconvert {op} "
+                              f"{out}` to finish it first", file=str(out))

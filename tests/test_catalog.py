@@ -1,0 +1,146 @@
+"""kconvert.json is owned by kconvert.converted.catalog: its digest refuses any edit, its schema is
+checked on every open, and no file name in it (or a symlink) reaches outside the directory. Every
+reader and writer (load, verify-files, pack/unpack, verify) goes through it: exit 2, one line naming
+kconvert.json and the field, nothing outside OUT touched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_one_line_error, rewrite_catalog, run_cli
+from kconvert.convert.shard import ShardJob, shard
+from kconvert.converted.catalog import Catalog, digest_of
+from kconvert.errors import CheckpointError
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoint, tmp_path_factory):
+    base = tmp_path_factory.mktemp("catalog")
+    return Path(shard(ShardJob(str(checkpoint("tiny-k3")), str(base / "tp2"), tp=2, quant="int8")).out)
+
+
+@pytest.fixture
+def out(converted, tmp_path):
+    dst = tmp_path / "conv"
+    shutil.copytree(converted, dst)
+    return dst
+
+
+def _meta(out: Path) -> dict:
+    return json.loads((out / "kconvert.json").read_text())
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            h.update(str(p.relative_to(root)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+COMMANDS = (("load", "--verify"), ("verify-files",), ("pack",), ("unpack",))
+
+
+def _all_refuse(out: Path, *needles: str) -> None:
+    for cmd in COMMANDS:
+        assert_one_line_error(run_cli(cmd[0], out, *cmd[1:]), "kconvert.json", *needles)
+
+
+def test_written_catalog_reads_back_and_digest_covers_everything(out):
+    cat = Catalog.read(out)
+    assert cat.doc["digest"] == digest_of(cat.doc) and cat.doc["digest"].startswith("sha256:")
+    assert cat.tp == 2 and cat.scheme == "int8" and set(cat.rank_files(1)) == {
+        f"rank-001/{u}.safetensors" for u in cat.units}
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["config"]["text_config"].update(num_hidden_layers=2),
+    lambda m: m["layout"].update(tp=1),
+    lambda m: m["tensors"].pop(),
+    lambda m: m["files"]["rank-000/globals.safetensors"].update(crc32="00000000"),
+], ids=["config", "tp", "tensor-list", "file-crc"])
+def test_any_edit_without_a_new_digest_is_refused(out, edit):
+    meta = _meta(out)
+    edit(meta)
+    (out / "kconvert.json").write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("load", out, "--verify"), "kconvert.json", "digest")
+    assert_one_line_error(run_cli("verify-files", out), "kconvert.json", "digest")
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda m: m["layout"].update(tp=4), "files"),  # ranks 2 and 3 have no files
+    (lambda m: m["layout"].update(tp=0), "layout.tp"),
+    (lambda m: m["layout"].update(tp="2"), "layout.tp"),
+    (lambda m: m.pop("tensors"), "tensors"),
+    (lambda m: m["quantization"].update(scheme="fp3"), "quantization.scheme"),
+    (lambda m: m["files"]["rank-001/globals.safetensors"].update(rank=0), "files['rank-001/globals.safetensors']"),
+    (lambda m: m["tensors"][0].update(shape="big"), "tensors[0].shape"),
+    (lambda m: m["tensors"][0].update(file="rank-009/x.safetensors"), "tensors[0].file"),
+], ids=["tp-4", "tp-0", "tp-str", "no-tensors", "scheme", "rank-swap", "shape-type", "tensor-file"])
+def test_schema_is_checked_even_with_a_valid_digest(out, edit, field):
+    meta = _meta(out)
+    edit(meta)
+    rewrite_catalog(out, meta)
+    with pytest.raises(CheckpointError, match="field"):
+        Catalog.read(out)
+    _all_refuse(out, field)
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "rank-000/../../x.safetensors", "",
+                                  "rank-000//globals.safetensors"])
+def test_file_names_leaving_the_directory_are_refused_everywhere(out, tmp_path, name):
+    meta = _meta(out)
+    meta["files"][name] = meta["files"].pop("rank-000/globals.safetensors")
+    for t in meta["tensors"]:
+        if t["file"] == "rank-000/globals.safetensors":
+            t["file"] = name
+    rewrite_catalog(out, meta)
+    victim = tmp_path / "outside.safetensors"
+    victim.write_bytes(b"do not touch")
+    before = _tree_digest(tmp_path)
+    _all_refuse(out)
+    assert victim.read_bytes() == b"do not touch"
+    assert _tree_digest(tmp_path) == before  # pack/unpack wrote nothing, inside or out
+
+
+def test_a_shard_that_is_a_symlink_leading_out_is_refused(out, tmp_path):
+    rel = "rank-001/layer-0000.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(out / rel, outside)
+    os.symlink(outside, out / rel)
+    before = outside.read_bytes()
+    _all_refuse(out, "symlink")
+    assert outside.read_bytes() == before
+
+
+def test_older_format_versions_say_convert_again(out):
+    meta = _meta(out)
+    meta["format_version"] = 1
+    meta.pop("digest")
+    (out / "kconvert.json").write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("load", out), "kconvert.json", "format version 1", "convert again")
+
+
+def test_nan_in_kconvert_json_is_refused(out):
+    text = (out / "kconvert.json").read_text().replace('"ep": 2', '"ep": NaN', 1)
+    (out / "kconvert.json").write_text(text)
+    assert_one_line_error(run_cli("verify-files", out), "kconvert.json", "not valid JSON")
+
+
+def test_shard_refuses_side_files_that_are_symlinks_out_of_the_source(checkpoint, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint("tiny-k3"), src)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    (src / "tokenizer_config.json").unlink()
+    os.symlink(secret, src / "tokenizer_config.json")
+    proc = run_cli("shard", src, tmp_path / "out", "--tp", "1")
+    assert_one_line_error(proc, "tokenizer_config.json", "symlink")
+    assert not (tmp_path / "out" / "kconvert.json").exists()
+    assert not (tmp_path / "out" / "tokenizer_config.json").exists()

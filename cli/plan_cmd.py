@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kconvert.errors import UsageError
-from kconvert.plan.memory import GIB, make_plan
+from kconvert.plan.device_presets import GIB
+from kconvert.plan.memory import make_plan
 
 from .units import fmt_count
 

@@ -136,8 +136,8 @@ def test_header_readable_and_one_tensor_or_rows_read_alone(convs, tmp_path, monk
     groups = {layout.group[i] for i in range(layout.n_chunks) if big.begin <= layout.u_off[i] < big.end}
     assert groups == {2}  # bf16: high and low bytes apart
     decoded = []
-    real = comp_mod.CompressedLayout._decode
-    monkeypatch.setattr(comp_mod.CompressedLayout, "_decode",
+    real = comp_mod.ChunkIndex._decode
+    monkeypatch.setattr(comp_mod.ChunkIndex, "_decode",
                         lambda self, i, fd, out: (decoded.append(i), real(self, i, fd, out)))
     rows = (3, 7)
     got = read_tensor(big, rows=rows)

@@ -10,7 +10,8 @@ from cli.main import main
 from cli.plan_cmd import parse_tokens
 from kconvert.errors import UsageError
 from kconvert.family.manifest import manifests_dir
-from kconvert.plan.memory import GIB, default_reserve, devices, find_device, make_plan
+from kconvert.plan.device_presets import GIB, devices, find_device
+from kconvert.plan.memory import default_reserve, make_plan
 
 K3 = "kimi-k3-3t"  # manifests/examples/kimi-k3-3t/config.json, found by name
 K3_CONFIG = manifests_dir() / "examples" / K3 / "config.json"

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from kconvert.errors import UsageError
 from kconvert.family.manifest import ModelMap, TensorInfo
 
+TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # the degrees plan and shard try when suggesting alternatives
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -78,16 +80,17 @@ def pieces(info: TensorInfo, shape: tuple[int, ...], layout: Layout, n_experts: 
 
 def check(model: ModelMap, layout: Layout) -> None:
     """Refuse, with the tp degrees that would work, a layout the model's dims do not divide."""
-    bad = _first_bad(model, layout)
+    bad = layout_problem(model, layout)
     if bad:
         # same expert mode at other degrees: whole experts (ep = tp), or the same ep where it divides tp
-        candidates = [Layout(t, t if layout.ep == layout.tp else layout.ep) for t in (1, 2, 4, 8, 16, 32, 64)]
-        works = [c.tp for c in candidates if c.tp % c.ep == 0 and not _first_bad(model, c)]
+        candidates = [Layout(t, t if layout.ep == layout.tp else layout.ep) for t in TP_DEGREES]
+        works = [c.tp for c in candidates if c.tp % c.ep == 0 and not layout_problem(model, c)]
         raise UsageError(f"--tp {layout.tp} --ep {layout.ep} does not fit this model: {bad}; "
                          f"tp degrees that work: {', '.join(map(str, works)) or 'none'}")
 
 
-def _first_bad(model: ModelMap, layout: Layout) -> str | None:
+def layout_problem(model: ModelMap, layout: Layout) -> str | None:
+    """Why the model's dims do not divide over `layout`, or None when they do."""
     text = model.text
     heads = int(model.text_config.get("num_attention_heads") or 0)
     if heads and heads % layout.tp:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from kconvert.errors import UsageError
 from kconvert.family.manifest import TensorInfo
+from kconvert.io.dtypes import FP8_BLOCK
 
 SCHEMES = ("none", "fp8", "int8")
 SCALE_FORMATS = ("fp32", "ue8m0")
-FP8_BLOCK = 128
 
 
 @dataclass(frozen=True)

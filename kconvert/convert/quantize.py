@@ -13,6 +13,7 @@ import math
 import torch
 
 from kconvert.errors import CheckpointError
+from kconvert.io.dtypes import FP8_BLOCK
 
 FP8_MAX = 448.0  # float8_e4m3fn, no infinities
 INT8_MAX = 127.0
@@ -25,7 +26,7 @@ def check_finite(x: torch.Tensor, name: str) -> None:
         raise CheckpointError(f"{bad} NaN/Inf values in the source weight: refusing to quantize it", tensor=name)
 
 
-def quantize_fp8_block(w: torch.Tensor, block: int = 128, scale_format: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, scale_format: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float -> (fp8 [R, C], float32 scale [ceil(R/b), ceil(C/b)]) with w ≈ q * scale."""
     rows, cols = w.shape
     br, bc = math.ceil(rows / block), math.ceil(cols / block)

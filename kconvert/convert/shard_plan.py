@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.units import GLOBALS, layer_unit, unit_file
 from kconvert.errors import UsageError
-from kconvert.convert.layout import Layout, Piece, check, pieces
+from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.io.dtypes import ITEMSIZE
@@ -100,9 +100,9 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
             item = items.setdefault((unit, p.rank), WorkItem(p.rank, unit))
             item.outputs.append(Output(name, info, p, transform, tuple(shape), t.stored_dtype, policy.scale_format))
     if misaligned:
-        works = [tp for tp in (1, 2, 4, 8, 16, 32, 64) if _fp8_aligned(ck, tp, layout, policy)]
+        works = [tp for tp in TP_DEGREES if _fp8_aligned(ck, tp, layout, policy)]
         raise UsageError(f"block-FP8 source: --tp {layout.tp} cuts {misaligned[0]} (and {len(misaligned) - 1} more) "
-                         f"inside a 128x128 scale block; tp degrees that keep blocks whole: "
+                         f"inside a {FP8_BLOCK}x{FP8_BLOCK} scale block; tp degrees that keep blocks whole: "
                          f"{', '.join(map(str, works)) or 'none'}; or pass --requantize to re-quantize those slices")
     order = {"globals": -2, "vision": -1}
     for item in items.values():

@@ -93,7 +93,7 @@ def ungroup_bytes(planes: np.ndarray, k: int, out: np.ndarray) -> None:
         np.bitwise_or(wide, p[i], out=wide)
 
 
-class CompressedLayout:
+class ChunkIndex:
     """What read_header learns from a compressed shard: plain size, plain data start, and the chunk index."""
 
     def __init__(self, path: Path, stored_size: int, head_end: int, header_raw: bytes, metadata: dict, obj: dict):

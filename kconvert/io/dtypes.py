@@ -15,3 +15,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 TAGS: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {tag: torch.empty(0, dtype=dt).element_size() for tag, dt in DTYPES.items()}
+
+# DeepSeek/Kimi block-FP8: one float32 scale per FP8_BLOCK x FP8_BLOCK block of weights (`weight_scale_inv`).
+FP8_BLOCK = 128

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import FormatError
-from kconvert.io.compressed import CompressedLayout
+from kconvert.io.compressed import ChunkIndex
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.pread import read_bytes
 
@@ -35,7 +35,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
-    compressed: object = field(default=None, repr=False, compare=False)  # CompressedLayout of a compressed shard
+    compressed: object = field(default=None, repr=False, compare=False)  # ChunkIndex of a compressed shard
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +57,7 @@ class SafetensorsHeader:
     data_start: int
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
-    compressed: object = None  # CompressedLayout when the file is a compressed shard (kconvert/compressed.py)
+    compressed: object = None  # ChunkIndex when the file is a compressed shard (kconvert/compressed.py)
 
     @property
     def stored_size(self) -> int:
@@ -97,7 +97,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     metadata = metadata if isinstance(metadata, dict) else {}
     comp = None
     if "kconvert_codec" in metadata:  # a compressed shard: offsets are into the plain file it decompresses to
-        comp = CompressedLayout(path, size, data_start, raw, metadata, obj)
+        comp = ChunkIndex(path, size, data_start, raw, metadata, obj)
         data_start, data_len = comp.data_start, comp.size - comp.data_start
     tensors: dict[str, TensorEntry] = {}
     for name, spec in obj.items():

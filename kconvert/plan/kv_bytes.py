@@ -27,7 +27,7 @@ SCALE_GROUP = 128  # values per float32 scale in the fp8 caches
 
 
 @dataclass(frozen=True)
-class KVCache:
+class KVBytes:
     dtype: str
     layers: int
     latent_bytes: int  # per token per layer
@@ -61,13 +61,13 @@ def indexer_bytes(index_head_dim: int, dtype: str) -> int:
     return index_head_dim + 4 * math.ceil(index_head_dim / SCALE_GROUP)
 
 
-def kv_cache(text_config: dict, dtype: str = "bf16") -> KVCache:
+def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
     """The KV cache a text config implies (num_hidden_layers layers; MTP layers not counted)."""
     if dtype not in KV_DTYPES:
         raise UsageError(f"unknown --kv-cache-dtype {dtype!r} (choose from {', '.join(KV_DTYPES)})")
     tc = text_config
     index_dim = int(tc.get("index_head_dim") or 0) if tc.get("index_topk") else 0
-    return KVCache(
+    return KVBytes(
         dtype=dtype,
         layers=int(tc["num_hidden_layers"]),
         latent_bytes=latent_bytes(int(tc["kv_lora_rank"]), int(tc["qk_rope_head_dim"]), dtype),

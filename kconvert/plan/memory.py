@@ -15,187 +15,39 @@ Memory model, per rank (every number in bytes; GiB = 2**30):
   weights     = the largest rank's converted bytes: `layout.pieces` gives each rank's slice and
                 `QuantPolicy.stored_bytes` its size (scales included). MTP layers are left out (the
                 converter drops them by default). Replicated tensors count on every rank.
-  KV cache    = batch x context x KV bytes per token per rank (kv_cache.py; replicated across tp).
+  KV cache    = batch x context x KV bytes per token per rank (kv_bytes.py; replicated across tp).
   fits        = weights + reserve + KV cache <= usable
   max context = floor((usable - weights - reserve) / (batch x KV bytes per token))
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import tomllib
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
-from kconvert.errors import CheckpointError, ManifestError, UsageError
-from kconvert.plan.kv_bytes import KVCache, kv_cache
-from kconvert.convert.layout import Layout, check, pieces
-from kconvert.family.manifest import ModelMap, TensorInfo, bind, manifests_dir
-from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
-from kconvert.io.dtypes import ITEMSIZE
+from kconvert.errors import CheckpointError, UsageError
+from kconvert.plan.device_presets import GIB, DevicePreset, devices, find_device
+from kconvert.plan.kv_bytes import KVBytes, kv_bytes
+from kconvert.plan.rank_bytes import COMPONENTS, TensorGroup, checkpoint_groups, config_groups, fp8_misaligned, rank_bytes
+from kconvert.convert.layout import TP_DEGREES, Layout, check, layout_problem
+from kconvert.family.manifest import ModelMap, manifests_dir
+from kconvert.convert.quant_policy import QuantPolicy
 
-COMPONENTS = ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp", "router", "norm", "embed",
-              "head", "vision", "projector")
-TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
-GIB = 2**30
 MEM_FRACTION = 0.92
 RUNTIME_RESERVE = 2 * GIB
 PREFILL_CHUNK = 8192
 ACTIVATION_BUFFERS = 24
 
 
-# ---------------------------------------------------------------------------------------------- devices
-@dataclass(frozen=True)
-class Device:
-    key: str
-    name: str
-    backend: str
-    memory_gib: float
-    bandwidth_tbs: float
-    fp8: bool
-    source: str
-    aliases: tuple[str, ...] = ()
-
-    @property
-    def memory_bytes(self) -> int:
-        return int(self.memory_gib * GIB)
-
-
-@functools.lru_cache(maxsize=None)
-def devices() -> dict[str, Device]:
-    """The presets of manifests/devices.toml, by key (H200, H100, ...)."""
-    path = manifests_dir() / "devices.toml"
-    try:
-        spec = tomllib.loads(path.read_text())["device"]
-        return {k: Device(k, d["name"], d["backend"], float(d["memory_gib"]), float(d["bandwidth_tbs"]), bool(d["fp8"]),
-                          d.get("source", ""), tuple(d.get("aliases", ()))) for k, d in spec.items()}
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"device presets unreadable: {e.__class__.__name__}: {e}", file=str(path)) from None
-
-
-def find_device(name: str) -> Device:
-    """A preset by key or alias, case-insensitively. UsageError listing the known ones otherwise."""
-    want = name.strip().lower()
-    for d in devices().values():
-        if want == d.key.lower() or want in (a.lower() for a in d.aliases):
-            return d
-    raise UsageError(f"unknown --device {name!r} (known: {', '.join(devices())})")
-
-
-# ---------------------------------------------------------------------------------------------- tensors
-@dataclass(frozen=True)
-class TensorGroup:
-    """`copies` tensors of one manifest rule with one shape and source dtype (the same tensor in several
-    layers), each standing for every routed expert in `experts` when the rule is per expert."""
-
-    info: TensorInfo  # the representative: the first layer's (first expert's) tensor
-    shape: tuple[int, ...]
-    itemsize: int  # source bytes per element: what an unquantized tensor keeps (2, or 4 for fp32)
-    experts: tuple[int, ...] = ()
-    copies: int = 1
-
-    @property
-    def count(self) -> int:
-        return (len(self.experts) or 1) * self.copies
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.count
-
-
-def _collapse(items) -> list[TensorGroup]:
-    """(info, shape, itemsize), any order -> groups: experts of one (rule, layer, shape, dtype) merged,
-    then equal (rule, shape, dtype, experts) merged across layers. MTP layers are left out."""
-    per_layer: dict[tuple, tuple[TensorInfo, tuple, int, list[int]]] = {}
-    for info, shape, itemsize in items:
-        if info.component == "mtp":
-            continue
-        key = (info.rule.pattern, info.layer if info.expert is not None else info.name, tuple(shape), itemsize)
-        if key not in per_layer:
-            per_layer[key] = (info, tuple(shape), itemsize, [])
-        if info.expert is not None:
-            per_layer[key][3].append(info.expert)
-    merged: dict[tuple, TensorGroup] = {}
-    for info, shape, itemsize, experts in per_layer.values():
-        key = (info.rule.pattern, shape, itemsize, tuple(sorted(experts)))
-        g = merged.get(key)
-        merged[key] = TensorGroup(info, shape, itemsize, key[3]) if g is None else \
-            TensorGroup(g.info, shape, itemsize, key[3], g.copies + 1)
-    return list(merged.values())
-
-
-@functools.lru_cache(maxsize=8)
-def _config_groups(config_json: str) -> tuple[ModelMap, tuple[TensorGroup, ...]]:
-    model = bind(json.loads(config_json))
-    shapes: dict[tuple, tuple[int, ...]] = {}  # experts of one rule and layer share one shape: evaluate once
-
-    def items():
-        for info, _ in model.expected():
-            key = (info.rule.pattern, info.layer)
-            if key not in shapes:
-                shapes[key] = info.expected_shape()
-            yield info, shapes[key], 4 if info.name.endswith("e_score_correction_bias") else 2
-
-    return model, tuple(_collapse(items()))
-
-
-def _checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
-    ck.validate()
-    return _collapse((ck.info(name), t.shape, ITEMSIZE[t.main.dtype] if t.format == "plain" else 2)
-                     for name, t in ck.logical.items())
-
-
-def rank_bytes(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[dict[str, int]]:
-    """Converted bytes on every rank, by component. The layout must have passed `layout.check`."""
-    ranks: list[defaultdict] = [defaultdict(int) for _ in range(layout.tp)]
-    per_group = n_experts // layout.ep if n_experts else 1
-    for g in groups:
-        comp = g.info.component
-        ps = pieces(g.info, g.shape, layout, n_experts)
-        memo: dict[tuple, int] = {}
-        sizes = []
-        for p in ps:
-            shape = g.shape if p.dim is None else g.shape[:p.dim] + (p.stop - p.start,) + g.shape[p.dim + 1:]
-            if shape not in memo:
-                memo[shape] = policy.stored_bytes(g.info, shape, g.itemsize)
-            sizes.append(memo[shape] * g.copies)
-        if not g.experts:
-            for p, b in zip(ps, sizes):
-                ranks[p.rank][comp] += b
-            continue
-        # the pieces of one expert: ranks i of its group; every expert of group k lands on group k's ranks
-        for k, c in Counter(e // per_group for e in g.experts).items():
-            for i, b in enumerate(sizes):
-                ranks[k * layout.expert_tp + i][comp] += c * b
-    return [{c: r[c] for c in COMPONENTS if r.get(c)} for r in ranks]
-
-
-def fp8_misaligned(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> str | None:
-    """The first fp8 tensor whose per-rank slice starts inside a 128x128 scale block, if any."""
-    if policy.scheme != "fp8":
-        return None
-    for g in groups:
-        if policy.quantizes(g.info, g.shape):
-            for p in pieces(g.info, g.shape, layout, n_experts):
-                if p.dim is not None and p.start % FP8_BLOCK:
-                    return (f"{g.info.name} splits into {p.stop - p.start}-wide slices (dim {p.dim}), not "
-                            f"{FP8_BLOCK}-aligned")
-    return None
-
-
-# ---------------------------------------------------------------------------------------------- memory
 def default_reserve(hidden_size: int) -> int:
     """Activation/workspace reserve per rank (see the module docstring)."""
     return RUNTIME_RESERVE + PREFILL_CHUNK * hidden_size * 2 * ACTIVATION_BUFFERS
 
 
-def fit(device: Device, weights: int, reserve: int, kv: KVCache, context: int, batch: int,
+def fit(device: DevicePreset, weights: int, reserve: int, kv: KVBytes, context: int, batch: int,
         mem_fraction: float) -> dict:
     usable = int(device.memory_bytes * mem_fraction)
     need_kv = batch * context * kv.per_token
@@ -253,15 +105,10 @@ def _open(src: str, revision: str | None):
             raise CheckpointError(f"not a readable config.json: {e}", file=str(p)) from None
         if not isinstance(config, dict):
             raise CheckpointError("config.json is not a JSON object", file=str(p))
-        model, groups = _config_groups(json.dumps(config, sort_keys=True))
+        model, groups = config_groups(json.dumps(config, sort_keys=True))
         return "config", model, groups
     ck = Checkpoint.open(src, revision=revision, headers_only=True)
-    return "checkpoint", ck.model, tuple(_checkpoint_groups(ck))
-
-
-def _reason(e: UsageError) -> str:
-    msg = e.message.split(" does not fit this model: ", 1)[-1]
-    return msg.split("; tp degrees that work", 1)[0]
+    return "checkpoint", ck.model, tuple(checkpoint_groups(ck))
 
 
 @dataclass(frozen=True)
@@ -271,7 +118,7 @@ class _Sizing:
     groups: tuple[TensorGroup, ...]
     policy: QuantPolicy
     n_experts: int
-    kv: KVCache
+    kv: KVBytes
     reserve: int
     context: int
     batch: int
@@ -280,14 +127,14 @@ class _Sizing:
     def per_rank(self, layout: Layout) -> list[dict[str, int]]:
         return rank_bytes(self.groups, layout, self.policy, self.n_experts)
 
-    def fit(self, device: Device, weights: int) -> dict:
+    def fit(self, device: DevicePreset, weights: int) -> dict:
         return fit(device, weights, self.reserve, self.kv, self.context, self.batch, self.mem_fraction)
 
     def misaligned(self, layout: Layout) -> str | None:
         return fp8_misaligned(self.groups, layout, self.policy, self.n_experts)
 
 
-def _tp_table(sz: _Sizing, model: ModelMap, layout: Layout, dev: Device) -> list[dict]:
+def _tp_table(sz: _Sizing, model: ModelMap, layout: Layout, dev: DevicePreset) -> list[dict]:
     """Each degree of TP_DEGREES in the same expert mode (ep = tp, or the same ep): does it divide, fit?"""
     table = []
     for t in TP_DEGREES:
@@ -298,11 +145,9 @@ def _tp_table(sz: _Sizing, model: ModelMap, layout: Layout, dev: Device) -> list
         if t % e:
             row["reason"] = f"--ep {e} does not divide tp {t}"
             continue
-        try:
-            lay = Layout.make(t, e)
-            check(model, lay)
-        except UsageError as err:
-            row["reason"] = _reason(err)
+        lay = Layout.make(t, e)
+        row["reason"] = layout_problem(model, lay)
+        if row["reason"]:
             continue
         w = max(sum(r.values()) for r in sz.per_rank(lay))
         f = sz.fit(dev, w)
@@ -311,7 +156,7 @@ def _tp_table(sz: _Sizing, model: ModelMap, layout: Layout, dev: Device) -> list
     return table
 
 
-def _warnings(sz: _Sizing, layout: Layout, dev: Device, max_pos: int) -> list[str]:
+def _warnings(sz: _Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> list[str]:
     out = []
     if max_pos and sz.context > max_pos:
         out.append(f"--context {sz.context} is beyond the model's max_position_embeddings ({max_pos}): "
@@ -345,7 +190,7 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
     check(model, layout)  # the one-line error naming the tp degrees that work
     max_pos = int(tc.get("max_position_embeddings") or 0)
     reserve = int(reserve_gb * GIB) if reserve_gb is not None else default_reserve(int(tc["hidden_size"]))
-    sz = _Sizing(groups, policy, model.text.expert_count, kv_cache(tc, kv_dtype), reserve,
+    sz = _Sizing(groups, policy, model.text.expert_count, kv_bytes(tc, kv_dtype), reserve,
                  context or max_pos or 4096, batch, mem_fraction)
 
     per_rank = sz.per_rank(layout)

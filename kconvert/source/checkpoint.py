@@ -21,6 +21,7 @@ from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.source.formats import LogicalTensor, fold, read_logical
+from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -119,7 +120,7 @@ class Checkpoint:
         return self.config.get("quantization_config") or self.text_config.get("quantization_config") or {}
 
     def quant_block(self) -> tuple[int, int]:
-        b = self.quantization_config.get("weight_block_size") or [128, 128]
+        b = self.quantization_config.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK]
         return int(b[0]), int(b[1])
 
     def int4_group(self) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
+from kconvert.io.dtypes import FP8_BLOCK
 
 FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 
@@ -105,7 +106,7 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
 # --------------------------------------------------------------------------- dequantizers
 
 
-def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
                       *, row_offset: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """weight [R, C] fp8 times the scale of each element's (row_offset + r) // B0, c // B1 block.
 
@@ -131,7 +132,7 @@ def unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int
     return (q * s).to(dtype)
 
 
-def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
                    *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """compressed-tensors fp8/int8: per-tensor (1,) / per-channel (R, 1) / block-grid scale."""
     w = weight.to(torch.float32)
@@ -144,7 +145,7 @@ def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 
 
 def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype: torch.dtype | None = None,
-                 block: tuple[int, int] = (128, 128), group: int = 32) -> torch.Tensor:
+                 block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), group: int = 32) -> torch.Tensor:
     """Read a logical tensor (or rows [a, b) of it), dequantized. Plain tensors keep their dtype
     unless `dtype` is given; quantized ones come back as `dtype or float32`."""
     if t.format == "plain":

@@ -1,0 +1,126 @@
+"""What each rank holds after conversion, in bytes per component, computed from tensor shapes only:
+`layout.pieces` gives each rank's slice and `QuantPolicy.stored_bytes` its size (scales included).
+Tensors that differ only by layer or expert are collapsed into groups, so a 3T-parameter model is a
+few hundred groups, not millions of tensors."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from kconvert.source.checkpoint import Checkpoint
+from kconvert.convert.layout import Layout, pieces
+from kconvert.family.manifest import ModelMap, TensorInfo, bind
+from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
+from kconvert.io.dtypes import ITEMSIZE
+
+COMPONENTS = ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp", "router", "norm", "embed",
+              "head", "vision", "projector")
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """`copies` tensors of one manifest rule with one shape and source dtype (the same tensor in several
+    layers), each standing for every routed expert in `experts` when the rule is per expert."""
+
+    info: TensorInfo  # the representative: the first layer's (first expert's) tensor
+    shape: tuple[int, ...]
+    itemsize: int  # source bytes per element: what an unquantized tensor keeps (2, or 4 for fp32)
+    experts: tuple[int, ...] = ()
+    copies: int = 1
+
+    @property
+    def count(self) -> int:
+        return (len(self.experts) or 1) * self.copies
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.count
+
+
+def _collapse(items) -> list[TensorGroup]:
+    """(info, shape, itemsize), any order -> groups: experts of one (rule, layer, shape, dtype) merged,
+    then equal (rule, shape, dtype, experts) merged across layers. MTP layers are left out."""
+    per_layer: dict[tuple, tuple[TensorInfo, tuple, int, list[int]]] = {}
+    for info, shape, itemsize in items:
+        if info.component == "mtp":
+            continue
+        key = (info.rule.pattern, info.layer if info.expert is not None else info.name, tuple(shape), itemsize)
+        if key not in per_layer:
+            per_layer[key] = (info, tuple(shape), itemsize, [])
+        if info.expert is not None:
+            per_layer[key][3].append(info.expert)
+    merged: dict[tuple, TensorGroup] = {}
+    for info, shape, itemsize, experts in per_layer.values():
+        key = (info.rule.pattern, shape, itemsize, tuple(sorted(experts)))
+        g = merged.get(key)
+        merged[key] = TensorGroup(info, shape, itemsize, key[3]) if g is None else \
+            TensorGroup(g.info, shape, itemsize, key[3], g.copies + 1)
+    return list(merged.values())
+
+
+@functools.lru_cache(maxsize=8)
+def config_groups(config_json: str) -> tuple[ModelMap, tuple[TensorGroup, ...]]:
+    model = bind(json.loads(config_json))
+    shapes: dict[tuple, tuple[int, ...]] = {}  # experts of one rule and layer share one shape: evaluate once
+
+    def items():
+        for info, _ in model.expected():
+            key = (info.rule.pattern, info.layer)
+            if key not in shapes:
+                shapes[key] = info.expected_shape()
+            yield info, shapes[key], 4 if info.name.endswith("e_score_correction_bias") else 2
+
+    return model, tuple(_collapse(items()))
+
+
+def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
+    ck.validate()
+    return _collapse((ck.info(name), t.shape, ITEMSIZE[t.main.dtype] if t.format == "plain" else 2)
+                     for name, t in ck.logical.items())
+
+
+def rank_bytes(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[dict[str, int]]:
+    """Converted bytes on every rank, by component. The layout must have passed `layout.check`."""
+    ranks: list[defaultdict] = [defaultdict(int) for _ in range(layout.tp)]
+    per_group = n_experts // layout.ep if n_experts else 1
+    for g in groups:
+        comp = g.info.component
+        ps = pieces(g.info, g.shape, layout, n_experts)
+        memo: dict[tuple, int] = {}
+        sizes = []
+        for p in ps:
+            shape = g.shape if p.dim is None else g.shape[:p.dim] + (p.stop - p.start,) + g.shape[p.dim + 1:]
+            if shape not in memo:
+                memo[shape] = policy.stored_bytes(g.info, shape, g.itemsize)
+            sizes.append(memo[shape] * g.copies)
+        if not g.experts:
+            for p, b in zip(ps, sizes):
+                ranks[p.rank][comp] += b
+            continue
+        # the pieces of one expert: ranks i of its group; every expert of group k lands on group k's ranks
+        for k, c in Counter(e // per_group for e in g.experts).items():
+            for i, b in enumerate(sizes):
+                ranks[k * layout.expert_tp + i][comp] += c * b
+    return [{c: r[c] for c in COMPONENTS if r.get(c)} for r in ranks]
+
+
+def fp8_misaligned(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> str | None:
+    """The first fp8 tensor whose per-rank slice starts inside a 128x128 scale block, if any."""
+    if policy.scheme != "fp8":
+        return None
+    for g in groups:
+        if policy.quantizes(g.info, g.shape):
+            for p in pieces(g.info, g.shape, layout, n_experts):
+                if p.dim is not None and p.start % FP8_BLOCK:
+                    return (f"{g.info.name} splits into {p.stop - p.start}-wide slices (dim {p.dim}), not "
+                            f"{FP8_BLOCK}-aligned")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- memory

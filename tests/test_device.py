@@ -150,6 +150,24 @@ def test_consumer_stopping_early_leaves_nothing_in_flight(converted):
     assert standin.STATS.violations == []
 
 
+def test_damaged_shard_is_refused_before_any_of_it_reaches_the_device(converted, tmp_path):
+    import shutil
+
+    from kconvert.errors import LoaderError
+
+    out = tmp_path / "conv"
+    shutil.copytree(converted["fp8"], out)
+    f = out / "rank-000" / "layer-0001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    got = []
+    with pytest.raises(LoaderError, match="checksum"):
+        for unit, _ in open_converted(out).stream(DEV, prefetch=2, verify=True):
+            got.append(unit)
+    assert got == ["globals", "vision", "layer-0000"] and standin.STATS.violations == []
+
+
 def test_engine_on_the_device_equals_cpu(converted):
     from engine.model import Model
 

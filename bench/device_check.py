@@ -11,7 +11,8 @@ tiny-k3 / small-k3 fixtures (bf16) converted as-is and to fp8, and their referen
              vs safe_open + .to(device); first read (page cache dropped with posix_fadvise) and warm;
              GB/s and the ratio to the pinned rate
   ready      `kconvert load --warmup 2` time-to-ready by phase (open, read, copy, load, warmup)
-  verify     `kconvert verify` of the fixtures with the engine on the device (bf16 and fp8 conversions)
+  verify     `kconvert verify` of the fixtures with the engine on the device (bf16 and fp8 conversions;
+             the engine computes in fp32 there, as kconvert verify does everywhere)
   decode     engine decode ms/token on the device (small-k3, bf16) at each --contexts
   tp2        tiny-k3 tp 2 over the device's collective backend, when >= 2 devices
 Every step is timed and recorded; a step that fails or is skipped says why and the rest go on. Steps
@@ -213,7 +214,7 @@ def verify(dev, paths: dict, fixtures: list[str]) -> dict:
             rep = run_verify(str(paths[f"{fx}-{quant}"]), reference=str(paths[f"{fx}-ref"]), device=str(dev))
             out[f"{fx}-{quant}"] = {"verdict": rep.verdict, "overall": rep.overall, "failures": rep.failures,
                                     "seconds": rep.seconds}
-    return {"fixtures": out}
+    return {"compute_dtype": "float32 (the dtype kconvert verify's engine computes in)", "fixtures": out}
 
 
 def decode(dev, conv_dir: Path, contexts: list[int], steps: int) -> dict:

@@ -161,15 +161,17 @@ def _dispatch(func, args, kwargs):
 
 
 def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    data = torch.empty(size, dtype=dtype)
-    data.view(-1).view(torch.uint8).fill_(POISON) if data.numel() else None
-    return StandinTensor(data, torch.device(device).index or 0)
+    return _fresh(torch.empty(size, dtype=dtype), device)
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    data = torch.empty_strided(size, stride, dtype=dtype)
+    return _fresh(torch.empty_strided(size, stride, dtype=dtype), device)
+
+
+def _fresh(data: torch.Tensor, device) -> StandinTensor:
+    """New device memory holds garbage, not zeros: code that reads it before writing must not pass."""
     if data.numel():
-        data.untyped_storage().fill_(POISON)  # noqa: the whole allocation is garbage
+        data.untyped_storage().fill_(POISON)
     return StandinTensor(data, torch.device(device).index or 0)
 
 

@@ -10,7 +10,7 @@ $(BIN)/kconvert: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean device-check
 install: $(BIN)/kconvert
 
 demo: install
@@ -29,6 +29,10 @@ demo: install
 
 test: install
 	$(BIN)/pytest -x
+
+# One prepared run on a machine with a GPU (< 8 min on H100/H200); CPU dry run: make device-check ARGS="--device cpu --quick"
+device-check: install
+	$(BIN)/python bench/device_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO) *.egg-info

@@ -8,15 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kconvert.errors import KConvertError
-
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "musa": "mccl"}
-
-
-def backend_for(device: str | torch.device) -> str:
-    kind = torch.device(device).type
-    if kind not in BACKENDS:
-        raise KConvertError(f"no distributed backend for device type {kind!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[kind]
+from kconvert.load import devices
 
 
 @dataclass
@@ -34,9 +26,9 @@ class Parallel:
 
         if not dist.is_initialized():
             dev = torch.device(device)
-            if dev.type in ("cuda", "musa"):
-                getattr(torch, dev.type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend_for(device))
+            if dev.type != "cpu":
+                devices.set_current(torch.device(dev.type, int(os.environ.get("LOCAL_RANK", "0"))))
+            dist.init_process_group(devices.collective_backend(dev))
         return cls(dist.get_rank(), dist.get_world_size())
 
     def check_tp(self, tp: int) -> None:

@@ -58,7 +58,7 @@ class VisionTower:
         -> [sum of merged tokens, text hidden]."""
         dt = self.patch_w.dtype if pixels.dtype == self.patch_w.dtype else pixels.dtype
         D, nh, hd = self.vc.hidden_size, self.vc.num_heads, self.head_dim
-        x = F.linear(pixels.to(dt).flatten(1), self.patch_w.to(dt).flatten(1), self.patch_b.to(dt))
+        x = F.linear(pixels.to(self.patch_w.device, dt).flatten(1), self.patch_w.to(dt).flatten(1), self.patch_b.to(dt))
         x = x + torch.cat([self._pos_embed(h, w, dt) for h, w in grids])
         rot = [self._angles(h, w, x.device) for h, w in grids]
         cos, sin = torch.cat([r[0] for r in rot]).to(dt)[:, None], torch.cat([r[1] for r in rot]).to(dt)[:, None]

@@ -17,6 +17,7 @@ Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing i
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -43,7 +44,7 @@ class LoadStats:
     files: int = 0
     bytes: int = 0
     read_seconds: float = 0.0
-    copy_seconds: float = 0.0
+    copy_seconds: float = 0.0  # accelerators: time the host waited for device copies (staging reuse, end)
     verify_seconds: float = 0.0
     per_unit: list[tuple[str, int, float]] = field(default_factory=list)  # (unit, bytes, seconds until ready)
 
@@ -207,38 +208,53 @@ class ConvertedCheckpoint:
                     pass
 
     def _stream_device(self, order, dev, prefetch, verify, threads):
-        """Accelerators: two pinned staging buffers alternate; the copy of unit i overlaps the read of i+1."""
-        mod = torch.get_device_module(dev.type)
+        """Accelerators: a ring of prefetch + 1 pinned staging buffers. A reader thread fills slot
+        i % slots with unit i, once the copy out of that slot (unit i - slots) has completed, so reads
+        run up to `prefetch` units ahead of the consumer while unit i's copy runs on a side stream.
+        The consumer's stream waits on each copy's event: the host hands unit i out without waiting."""
+        mod = devices.module(dev)
+        depth = max(prefetch, 0)
         biggest = max(self.files[self._file_of[u]]["bytes"] for u in order)
-        staging = [torch.empty(biggest, dtype=torch.uint8).pin_memory() for _ in range(2)]
-        copy_done = [None, None]
-        stream = mod.Stream(dev)
+        staging = [devices.pinned_empty(biggest) for _ in range(min(depth + 1, len(order)))]
+        copy_done: list = [None] * len(staging)  # the event of the last copy out of each slot
+        side, consumer = mod.Stream(dev), mod.current_stream(dev)
         t_start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as reader:
-            def fetch(i):
-                slot = i % 2
-                if copy_done[slot] is not None:
-                    copy_done[slot].synchronize()  # the staging buffer is free again
-                return self._fetch(order[i], verify, pool, staging[slot])
 
-            ahead = reader.submit(fetch, 0)
-            for i, unit in enumerate(order):
-                header, buf = ahead.result()
+        def fetch(i):
+            slot = i % len(staging)
+            if copy_done[slot] is not None:
                 t0 = time.perf_counter()
-                with mod.stream(stream):
-                    dst = torch.empty(header.size, dtype=torch.uint8, device=dev)
-                    dst.copy_(buf, non_blocking=True)
-                    event = mod.Event()
-                    event.record(stream)
-                copy_done[i % 2] = event
-                if i + 1 < len(order):
-                    ahead = reader.submit(fetch, i + 1)
-                event.synchronize()
+                copy_done[slot].synchronize()  # blocks while unit i - slots is still being copied out
                 self.stats.copy_seconds += time.perf_counter() - t0
-                self.stats.files += 1
-                self.stats.bytes += header.size
-                self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
-                yield unit, self._views(header, dst)
+            return self._fetch(order[i], verify, pool, staging[slot])
+
+        with ThreadPoolExecutor(threads) as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="kconvert-staging") as reader:
+            reads: collections.deque = collections.deque()
+            try:
+                for i, unit in enumerate(order):
+                    # slot of read i + depth is (i - 1) % slots: its copy was issued last iteration
+                    while len(reads) + i <= min(i + depth, len(order) - 1):
+                        reads.append(reader.submit(fetch, len(reads) + i))
+                    header, buf = reads.popleft().result()
+                    dst = torch.empty(header.size, dtype=torch.uint8, device=dev)  # on the consumer's stream
+                    side.wait_stream(consumer)  # dst's memory may have been freed by work still queued there
+                    with mod.stream(side):
+                        dst.copy_(buf, non_blocking=True)
+                        event = mod.Event()
+                        event.record(side)
+                    copy_done[i % len(staging)] = event
+                    consumer.wait_event(event)  # later work on the consumer's stream sees the bytes
+                    self.stats.files += 1
+                    self.stats.bytes += header.size
+                    self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
+                    yield unit, self._views(header, dst)
+            finally:
+                for r in reads:  # the consumer stopped early: let queued reads finish before the buffers go
+                    r.cancel() or r.exception()
+                t0 = time.perf_counter()
+                side.synchronize()  # no copy may outlive its staging buffer
+                self.stats.copy_seconds += time.perf_counter() - t0
 
 
 def _map_file(path: Path, size: int) -> torch.Tensor:

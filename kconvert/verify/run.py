@@ -49,7 +49,7 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
     if par.rank == 0:
         from safetensors.torch import save_file
 
-        save_file(result, result_path)
+        save_file({k: v.cpu() for k, v in result.items()}, result_path)  # engine may run on a device
 
 
 def spawn_main(rank: int, world: int, port: int, args: tuple) -> None:

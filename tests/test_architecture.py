@@ -109,3 +109,14 @@ def test_the_checker_sees_cycles_and_upward_imports():
     assert g["kconvert.load.loader"] and "kconvert.errors" in g["kconvert.load.loader"]
     assert stage_of("kconvert.verify.run") > stage_of("engine.model") > stage_of("kconvert.load.loader")
     assert stage_of("kconvert.io.compressed") < stage_of("kconvert.source.checkpoint")
+
+
+def test_long_modules_say_why():
+    """Files stay small (one concern each); a module over 300 lines says why in its docstring."""
+    long = []
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            text = p.read_text()
+            if text.count("\n") > 300 and "over 300 lines" not in (ast.get_docstring(ast.parse(text)) or "").lower():
+                long.append(f"{p.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not long, "modules over 300 lines without a reason in their docstring: " + ", ".join(long)

@@ -24,14 +24,16 @@ def file_crc32(path: Path, size: int) -> str:
     return f"{crc:08x}"
 
 
-def check_size(path: Path, rec: dict) -> int:
-    """The file's size on disk, after checking it is there with the size kconvert.json records."""
+def check_size(path: Path, rec: dict, error: type[CheckpointError] = CheckpointError) -> int:
+    """The file's size on disk, after checking it is there with the size kconvert.json records
+    (`error`: the type to raise, e.g. the loader's LoaderError)."""
     if not path.is_file():
-        raise MissingFileError("listed in kconvert.json but missing", file=str(path))
+        raise (MissingFileError if error is CheckpointError else error)("listed in kconvert.json but missing",
+                                                                        file=str(path))
     size = path.stat().st_size
     want = Catalog.stored_bytes(rec)
     if size != want:
-        raise CheckpointError(f"size {size} differs from the {want} bytes kconvert.json records: truncated or replaced",
+        raise error(f"size {size} differs from the {want} bytes kconvert.json records: truncated or replaced",
                               file=str(path))
     return size
 

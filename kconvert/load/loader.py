@@ -18,6 +18,7 @@ Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing i
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -31,9 +32,11 @@ import torch
 
 from kconvert.load import devices
 from kconvert.converted.catalog import Catalog
+from kconvert.converted.integrity import check_size
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.dtypes import DTYPES
+from kconvert.io.pread import pread_into
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
 
 CHUNK = 8 * 1024 * 1024
@@ -79,7 +82,7 @@ class ConvertedCheckpoint:
     def _check_header(self, rel: str) -> SafetensorsHeader:
         path = self.catalog.path_of(self.root, rel)
         rec = self.files[rel]
-        _check_size(path, rec)
+        check_size(path, rec, LoaderError)
         header = read_header(path)
         if (header.compressed is not None) != bool(rec.get("stored")):
             raise LoaderError("shard is " + ("compressed" if header.compressed is not None else "plain") +
@@ -95,19 +98,10 @@ class ConvertedCheckpoint:
         return header
 
     def _read_into(self, path: Path, buf: memoryview, size: int, pool: ThreadPoolExecutor) -> None:
-        import os
-
+        """Fill `buf` with the file, CHUNK-sized positioned reads spread over the pool's threads."""
         fd = os.open(path, os.O_RDONLY)
         try:
-            def part(lo: int) -> None:
-                hi = min(lo + CHUNK, size)
-                done = lo
-                while done < hi:
-                    got = os.preadv(fd, [buf[done:hi]], done)
-                    if got == 0:
-                        raise LoaderError(f"file ended at byte {done} while reading", file=str(path))
-                    done += got
-            list(pool.map(part, range(0, size, CHUNK)))
+            list(pool.map(lambda lo: pread_into(fd, buf[lo:min(lo + CHUNK, size)], lo, path), range(0, size, CHUNK)))
         finally:
             os.close(fd)
 
@@ -289,13 +283,5 @@ def open_converted(path: str | Path, rank: int = 0, world_size: int | None = Non
     check_not_mid_pack(root)
     conv = ConvertedCheckpoint(root, cat, rank, zero_copy)
     for rel, rec in conv.files.items():  # cheap existence/size checks before anything is read
-        _check_size(cat.path_of(root, rel), rec)
+        check_size(cat.path_of(root, rel), rec, LoaderError)
     return conv
-
-
-def _check_size(path: Path, rec: dict) -> None:
-    if not path.is_file():
-        raise LoaderError("shard listed in kconvert.json is missing", file=str(path))
-    size, want = path.stat().st_size, Catalog.stored_bytes(rec)
-    if size != want:
-        raise LoaderError(f"shard is {size} bytes, kconvert.json records {want}: truncated or replaced", file=str(path))

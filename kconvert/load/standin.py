@@ -24,7 +24,10 @@ What is simulated, to catch what a GPU would punish:
 
 Test support, shipped in the library so `bench/device_check.py --device standin` can dry-run the GPU
 script on any machine. Installing is once per process and cannot be undone; `enable(False)` makes
-the device unavailable again (torch.accelerator included) for code that asks for `auto`."""
+the device unavailable again (torch.accelerator included) for code that asks for `auto`.
+
+Over 300 lines because the tensor subclass, its dispatch rules and the device module must agree on
+one set of private state (streams and pending copies live in standin_streams.py)."""
 
 from __future__ import annotations
 

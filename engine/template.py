@@ -24,14 +24,15 @@ MAX_OUTPUT_CHARS = 16 << 20  # a 1M-token conversation is about 4 MB of text
 WORKER = Path(__file__).with_name("template_worker.py")
 
 
-def render(template: str, context: dict, where: str) -> str:
+def render(template: str, context: dict, where: str, timeout_s: float = TIMEOUT_S) -> str:
     """The template rendered with `context`, or ChatTemplateError naming `where` (file and field)."""
-    job = json.dumps({"template": template, "context": context, "max_output": MAX_OUTPUT_CHARS})
+    job = json.dumps({"template": template, "context": context, "max_output": MAX_OUTPUT_CHARS,
+                      "cpu_seconds": max(1, int(timeout_s))})
     try:
         proc = subprocess.run([sys.executable, "-P", str(WORKER)], input=job.encode(), capture_output=True,
-                              timeout=TIMEOUT_S)
+                              timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise ChatTemplateError(f"chat template did not finish rendering within {TIMEOUT_S:.0f} s",
+        raise ChatTemplateError(f"chat template did not finish rendering within {timeout_s:g} s",
                                 file=where) from None
     try:
         result = json.loads(proc.stdout)

@@ -1,6 +1,6 @@
 """Render one chat template in a throw-away process (run by engine/template.py as `python -P THIS`).
 
-Reads {"template", "context", "max_output"} as JSON on stdin, writes {"text"} or {"error", "kind"} on stdout.
+Reads {"template", "context", "max_output", "cpu_seconds"} as JSON on stdin, writes {"text"} or {"error", "kind"} on stdout.
 It caps its own address space and CPU time before importing jinja2, and stops as soon as the output
 passes max_output, so a hostile template ends here, not in the engine. Standard library + jinja2 only."""
 
@@ -9,11 +9,10 @@ import resource
 import sys
 
 MEMORY_BYTES = 1 << 30
-CPU_SECONDS = 10
 
 
-def _limit() -> None:
-    for res, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_CPU, CPU_SECONDS)):
+def _limit(cpu_seconds: int) -> None:
+    for res, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_CPU, cpu_seconds)):
         soft, hard = resource.getrlimit(res)
         cap = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(res, (cap, hard))
@@ -54,7 +53,7 @@ def _render(job: dict) -> dict:
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
-    _limit()
+    _limit(job["cpu_seconds"])
     try:
         result = _render(job)
     except MemoryError:

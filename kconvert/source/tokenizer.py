@@ -74,7 +74,9 @@ def _special_names(cfg_path: Path) -> dict[int, str]:
         cfg = json.loads(_read_text(cfg_path))
     except json.JSONDecodeError as e:
         raise TokenizerError(f"not valid JSON ({e})", file=str(cfg_path)) from None
-    decoder = cfg.get("added_tokens_decoder", {}) if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):
+        raise TokenizerError("must be a JSON object", file=str(cfg_path))
+    decoder = cfg.get("added_tokens_decoder", {})
     if not isinstance(decoder, dict):
         raise TokenizerError("added_tokens_decoder must be an object (id -> token)", file=str(cfg_path))
     names = {}

@@ -38,7 +38,8 @@ class KVCache:
             raise EngineError(f"sequence of {tokens} tokens exceeds the cache ({self.max_len} tokens)")
         if tokens <= self.capacity and self.layers:
             return
-        new = tokens if not self.layers else min(self.max_len, max(tokens, 2 * self.capacity, MIN_GROWTH))
+        # the first allocation is exact (a one-shot prompt knows its size); later ones leave room to grow
+        new = tokens if self.capacity == 0 else min(self.max_len, max(tokens, 2 * self.capacity, MIN_GROWTH))
         c, keep = self.cfg, self.length
 
         def buf(old, width):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert.verify.verdict import kld
+from kconvert.verify import kld
 from kconvert.converted.format import read_manifest, verify_files
 from kconvert.errors import KConvertError, UsageError, VerifyFailed
 from kconvert.family.manifest import manifests_dir

@@ -24,8 +24,8 @@ from .units import fmt_bytes
 @click.option("--prefetch", type=int, default=2, show_default=True, help="Units read ahead of the consumer.")
 @click.option("--threads", type=int, default=4, show_default=True, help="Reader threads per file.")
 @click.option("--warmup", type=int, default=0, show_default=True,
-              help="Build our engine from the streamed units and run N warmup forward passes "
-                   "(tp 1, or every rank under torchrun).")
+              help="Build our engine from the streamed units and run N warmup forward passes. On a tp-N "
+                   "conversion without --rank this starts all N ranks itself (or runs under torchrun).")
 @click.option("--json", "as_json", is_flag=True, help="Print the phase table as JSON.")
 def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_json):
     """Load rank RANK of converted checkpoint OUT onto DEVICE, layer by layer, and time it.
@@ -35,7 +35,10 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
     \b
     Example:
       kconvert load ./tiny-k3-tp2-fp8 --rank 1 --device cpu --verify
+      kconvert load ./tiny-k3-tp2-fp8 --warmup 2      # every rank, rank 0 reports
     """
+    if warmup and _launched_ranks(out, device):
+        return
     from kconvert.load import devices
     from kconvert.load.loader import open_converted
 
@@ -49,9 +52,9 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
         dev = devices.resolve(f"{dev.type}:{os.environ['LOCAL_RANK']}")
     par = None
     if warmup:
-        from engine.parallel import Parallel
+        from kconvert.distributed import Group
 
-        par = Parallel.from_env(dev)
+        par = Group.from_env(dev)
         rank, world_size = par.rank, par.world
     conv = open_converted(out, rank=rank, world_size=world_size)
     if warmup and conv.tp != par.world:
@@ -90,6 +93,8 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
             model.forward(ids, last_only=True)
         devices.synchronize(dev)
         t_warm = time.perf_counter() - t2
+    if par is not None:
+        par.close()
     s = conv.stats
     report = {
         "out": str(out), "rank": rank, "device": str(dev), "files": s.files, "bytes": s.bytes,
@@ -118,3 +123,46 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
     dev_peak = report["peak_device_bytes"]
     click.echo(f"{report['GBps']:.2f} GB/s, peak host RSS {fmt_bytes(report['peak_host_rss_bytes'])}"
                + (f", peak device {fmt_bytes(dev_peak)}" if dev_peak is not None else ""))
+
+
+def _launched_ranks(out, device) -> bool:
+    """--warmup runs the model, so on a tp-N conversion without --rank (and not under torchrun) start the
+    N ranks here (engine.launch): this process becomes rank 0 and runs this command again as that rank."""
+    import sys
+
+    from click.core import ParameterSource
+
+    from engine import launch
+    from kconvert.errors import UsageError
+    from kconvert.load import devices
+    from kconvert.load.loader import open_converted
+
+    ctx = click.get_current_context()
+    if launch.under_launcher():
+        return False
+    tp = open_converted(out).tp
+    if tp == 1:
+        return False
+    if ctx.get_parameter_source("rank") != ParameterSource.DEFAULT:
+        raise UsageError(f"--warmup runs the model, which needs all {tp} ranks: drop --rank and they start here "
+                         "(or run every rank under torchrun)", file=str(out))
+    dev = str(devices.resolve(device))
+    world = launch.world_for(tp, None, dev)
+    body = lambda: ctx.invoke(load, **ctx.params) or 0  # noqa: E731 (this command again, as rank 0)
+    rc = launch.run(world, _argv(ctx.params), body, dev, prefix="kconvert: error")
+    if rc:
+        raise click.exceptions.Exit(rc)
+    return True
+
+
+def _argv(params: dict) -> list[str]:
+    """This command's options, written out again for the other ranks."""
+    import sys
+
+    args = [str(params["out"])]
+    for name in ("world_size", "device", "prefetch", "threads", "warmup"):
+        if params[name] is not None:
+            args += [f"--{name.replace('_', '-')}", str(params[name])]
+    args += ["--verify"] if params["verify"] else []
+    args += ["--json"] if params["as_json"] else []
+    return [sys.executable, "-m", "cli.main", "load", *args]

@@ -44,8 +44,8 @@ app.add_command(pack_cmd.unpack)
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        app.main(args=argv, prog_name="kconvert", standalone_mode=False)
-        return 0
+        rv = app.main(args=argv, prog_name="kconvert", standalone_mode=False)
+        return rv if type(rv) is int else 0  # click returns the code of a raised click.exceptions.Exit
     except KConvertError as e:
         click.echo(f"kconvert: error: {e.one_line()}", err=True)
         return e.exit_code
@@ -60,12 +60,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("kconvert: interrupted", err=True)
         return 130
-    except Exception as e:  # a bug of ours: still one line, with a way to get the traceback
-        if os.environ.get("KCONVERT_DEBUG"):
-            raise
-        click.echo(f"kconvert: internal error: {e.__class__.__name__}: {e} (set KCONVERT_DEBUG=1 for a traceback)",
-                   err=True)
-        return 3
+    except ModuleNotFoundError as e:  # an optional package (the `ref` extra, matplotlib...) is not installed
+        from kconvert.deps import from_import_error
+
+        dep = from_import_error(e)
+        if dep is None:
+            return _internal(e)
+        click.echo(f"kconvert: error: {dep.one_line()}", err=True)
+        return dep.exit_code
+    except Exception as e:
+        return _internal(e)
+
+
+def _internal(e: Exception) -> int:
+    """A bug of ours: still one line, with a way to get the traceback."""
+    if os.environ.get("KCONVERT_DEBUG"):
+        raise e
+    click.echo(f"kconvert: internal error: {e.__class__.__name__}: {e} (set KCONVERT_DEBUG=1 for a traceback)", err=True)
+    return 3
 
 
 def entry() -> None:

@@ -69,6 +69,10 @@ def verify(out, reference_file, against, per_layer, device, force, threshold, pl
     from kconvert.errors import VerifyFailed
     from kconvert.verify.verdict import run_verify
 
+    if plot_file:  # before minutes of verification, not after
+        from kconvert.deps import require
+
+        require("matplotlib")
     limits = {}
     for item in threshold:
         key, _, value = item.partition("=")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kconvert.errors import UsageError
+from kconvert.deps import missing
 
 
 def plot(rep, path: str) -> None:
@@ -12,7 +12,7 @@ def plot(rep, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'kconvert[plot]'") from None
+        raise missing("matplotlib") from None
     fig, axes = plt.subplots(1, 2 if rep.per_layer else 1, figsize=(11 if rep.per_layer else 6, 4), squeeze=False)
     ax = axes[0][0]
     kinds = list(rep.by_kind)

@@ -14,6 +14,7 @@ from engine.config import TextConfig
 from engine.indexer import Indexer
 from engine.linear import Weight, rms_norm
 from engine.rope import rotate_interleaved, softmax_scale
+from kconvert.errors import EngineError
 
 GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once during prefill
 
@@ -21,7 +22,7 @@ GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once during 
 class MLA:
     def __init__(self, cfg: TextConfig, t: dict, p: str, tp: int):
         if cfg.num_heads % tp:
-            raise ValueError(f"{cfg.num_heads} heads do not split over tp={tp}")
+            raise EngineError(f"{cfg.num_heads} heads do not split over tp={tp}")
         self.cfg, self.heads = cfg, cfg.num_heads // tp
         self.eps = cfg.rms_norm_eps
         if cfg.q_lora_rank:

@@ -1,26 +1,33 @@
 """Chat with a converted checkpoint.
 
     python -m engine.chat OUT                                   interactive: /image PATH, /clear, /exit
-    python -m engine.chat OUT --prompt "Describe it" --image cat.png
-    torchrun --nproc-per-node 2 -m engine.chat OUT              (checkpoint converted with --tp 2)
+    python -m engine.chat OUT --prompt "Describe it" --image cat.png --max-new-tokens 64
+    python -m engine.chat OUT --device cuda                     one GPU per rank (nccl; mccl on musa)
+    torchrun --nproc-per-node 2 -m engine.chat OUT              also works (torchrun starts the ranks)
 
+A checkpoint converted with --tp N runs as N processes: this command starts them itself (one per rank on
+cpu, one per device on cuda/musa); this process is rank 0 and owns the terminal, the others follow its
+input. --nproc overrides the count. Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
-Under torchrun rank 0 owns the terminal and broadcasts every input line to the other ranks."""
+The KV cache grows with the conversation, up to --context tokens (default: the model's maximum).
+Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 130 interrupted."""
 
 from __future__ import annotations
 
 import argparse
-import codecs
+import os
 import sys
 
 import torch
 
+from engine import launch
 from engine.generate import Sampling, generate
 from engine.image import load_image, preprocess
 from engine.model import Model
-from engine.parallel import Parallel
+from engine.stream import TextStream
 from engine.tokenizer import Tokenizer
-from kconvert.errors import KConvertError
+from kconvert.distributed import Group
+from kconvert.errors import EngineError, KConvertError, UsageError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -28,7 +35,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 class Session:
     def __init__(self, model: Model, tok: Tokenizer, sampling: Sampling, system: str | None, context: int):
         self.model, self.tok, self.sampling, self.system = model, tok, sampling, system
-        self.cache = model.new_cache(1, context)
+        self.cache = model.new_cache(1, context, reserve=0)  # grows with the conversation, up to `context`
         self.clear()
 
     def clear(self):
@@ -42,7 +49,7 @@ class Session:
         new_images = []
         if image_path:
             if self.model.vision is None:
-                raise KConvertError("this checkpoint has no vision tower: /image is not available")
+                raise UsageError("this checkpoint has no vision tower: images are not available")
             new_images.append(preprocess(load_image(image_path)))  # large images are shrunk, never rejected
             content = [{"type": "image"}, {"type": "text", "text": text}]
         messages = self.messages + [{"role": "user", "content": content}]
@@ -50,19 +57,19 @@ class Session:
         counts = [self.model.vision.tokens_per_image(g) for _, g in images]
         prompt = self.tok.chat_ids(messages, counts)
         if len(prompt) + 1 > self.cache.max_len:
-            raise KConvertError(f"prompt of {len(prompt)} tokens does not fit the context of {self.cache.max_len} "
-                                f"tokens (/clear starts over)")
+            raise UsageError(f"prompt of {len(prompt)} tokens does not fit the context of {self.cache.max_len} "
+                             f"tokens (/clear starts over; --context raises the limit)")
         start = len(self.cached) if prompt[:len(self.cached)] == self.cached else 0
         if start == 0:
             self.cache.reset()
         start = min(start, len(prompt) - 1)
         self.cache.length = start
         embeds = self._image_embeds(prompt, start, images, counts)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = TextStream()  # holds a character's bytes until its last token arrives
 
         def show(t):
             if t not in self.sampling.stop_ids:
-                out.write(decoder.decode(self.tok.decode_bytes([t])))
+                out.write(text.feed(self.tok.decode_bytes([t])))
                 out.flush()
 
         res = generate(self.model, prompt, self.sampling, self.cache, embeds, show if out else None, start=start)
@@ -71,7 +78,7 @@ class Session:
         self.images = images
         self.cached = prompt + res.tokens[:-1]
         if out:
-            out.write(decoder.decode(b"", final=True))
+            out.write(text.close())
             out.write(f"\n[TTFT {res.ttft_s * 1000:.0f} ms · {len(res.tokens)} tokens · "
                       f"{res.tokens_per_s:.1f} tokens/s · {res.stop_reason}]\n")
             out.flush()
@@ -88,7 +95,7 @@ class Session:
         if not todo:
             return None
         if before and before not in {sum(counts[:i]) for i in range(len(counts) + 1)}:
-            raise KConvertError("cache boundary inside an image")
+            raise EngineError("cache boundary inside an image")
         pix = torch.cat([p for p, _ in todo]).to(self.model.device, self.model.dtype)
         return self.model.vision(pix, [g for _, g in todo])
 
@@ -105,34 +112,94 @@ def _parse(argv):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--context", type=int, default=None, help="cache size in tokens (default: the model's maximum)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--context", type=int, default=None,
+                    help="most tokens a conversation may hold (default: the model's maximum); the cache is "
+                         "allocated as the conversation grows, never for the whole limit up front")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or musa (each rank takes device LOCAL_RANK)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="processes to start when not under torchrun (default: the conversion's tp degree)")
     return ap.parse_args(argv)
 
 
+def _fail(e: KConvertError) -> int:
+    launch.say_once(f"error: {e.one_line()}")
+    return e.exit_code
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = _parse(argv)
-    err = sys.stderr
     try:
-        par = Parallel.from_env(a.device)
-        model = Model.from_converted(a.path, device=a.device, dtype=DTYPES[a.dtype], par=par)
-        tok = Tokenizer(a.path)
-        sampling = Sampling(a.temperature, a.top_p, a.top_k, a.max_new_tokens, tok.stop_ids, a.seed)
-        session = Session(model, tok, sampling, a.system, a.context or model.cfg.max_position_embeddings)
+        from kconvert.load.loader import open_converted
+
+        world = launch.world_for(open_converted(a.path).tp, a.nproc, a.device)
     except KConvertError as e:
-        print(f"error: {e.one_line()}", file=err)
-        return 2
+        return _fail(e)
+    return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
+
+
+def _guarded(a) -> int:
+    """One rank's run; every way it can end is one line and an exit code."""
+    try:
+        return _run(a)
+    except KConvertError as e:
+        return _fail(e)
+    except KeyboardInterrupt:
+        launch.say_once("interrupted")
+        return 130
+    except ModuleNotFoundError as e:
+        from kconvert.deps import from_import_error
+
+        dep = from_import_error(e)
+        if dep is None:
+            return _internal(e)
+        return _fail(dep)
+    except Exception as e:
+        return _internal(e)
+
+
+def _internal(e: Exception) -> int:
+    peer = launch.peer_failure()  # a collective fails when another rank died: its error is the one to show
+    if peer is not None:
+        return peer
+    if os.environ.get("KCONVERT_DEBUG"):
+        raise e
+    launch.say_once(f"internal error: {e.__class__.__name__}: {e} (set KCONVERT_DEBUG=1 for a traceback)")
+    return 3
+
+
+def _context(requested: int | None, model: Model) -> int:
+    limit = model.cfg.max_position_embeddings
+    if requested is None:
+        return limit
+    if not 1 <= requested <= limit:
+        raise UsageError(f"--context {requested}: the model takes 1 to {limit} tokens")
+    return requested
+
+
+def _run(a) -> int:
+    if a.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
+    device = launch.rank_device(a.device)
+    par = Group.from_env(device)
+    model = Model.from_converted(a.path, device=device, dtype=DTYPES[a.dtype], par=par)
+    tok = Tokenizer(a.path)
+    sampling = Sampling(a.temperature, a.top_p, a.top_k, a.max_new_tokens, tok.stop_ids, a.seed)
+    session = Session(model, tok, sampling, a.system, _context(a.context, model))
     out = sys.stdout if par.rank == 0 else None
     if a.prompt is not None:
-        try:
-            session.turn(a.prompt, a.image, out)
-        except KConvertError as e:
-            print(f"error: {e.one_line()}", file=err)
-            return 2
-        return 0
+        session.turn(a.prompt, a.image, out)
+    else:
+        _interactive(session, model, par, out)
+    par.close()
+    return 0
+
+
+def _interactive(session: Session, model: Model, par: Group, out) -> None:
+    err = sys.stderr
     if out:
-        print(f"{model.mc.family} · tp {par.world} · {a.device} · /image PATH, /clear, /exit", file=out)
+        print(f"{model.mc.family} · tp {par.world} · {model.device} · /image PATH, /clear, /exit", file=out)
     pending_image = None
     while True:
         line = None
@@ -145,7 +212,7 @@ def main(argv=None) -> int:
         if not line:
             continue
         if line in ("/exit", "/quit"):
-            return 0
+            return
         if line == "/clear":
             session.clear()
             pending_image = None
@@ -154,7 +221,7 @@ def main(argv=None) -> int:
             path = line[len("/image"):].strip()
             try:
                 if model.vision is None:
-                    raise KConvertError("this checkpoint has no vision tower")
+                    raise UsageError("this checkpoint has no vision tower")
                 load_image(path)
                 pending_image = path
                 if out:
@@ -165,7 +232,7 @@ def main(argv=None) -> int:
             continue
         try:
             session.turn(line, pending_image, out)
-        except KConvertError as e:
+        except KConvertError as e:  # a bad turn (image, template, context) ends the turn, not the chat
             if out:
                 print(f"error: {e.one_line()}", file=err)
         pending_image = None

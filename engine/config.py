@@ -1,12 +1,14 @@
-"""Model hyper-parameters read from a converted checkpoint's config.json (kimi_k25 / deepseek_v32 / deepseek_v3)."""
+"""Model hyper-parameters read from a converted checkpoint's config.json.
+
+Which families the engine runs, where their text and vision configs sit and which config key names the
+image placeholder come from the family manifests (`[family.engine]` in manifests/*.toml), not from here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kconvert.errors import KConvertError
-
-FAMILIES = ("kimi_k25", "deepseek_v32", "deepseek_v3")
+from kconvert.errors import CheckpointError, EngineError
+from kconvert.family.manifest import families
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def _rope(c: dict) -> RopeConfig:
     if kind == "default":
         return RopeConfig(theta, "default")
     if kind != "yarn":
-        raise KConvertError(f"rope type {kind!r} is not supported (default, yarn)", file="config.json")
+        raise CheckpointError(f"rope type {kind!r} is not supported (default, yarn)", file="config.json")
     factor = p.get("factor")
     orig = int(p.get("original_max_position_embeddings") or c.get("max_position_embeddings", 4096))
     if factor is None:
@@ -123,12 +125,37 @@ def _text(c: dict) -> TextConfig:
             index_n_heads=int(g("index_n_heads") or 0), index_head_dim=int(g("index_head_dim") or 0),
             hidden_act=g("hidden_act") or "silu",
         )
+    except CheckpointError:
+        raise
     except KeyError as e:
-        raise KConvertError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
+        raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"a text config value has the wrong type ({e})", file="config.json") from None
 
 
-def _vision(c: dict, text: TextConfig) -> VisionConfig:
-    v = c["vision_config"]
+def engine_families() -> dict[str, dict]:
+    """name -> [family] table of every manifest with an `[family.engine]` table."""
+    return {spec["family"]["name"]: spec["family"] for _, spec in families() if "engine" in spec["family"]}
+
+
+def _section(config: dict, key: str, family: str) -> dict:
+    sub = config if key == "." else config.get(key)
+    if not isinstance(sub, dict):
+        raise CheckpointError(f"config.json has no {key!r} section (family {family})", file="config.json")
+    return sub
+
+
+def _image_token_id(config: dict, engine: dict) -> int:
+    for key in engine.get("image_token_keys", ()):
+        if config.get(key) is not None:
+            return int(config[key])
+    if "image_token_default" not in engine:
+        raise CheckpointError(f"config.json names no image token ({', '.join(engine.get('image_token_keys', ()))})",
+                            file="config.json")
+    return int(engine["image_token_default"])
+
+
+def _vision(c: dict, v: dict, text: TextConfig, image_token_id: int) -> VisionConfig:
     rp = v.get("rope_parameters") or {}
     return VisionConfig(
         hidden_size=int(v["hidden_size"]), num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
@@ -136,14 +163,27 @@ def _vision(c: dict, text: TextConfig) -> VisionConfig:
         pos_emb_height=int(v.get("pos_emb_height", 64)), pos_emb_width=int(v.get("pos_emb_width", 64)),
         merge_kernel=tuple(v.get("merge_kernel_size", (2, 2))), hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
         rope_theta=float(rp.get("rope_theta", 10000.0)), projector_eps=float(c.get("projection_layer_norm_eps", 1e-5)),
-        text_hidden=text.hidden_size, image_token_id=int(c.get("image_token_id", c.get("media_placeholder_token_id", 163605))),
+        text_hidden=text.hidden_size, image_token_id=image_token_id,
     )
 
 
 def model_config(config: dict, family: str) -> ModelConfig:
-    if family not in FAMILIES:
-        raise KConvertError(f"the engine does not run family {family!r} (known: {', '.join(FAMILIES)})", file="kconvert.json")
-    if family == "kimi_k25":
-        text = _text(config["text_config"])
-        return ModelConfig(family, text, _vision(config, text), config)
-    return ModelConfig(family, _text(config), None, config)
+    known = engine_families()
+    if family not in known:
+        raise EngineError(f"the engine does not run family {family!r} (known: {', '.join(sorted(known))})",
+                          file="kconvert.json")
+    fam = known[family]
+    engine = fam["engine"]
+    text = _text(_section(config, fam.get("text_config", "."), family))
+    vision = None
+    if engine.get("vision_config"):
+        v = _section(config, engine["vision_config"], family)
+        try:
+            vision = _vision(config, v, text, _image_token_id(config, engine))
+        except KeyError as e:
+            raise CheckpointError(f"{engine['vision_config']} lacks {e.args[0]!r} needed by the engine",
+                                  file="config.json") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"a {engine['vision_config']} value has the wrong type ({e})",
+                                  file="config.json") from None
+    return ModelConfig(family, text, vision, config)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kconvert.errors import KConvertError
+from kconvert.errors import EngineError
 
 
 @dataclass
@@ -56,10 +56,11 @@ def generate(model, prompt: list[int], p: Sampling, cache=None, image_embeds=Non
     """Generate after `prompt`; with a cache holding prompt[:start] already, only prompt[start:] is prefilled.
     `on_token(id)` is called as each token is chosen. Every rank runs this in lock-step under torchrun."""
     if not prompt or start >= len(prompt):
-        raise KConvertError("empty prompt")
+        raise EngineError("empty prompt")
     cache = cache if cache is not None else model.new_cache(1, len(prompt) + p.max_new_tokens)
     if len(prompt) > cache.max_len:
-        raise KConvertError(f"prompt of {len(prompt)} tokens exceeds the context of {cache.max_len} tokens")
+        raise EngineError(f"prompt of {len(prompt)} tokens exceeds the context of {cache.max_len} tokens")
+    cache.ensure(min(cache.max_len, len(prompt) + p.max_new_tokens))  # allocate once for the whole answer
     gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
     t0 = time.perf_counter()
     logits = model.forward(torch.tensor([prompt[start:]]), cache, image_embeds=image_embeds, last_only=True)

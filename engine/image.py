@@ -10,7 +10,11 @@ from pathlib import Path
 
 import torch
 
-from kconvert.errors import KConvertError
+from kconvert.errors import ImageError
+
+# Larger inputs are shrunk to the tower's budget (max_patches x patch^2 = 3.2 Mpx), so decoding an image far
+# beyond it buys nothing and lets a small file (a "decompression bomb") claim gigabytes: refuse past 16x.
+INPUT_PIXELS_PER_TOWER_PIXEL = 16
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,11 @@ class ImageRules:
     max_side: int = 512  # patches per side
     mean: tuple = (0.5, 0.5, 0.5)
     std: tuple = (0.5, 0.5, 0.5)
+
+    @property
+    def max_input_pixels(self) -> int:
+        """The largest image (width x height) decoded at all."""
+        return self.max_patches * self.patch_size ** 2 * INPUT_PIXELS_PER_TOWER_PIXEL
 
 
 def target_size(height: int, width: int, r: ImageRules) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -34,18 +43,42 @@ def target_size(height: int, width: int, r: ImageRules) -> tuple[tuple[int, int]
     return (h, w), (h + (f - h % f) % f, w + (f - w % f) % f)
 
 
-def load_image(path) -> "PIL.Image.Image":
-    from PIL import Image, UnidentifiedImageError
+def load_image(path, rules: ImageRules = ImageRules()) -> "PIL.Image.Image":
+    """The image at `path` as RGB; ImageError (one line naming the file) for anything else, including
+    images larger than rules.max_input_pixels, which are refused before their pixels are decoded."""
+    import warnings
+
+    from PIL import Image
 
     p = Path(path).expanduser()
+    limit = rules.max_input_pixels
+    if not p.is_file():
+        raise ImageError("image file not found" if not p.exists() else "not a file", file=str(p))
+    saved = Image.MAX_IMAGE_PIXELS
     try:
-        with Image.open(p) as im:
-            im.load()
-            return im.convert("RGB")
-    except FileNotFoundError:
-        raise KConvertError("image file not found", file=str(p)) from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise KConvertError(f"not a readable image ({e.__class__.__name__})", file=str(p)) from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            Image.MAX_IMAGE_PIXELS = limit  # Pillow's own check, at open (warns past it, raises past twice it)
+            with Image.open(p) as im:
+                w, h = im.size  # from the header: nothing decoded yet
+                if w * h > limit:
+                    raise ImageError(f"{w}x{h} = {w * h / 1e6:.0f} Mpx: larger than the {limit / 1e6:.0f} Mpx "
+                                     "this engine decodes (the vision tower uses at most "
+                                     f"{rules.max_patches * rules.patch_size ** 2 / 1e6:.1f} Mpx); shrink it first",
+                                     file=str(p))
+                im.load()
+                return im.convert("RGB")
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ImageError(f"more pixels than the {limit / 1e6:.0f} Mpx this engine decodes (decompression bomb?)",
+                         file=str(p)) from None
+    except MemoryError:
+        raise ImageError("decoding it ran out of memory", file=str(p)) from None
+    except Exception as e:  # Pillow's decoders fail in many ways (OSError, SyntaxError, struct.error...): the file's fault
+        raise ImageError(f"not a readable image ({e.__class__.__name__})", file=str(p)) from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
 
 
 def preprocess(image, rules: ImageRules = ImageRules()) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -53,7 +86,7 @@ def preprocess(image, rules: ImageRules = ImageRules()) -> tuple[torch.Tensor, t
     from PIL import Image
 
     if not isinstance(image, Image.Image):
-        image = load_image(image)
+        image = load_image(image, rules)
     image = image.convert("RGB")
     (h, w), (H, W) = target_size(image.height, image.width, rules)
     if (h, w) != (image.height, image.width):

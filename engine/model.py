@@ -12,16 +12,20 @@ from engine.cache import KVCache
 from engine.config import ModelConfig, model_config
 from engine.linear import Weight, rms_norm
 from engine.moe import MLP, MoE
-from engine.parallel import Parallel
+from kconvert.distributed import Group
 from engine.rope import Rotary
+<<<<<<< HEAD
 from kconvert.errors import KConvertError
 from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_layer
+=======
+from kconvert.errors import CheckpointError, EngineError
+>>>>>>> h3-newcomer
 from kconvert.load.loader import open_converted
 from kconvert.family.manifest import bind
 
 
 class Layer:
-    def __init__(self, mc: ModelConfig, index: int, t: dict, p: str, par: Parallel):
+    def __init__(self, mc: ModelConfig, index: int, t: dict, p: str, par: Group):
         cfg = mc.text
         self.eps = cfg.rms_norm_eps
         self.in_norm = t.pop(f"{p}input_layernorm.weight")
@@ -29,17 +33,17 @@ class Layer:
         self.attn = MLA(cfg, t, f"{p}self_attn.", par.world)
         self.mlp = MoE(cfg, t, f"{p}mlp.", par.rank, par.world) if cfg.is_moe(index) else MLP(t, f"{p}mlp.")
 
-    def forward(self, x, start, cache, cos, sin, par: Parallel):
+    def forward(self, x, start, cache, cos, sin, par: Group):
         x = x + par.all_reduce(self.attn.forward(rms_norm(x, self.in_norm, self.eps), start, cache, cos, sin))
         return x + par.all_reduce(self.mlp(rms_norm(x, self.post_norm, self.eps)))
 
 
 class Model:
-    def __init__(self, config: dict, family: str, par: Parallel | None = None, device="cpu",
+    def __init__(self, config: dict, family: str, par: Group | None = None, device="cpu",
                  dtype: torch.dtype = torch.bfloat16):
         self.mc = model_config(config, family)
         self.cfg = self.mc.text
-        self.par = par or Parallel()
+        self.par = par or Group()
         self.device, self.dtype = torch.device(device), dtype
         self.names = bind(config)
         self.prefix = self.names.text.prefix
@@ -50,8 +54,8 @@ class Model:
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
-    def from_converted(cls, path, device="cpu", dtype=torch.bfloat16, par: Parallel | None = None) -> "Model":
-        par = par or Parallel.from_env(device)
+    def from_converted(cls, path, device="cpu", dtype=torch.bfloat16, par: Group | None = None) -> "Model":
+        par = par or Group.from_env(device)
         conv = open_converted(path, rank=par.rank, world_size=par.world)
         par.check_tp(conv.tp)
         model = cls(conv.config, conv.family, par, device, dtype)
@@ -78,15 +82,15 @@ class Model:
                 return  # MTP layers kept by --keep-mtp: not used for decoding
             self.layers[L] = Layer(self.mc, L, t, f"{self.prefix}model.layers.{L}.", self.par)
         else:
-            raise KConvertError(f"unknown unit {unit!r} in the converted checkpoint")
+            raise CheckpointError(f"unknown unit {unit!r} in the converted checkpoint")
         left = [n for n in t if self.names.classify(n) is None or self.names.classify(n).component != "mtp"]
         if left:
-            raise KConvertError(f"unit {unit}: {len(left)} tensor(s) the engine does not use", tensor=left[0])
+            raise CheckpointError(f"unit {unit}: {len(left)} tensor(s) the engine does not use", tensor=left[0])
 
     def check_complete(self) -> None:
         missing = [i for i, l in enumerate(self.layers) if l is None]
         if self.embed is None or missing:
-            raise KConvertError(f"converted checkpoint is incomplete (globals: {self.embed is not None}, "
+            raise CheckpointError(f"converted checkpoint is incomplete (globals: {self.embed is not None}, "
                                 f"missing layers: {missing[:5]})")
 
     def materialize(self, dtype: torch.dtype | None = None) -> None:
@@ -101,8 +105,12 @@ class Model:
         self.head.materialize(dtype)
 
     # ---- compute -------------------------------------------------------------------------------
-    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
-        return KVCache(self.cfg, batch, max_len or self.cfg.max_position_embeddings, self.dtype, self.device)
+    def new_cache(self, batch: int = 1, max_len: int | None = None, reserve: int | None = None) -> KVCache:
+        """A cache for up to max_len tokens (default: the model's maximum, allocated only as it fills),
+        holding `reserve` tokens at first (default: max_len when given)."""
+        if max_len is None:
+            max_len, reserve = self.cfg.max_position_embeddings, reserve or 0
+        return KVCache(self.cfg, batch, max_len, self.dtype, self.device, reserve)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         n = self.embed.shape[0]
@@ -121,8 +129,7 @@ class Model:
         if cache is None:
             cache = self.new_cache(B, S)
         start = cache.length
-        if start + S > cache.max_len:
-            raise KConvertError(f"sequence of {start + S} tokens exceeds the cache ({cache.max_len} tokens)")
+        cache.ensure(start + S)
         x = self.embed_tokens(ids)
         if image_embeds is not None:
             x = self.scatter_images(ids, x, image_embeds)
@@ -139,7 +146,7 @@ class Model:
     def scatter_images(self, ids, x, image_embeds):
         mask = ids == self.mc.vision.image_token_id
         if int(mask.sum()) != image_embeds.shape[0]:
-            raise KConvertError(f"{int(mask.sum())} image placeholder tokens but {image_embeds.shape[0]} image features")
+            raise EngineError(f"{int(mask.sum())} image placeholder tokens but {image_embeds.shape[0]} image features")
         x = x.clone()
         x[mask] = image_embeds.to(x.dtype)
         return x

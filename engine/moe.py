@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from engine.config import TextConfig
 from engine.linear import Weight
+from kconvert.errors import EngineError
 
 
 class MLP:
@@ -47,7 +48,7 @@ class MoE:
         self.experts = {e: MLP(t, f"{p}experts.{e}.") for e in range(self.first, self.first + per)
                         if f"{p}experts.{e}.gate_proj.weight" in t}
         if len(self.experts) != per:
-            raise ValueError(f"rank {rank} holds {len(self.experts)} experts, expected {per} (experts {self.first}..)")
+            raise EngineError(f"rank {rank} holds {len(self.experts)} experts, expected {per} (experts {self.first}..)")
         self.shared = MLP(t, f"{p}shared_experts.") if cfg.n_shared_experts else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

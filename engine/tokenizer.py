@@ -1,28 +1,68 @@
-"""The Kimi tokenizer (tiktoken.model + tokenizer_config.json) and its chat template, read from the checkpoint."""
+"""The Kimi tokenizer (tiktoken.model + tokenizer_config.json) and its chat template, read from the checkpoint.
+
+Every tokenizer file must lie inside the checkpoint directory: a symlink leading out of it is refused, so a
+converted directory cannot make the engine read (and tokenize) an arbitrary file of this machine."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from kconvert.errors import KConvertError
+from engine.template import render
+from kconvert.errors import EngineError, TokenizerError
 from kconvert.source.tokenizer import load_kimi_tokenizer
 
 IMAGE_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _inside(d: Path, name: str) -> Path:
+    """d/name, refused when it resolves (through symlinks) outside d."""
+    p = d / name
+    if p.is_symlink() or p.exists():
+        real, root = p.resolve(), d.resolve()
+        if real != root and root not in real.parents:
+            raise TokenizerError(f"is a symlink to {real}, outside the checkpoint: refused", file=str(p))
+    return p
 
 
 class Tokenizer:
     def __init__(self, model_dir):
         d = Path(model_dir)
-        if not (d / "tiktoken.model").exists():
-            raise KConvertError("no tiktoken.model next to the checkpoint", file=str(d))
+        paths = {name: _inside(d, name) for name in FILES}
+        if not paths["tiktoken.model"].exists():
+            raise TokenizerError("no tiktoken.model next to the checkpoint", file=str(d))
         self.enc = load_kimi_tokenizer(d)
-        cfg_path = d / "tokenizer_config.json"
-        self.cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        self.cfg = self._read_config(paths["tokenizer_config.json"])
         self.specials = dict(self.enc._special_tokens)
-        self.template = self.cfg.get("chat_template")
+        self.template, self.template_where = self._find_template(paths)
         self.media_pad = self.specials.get("<|media_pad|>")
         self.stop_ids = {self.specials[t] for t in ("[EOS]", "<|im_end|>", "[EOT]") if t in self.specials}
+
+    @staticmethod
+    def _read_config(path: Path) -> dict:
+        if not path.exists():
+            return {}
+        cfg = json.loads(path.read_text(encoding="utf-8"))  # load_kimi_tokenizer has parsed it: it is valid JSON
+        if not isinstance(cfg, dict):
+            raise TokenizerError("must be a JSON object", file=str(path))
+        return cfg
+
+    def _find_template(self, paths: dict) -> tuple[str | None, str]:
+        """tokenizer_config.json's `chat_template`, else chat_template.jinja (newer releases), else none."""
+        where = f"{paths['tokenizer_config.json']}: chat_template"
+        t = self.cfg.get("chat_template")
+        if isinstance(t, list):  # named templates [{"name", "template"}]: the default one
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        if t is not None and not isinstance(t, str):
+            raise TokenizerError("chat_template must be a string", file=str(paths["tokenizer_config.json"]))
+        if t is None and paths["chat_template.jinja"].exists():
+            p = paths["chat_template.jinja"]
+            try:
+                t, where = p.read_text(encoding="utf-8"), str(p)
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"cannot be read as UTF-8 text ({e.__class__.__name__})", file=str(p)) from None
+        return t, where
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
@@ -35,13 +75,14 @@ class Tokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The checkpoint's chat template (jinja) or, without one, Kimi's turn format."""
+        """The checkpoint's chat template (jinja, sandboxed and bounded: engine/template.py) or, without
+        one, Kimi's turn format."""
         if self.template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            return env.from_string(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                         tools=None)
+            context = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": None}
+            for key in ("bos_token", "eos_token"):
+                if isinstance(self.cfg.get(key), str):
+                    context[key] = self.cfg[key]
+            return render(self.template, context, self.template_where)
         out = []
         for m in messages:
             role = m["role"]
@@ -60,7 +101,8 @@ class Tokenizer:
         ids = self.encode(self.render(messages))
         pads = [i for i, t in enumerate(ids) if t == self.media_pad]
         if len(pads) != len(image_tokens):
-            raise KConvertError(f"{len(pads)} image placeholders in the prompt but {len(image_tokens)} images")
+            raise EngineError(f"the prompt holds {len(pads)} image placeholders for {len(image_tokens)} image(s) "
+                              "(a <|media_pad|> typed in the text, or a template that drops images)")
         out, prev = [], 0
         for pos, n in zip(pads, image_tokens):
             out += ids[prev:pos] + [self.media_pad] * n

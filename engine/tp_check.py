@@ -11,12 +11,12 @@ import sys
 import torch
 
 from engine.model import Model
-from engine.parallel import Parallel
+from kconvert.distributed import Group
 from kconvert.errors import KConvertError
 
 
 def run(path, seed: int, length: int, decode: int, device: str = "cpu") -> torch.Tensor:
-    par = Parallel.from_env(device)
+    par = Group.from_env(device)
     model = Model.from_converted(path, device=device, dtype=torch.float32, par=par)
     ids = torch.randint(0, min(768, model.cfg.vocab_size), (1, length + decode), generator=torch.Generator().manual_seed(seed))
     cache = model.new_cache(1, length + decode)

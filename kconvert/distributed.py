@@ -1,7 +1,7 @@
-"""Process group for multi-process conversion under torchrun (RANK / WORLD_SIZE in the environment).
+"""The process group of a multi-process run (RANK / WORLD_SIZE in the environment, set by torchrun or by
+`engine.launch`), used by conversion (barriers only) and by the engine (tensor-parallel collectives).
 
-Only coordination is needed (barriers), so the backend is always gloo on CPU, whatever device the
-converted model will later run on. A single process needs no group at all.
+A single process needs no group at all: every collective is then the identity.
 """
 
 from __future__ import annotations
@@ -10,6 +10,30 @@ import datetime
 import os
 from dataclasses import dataclass
 
+from kconvert.errors import DeviceError, EngineError
+
+# torch.distributed backend per device type: gloo on CPU, the vendor's collective library on accelerators
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "musa": "mccl"}
+
+
+# How long a collective may wait. Not torch's 30 minutes: a conversion's barrier waits while another rank
+# writes its share of a terabyte, and chat's ranks wait in a broadcast while the user types.
+TIMEOUT = datetime.timedelta(hours=48)
+
+
+def backend_for(device) -> str:
+    import torch
+
+    kind = torch.device(device).type
+    if kind not in BACKENDS:
+        raise DeviceError(f"no distributed backend for device type {kind!r} (known: {', '.join(BACKENDS)})")
+    return BACKENDS[kind]
+
+
+def world_from_env() -> int:
+    """The world size a launcher (torchrun, engine.launch) set for this process; 1 when none did."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
 
 @dataclass
 class Group:
@@ -17,19 +41,66 @@ class Group:
     world: int = 1
 
     @classmethod
-    def from_env(cls) -> "Group":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
+    def from_env(cls, device="cpu") -> "Group":
+        """Join the launcher's group (or run alone). On an accelerator each process takes device LOCAL_RANK."""
+        if world_from_env() <= 1:
             return cls()
+        import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            # conversions of terabytes take hours: barriers must not time out at gloo's default 30 min
-            dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+            dev = torch.device(device)
+            if dev.type in ("cuda", "musa"):
+                getattr(torch, dev.type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend_for(dev), timeout=TIMEOUT)
         return cls(dist.get_rank(), dist.get_world_size())
+
+    def check_tp(self, tp: int) -> None:
+        if tp != self.world:
+            raise EngineError(
+                f"checkpoint was converted for tp={tp} but {self.world} process(es) are running: "
+                f"launch {tp} (python -m engine.chat does it itself; under torchrun: --nproc-per-node {tp})"
+                if tp > 1 else
+                f"checkpoint was converted for tp=1 but {self.world} processes are running: run it without torchrun")
+
+    def close(self) -> None:
+        """Leave the group together: a rank that exits while another still talks to it can abort the other."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
 
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def all_reduce(self, x):
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x):
+        """Concatenate every rank's x along the last dim (vocab-parallel logits)."""
+        if self.world == 1:
+            return x
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj, src: int = 0):
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]

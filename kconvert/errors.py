@@ -47,6 +47,14 @@ class ChecksumMismatch(CheckpointError):
     """The bytes of a file do not have the CRC-32 kconvert.json records."""
 
 
+class TokenizerError(CheckpointError):
+    """A tokenizer file (tiktoken.model, tokenizer_config.json) is malformed or lies outside the checkpoint."""
+
+
+class ChatTemplateError(TokenizerError):
+    """A chat template does not parse, is refused by the sandbox, or exceeds the rendering limits."""
+
+
 class LoaderError(CheckpointError):
     """A converted checkpoint that cannot be loaded as asked."""
 
@@ -71,6 +79,10 @@ class UsageError(KConvertError, ValueError):
 
 class DeviceError(UsageError):
     """The requested device does not exist on this machine."""
+
+
+class ImageError(UsageError):
+    """An image given to the engine is missing, unreadable, or too large to decode safely."""
 
 
 class MissingDependency(UsageError, ImportError):

@@ -89,3 +89,57 @@ def test_tokenizer_chat_template_and_image_expansion(tiny_converted):
     rendered = tok.decode_bytes(ids, skip_special=False).decode()
     assert rendered.startswith("<|im_user|>user<|im_middle|><|media_begin|>image<|media_content|>")
     assert rendered.endswith("hi<|im_end|><|im_assistant|>assistant<|im_middle|>")
+
+
+def test_streaming_never_prints_part_of_a_character(tiny_converted):
+    from engine.stream import TextStream
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_converted)
+    text = "naïve café: 你好, 世界 😀🚀 ok"
+    ids = tok.encode(text)
+    pieces = [tok.decode_bytes([t]) for t in ids]
+    split = [p for p in pieces if p and not _is_utf8(p)]
+    assert split, "the tokenizer must split some character across tokens, or this test proves nothing"
+    stream = TextStream()
+    shown = [stream.feed(p) for p in pieces]
+    assert all("\ufffd" not in s for s in shown)  # nothing half-decoded, ever
+    assert "".join(shown) + stream.close() == text
+    assert stream.feed("😀".encode()[:3]) == "" and stream.close() == ""  # an answer cut mid-character: dropped
+    assert stream.feed(b"\xffa") == "\ufffda"  # a byte that can never decode is replaced, as UTF-8 decoders do
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_cache_is_sized_by_use_not_by_the_config(tiny_converted):
+    import dataclasses
+
+    from engine.chat import Session
+    from engine.generate import Sampling
+    from engine.model import Model
+    from engine.tokenizer import Tokenizer
+
+    model = Model.from_converted(tiny_converted, dtype=torch.float32)
+    model.cfg = dataclasses.replace(model.cfg, max_position_embeddings=1 << 20)  # a 1M-context config
+    tok = Tokenizer(tiny_converted)
+    session = Session(model, tok, Sampling(max_new_tokens=5, stop_ids=set()), None, model.cfg.max_position_embeddings)
+    assert session.cache.max_len == 1 << 20 and session.cache.nbytes() == 0
+    session.turn("hello there", None, None)
+    first = session.cache.capacity
+    assert first == len(session.cached) + 1  # prompt + 5 new tokens, nothing more
+    per_token = session.cache.nbytes() // first
+    session.turn("and again", None, None)  # the cache grows with the conversation, keeping what it holds
+    assert len(session.cached) < session.cache.capacity <= max(2 * first, 256) and per_token > 0
+    with pytest.raises(Exception, match="context"):
+        Session(model, tok, Sampling(max_new_tokens=5), None, 8).turn("word " * 50, None, None)
+
+
+def test_context_beyond_the_model_is_one_line(tiny_converted):
+    p = chat(tiny_converted, "--prompt", "hi", "--context", "99999999", "--max-new-tokens", "2")
+    assert p.returncode == 2 and "--context 99999999" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -5,10 +5,13 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 from pathlib import Path
 
 import tiktoken
+
+from kconvert.errors import TokenizerError
 
 NUM_SPECIAL = 256
 
@@ -27,14 +30,63 @@ KIMI_PAT_STR = "|".join(
 )
 
 
+MAX_TOKENIZER_BYTES = 256 << 20  # Kimi's tiktoken.model is 2.7 MB
+
+
+def _read_text(path: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise TokenizerError(f"{path.stat().st_size} bytes: larger than any tokenizer "
+                                 f"({MAX_TOKENIZER_BYTES >> 20} MiB limit)", file=str(path))
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TokenizerError("not UTF-8 text", file=str(path)) from None
+    except OSError as e:
+        raise TokenizerError(f"cannot be read ({e.strerror or e})", file=str(path)) from None
+
+
 def _read_ranks(path: Path) -> dict[bytes, int]:
+    """`base64(token) rank` per line; ranks must be 0..n-1, each once (tiktoken aborts the process otherwise)."""
     ranks: dict[bytes, int] = {}
-    for line in path.read_text(encoding="ascii").splitlines():
+    for no, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        tok, rank = line.split()
-        ranks[base64.b64decode(tok)] = int(rank)
+        try:
+            tok, rank = line.split()
+            key, value = base64.b64decode(tok, validate=True), int(rank)
+        except (ValueError, binascii.Error):
+            raise TokenizerError(f"line {no} is not `base64(token) rank`", file=str(path)) from None
+        if key in ranks:
+            raise TokenizerError(f"line {no}: token listed twice", file=str(path))
+        ranks[key] = value
+    if not ranks:
+        raise TokenizerError("no tokens", file=str(path))
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"ranks are not 0..{len(ranks) - 1}, each once", file=str(path))
     return ranks
+
+
+def _special_names(cfg_path: Path) -> dict[int, str]:
+    """id -> name from tokenizer_config.json's `added_tokens_decoder` (empty without the file)."""
+    if not cfg_path.exists():
+        return {}
+    try:
+        cfg = json.loads(_read_text(cfg_path))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"not valid JSON ({e})", file=str(cfg_path)) from None
+    if not isinstance(cfg, dict):
+        raise TokenizerError("must be a JSON object", file=str(cfg_path))
+    decoder = cfg.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise TokenizerError("added_tokens_decoder must be an object (id -> token)", file=str(cfg_path))
+    names = {}
+    for key, value in decoder.items():
+        content = value.get("content") if isinstance(value, dict) else None
+        if not key.isdigit() or not isinstance(content, str):
+            raise TokenizerError(f"added_tokens_decoder[{key!r}] needs a numeric id and a string `content`",
+                                 file=str(cfg_path))
+        names[int(key)] = content
+    return names
 
 
 def load_kimi_tokenizer(model_dir: str | Path) -> tiktoken.Encoding:
@@ -45,8 +97,9 @@ def load_kimi_tokenizer(model_dir: str | Path) -> tiktoken.Encoding:
     d = Path(model_dir)
     ranks = _read_ranks(d / "tiktoken.model")
     base = len(ranks)
-    cfg_path = d / "tokenizer_config.json"
-    decoder = json.loads(cfg_path.read_text(encoding="utf-8")).get("added_tokens_decoder", {}) if cfg_path.exists() else {}
-    names = {int(k): v["content"] for k, v in decoder.items()}
+    names = _special_names(d / "tokenizer_config.json")
     specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + NUM_SPECIAL)}
+    if len(specials) != NUM_SPECIAL:
+        raise TokenizerError("added_tokens_decoder gives two special tokens the same name",
+                             file=str(d / "tokenizer_config.json"))
     return tiktoken.Encoding(name=d.name or "kimi", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)

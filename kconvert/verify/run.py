@@ -21,9 +21,9 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
     """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
     per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking."""
     from engine.model import Model
-    from engine.parallel import Parallel
+    from kconvert.distributed import Group
 
-    par = Parallel.from_env(device)
+    par = Group.from_env(device)
     model = Model.from_converted(out_dir, device=device, dtype=torch.float32, par=par)
     if per_layer is not None and per_layer.get("attribute_layer") is not None:
         from kconvert.verify.attribution import attribute

@@ -14,12 +14,8 @@ from engine.linear import Weight, rms_norm
 from engine.moe import MLP, MoE
 from kconvert.distributed import Group
 from engine.rope import Rotary
-<<<<<<< HEAD
-from kconvert.errors import KConvertError
 from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_layer
-=======
 from kconvert.errors import CheckpointError, EngineError
->>>>>>> h3-newcomer
 from kconvert.load.loader import open_converted
 from kconvert.family.manifest import bind
 

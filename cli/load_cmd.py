@@ -128,8 +128,6 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
 def _launched_ranks(out, device) -> bool:
     """--warmup runs the model, so on a tp-N conversion without --rank (and not under torchrun) start the
     N ranks here (engine.launch): this process becomes rank 0 and runs this command again as that rank."""
-    import sys
-
     from click.core import ParameterSource
 
     from engine import launch

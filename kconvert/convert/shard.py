@@ -27,7 +27,7 @@ from kconvert.errors import KConvertError, UsageError
 from kconvert.convert.layout import Layout
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_int8_channel
-from kconvert.io.safetensors_read import read_tensor
+from kconvert.source.formats import read_checked
 from kconvert.io.atomic import write_atomic
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile
 from kconvert.convert.shard_plan import Output, WorkItem, plan_items
@@ -200,7 +200,7 @@ def _load(ck: Checkpoint, o: Output):
     """The whole source tensor of `o`: dequantized/plain, or (fp8 weight, scale) for lossless copies."""
     t = ck.logical[o.src]
     if o.transform == "fp8_copy":
-        return read_tensor(t.parts["weight"]), read_tensor(t.parts["scale"])
+        return read_checked(t.parts["weight"]), read_checked(t.parts["scale"])  # NaN/Inf refused, as in ck.read
     return ck.read(o.src)
 
 

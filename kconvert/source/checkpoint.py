@@ -23,6 +23,7 @@ from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_he
 from kconvert.source.formats import LogicalTensor, fold, read_logical
 
 INDEX = "model.safetensors.index.json"
+FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
 SINGLE = "model.safetensors"
 
 
@@ -103,6 +104,9 @@ class Checkpoint:
         """Every tensor known with the shape config.json implies; every required tensor present."""
         for name, t in self.logical.items():
             info = self.info(name)
+            if t.format == "plain" and t.main.dtype not in FLOAT_TAGS:  # e.g. a header whose BF16 became I16
+                raise ManifestError(f"stored as {t.main.dtype}: a model weight must be a float (F16, BF16, F32 or "
+                                    "F64), or FP8/INT8/INT4 with its scale", file=str(t.main.file), tensor=name)
             expect = info.expected_shape()
             if tuple(t.shape) != expect:
                 raise ManifestError(f"shape {list(t.shape)} disagrees with config.json, which implies {list(expect)}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path, PurePosixPath
 
@@ -77,7 +78,11 @@ class Checkpoint:
         for fname, tensors in hub.remote_headers(repo_id, revision=revision).items():
             for tname, spec in tensors.items():
                 lo, hi = spec["data_offsets"]
-                stored[tname] = TensorEntry(tname, root / fname, spec["dtype"], tuple(spec["shape"]), lo, hi)
+                shape = tuple(spec["shape"])
+                if spec["dtype"] not in DTYPES or hi - lo != math.prod(shape) * ITEMSIZE[spec["dtype"]]:
+                    raise CheckpointError(f"remote header entry {spec['dtype']}{list(shape)} [{lo}, {hi}] is malformed",
+                                          file=f"{repo_id}/{fname}", tensor=tname)
+                stored[tname] = TensorEntry(tname, root / fname, spec["dtype"], shape, lo, hi)
         return cls(root, config, {f: None for f in {e.file.name for e in stored.values()}}, stored,
                    source=repo_id, remote=True)
 

@@ -29,7 +29,10 @@ import torch
 
 from helpers import ROOT, assert_one_line_error, header_offsets, run_cli
 from kconvert.convert.shard import ShardJob, shard
-from kconvert.converted.format import verify_files
+try:
+    from kconvert.converted.integrity import verify_files
+except ImportError:  # before the converted/ rework on main
+    from kconvert.converted.format import verify_files
 from kconvert.errors import KConvertError, NonFiniteError
 from kconvert.source.checkpoint import Checkpoint
 

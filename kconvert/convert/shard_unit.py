@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import KConvertError
-from kconvert.io.safetensors_read import read_tensor
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.formats import read_checked
 from kconvert.convert.quant_policy import FP8_BLOCK
 from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_int8_channel
 from kconvert.convert.shard_plan import Output, WorkItem
@@ -71,7 +71,7 @@ def _load(ck: Checkpoint, o: Output):
     """The whole source tensor of `o`: dequantized/plain, or (fp8 weight, scale) for lossless copies."""
     t = ck.logical[o.src]
     if o.transform == "fp8_copy":
-        return read_tensor(t.parts["weight"]), read_tensor(t.parts["scale"])
+        return read_checked(t.parts["weight"]), read_checked(t.parts["scale"])
     return ck.read(o.src)
 
 

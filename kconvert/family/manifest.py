@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert.errors import ManifestError
-from kconvert.family.expr import MissingKey, evaluate
+from kconvert.family.expr import evaluate
+from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
 
 SPLITS = ("vocab", "col", "row", "expert", "replicate")
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
@@ -82,19 +83,24 @@ class TensorInfo:
         return self.rule.quantize
 
     def expected_shape(self) -> tuple[int, ...]:
-        env = self.rule.part.env(self.layer)
-        return tuple(int(evaluate(s, env)) for s in self.rule.shape)
+        return tuple(int(self.rule.part._eval(s, self.layer)) for s in self.rule.shape)
 
 
 class BoundPart:
     """A part (parts/NAME.toml) applied to one config."""
 
-    def __init__(self, name: str, spec: dict, prefix: str, config: dict):
+    def __init__(self, name: str, spec: dict, prefix: str, config: dict, *, section: str = ".",
+                 config_file: str = "config.json"):
         self.name, self.prefix, self.config = name, prefix, config
+        self.config_file = config_file
         head = spec.get("part", {})
         self.group = head.get("group", name)
         self.kinds: dict[str, str] = spec.get("layer_kinds", {})
-        self._env = {**spec.get("defaults", {}), **config}
+        defaults = spec.get("defaults", {})
+        # null for a key with a default means "not set" (DeepSeek configs write q_lora_rank: null)
+        self._env = {**defaults, **{k: v for k, v in config.items() if not (v is None and k in defaults)}}
+        check_part(name, config, self._env, defaults, prefix="" if section == "." else f"{section}.",
+                   file=config_file, limits_path=manifests_dir() / LIMITS_FILE)
         self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
         self.extra_layers = int(self._eval(head["extra_layers"])) if "extra_layers" in head else 0
         self.expert_count = int(self._eval(head["expert_count"])) if "expert_count" in head else 0
@@ -118,8 +124,8 @@ class BoundPart:
     def _eval(self, text, layer: int | None = None):
         try:
             return evaluate(text, self.env(layer))
-        except MissingKey as e:
-            raise ManifestError(f"{e.message} (part {self.name})", file="config.json") from None
+        except ManifestError as e:  # MissingKey included: a config problem, named as one
+            raise ManifestError(f"{e.message} (part {self.name})", file=e.file or self.config_file) from None
 
     def layer_matches(self, rule: Rule, layer: int) -> bool:
         if not 0 <= layer < self.layer_count + self.extra_layers:
@@ -199,6 +205,10 @@ def families() -> tuple[tuple[str, dict], ...]:
 def find_family(config: dict, *, config_file: str = "config.json") -> dict:
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ManifestError("architectures must be a list of strings", file=config_file)
+    if model_type is not None and not isinstance(model_type, str):
+        raise ManifestError("model_type must be a string", file=config_file)
     for _, spec in families():
         fam = spec["family"]
         if any(a in fam.get("architectures", []) for a in archs) or model_type in fam.get("model_types", []):
@@ -211,6 +221,13 @@ def find_family(config: dict, *, config_file: str = "config.json") -> dict:
 def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
     """Pick the family manifest for `config` and bind it."""
     spec = find_family(config, config_file=config_file)
+    limits_path = manifests_dir() / LIMITS_FILE
+    check_quantization(config.get("quantization_config"), field="quantization_config", file=config_file,
+                       limits_path=limits_path)
+    text_key = spec["family"].get("text_config", ".")
+    if text_key != "." and isinstance(config.get(text_key), dict):
+        check_quantization(config[text_key].get("quantization_config"), field=f"{text_key}.quantization_config",
+                           file=config_file, limits_path=limits_path)
     parts = []
     for p in spec.get("parts", []):
         sub = config if p.get("config", ".") == "." else config.get(p["config"])
@@ -219,5 +236,6 @@ def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
         if "if_config_has" in p and p["if_config_has"] not in sub:
             continue
         part_spec = _read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
-        parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub))
+        parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
+                               config_file=config_file))
     return ModelMap(spec["family"], parts, config)

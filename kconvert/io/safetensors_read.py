@@ -4,6 +4,11 @@ tensors or row ranges only.
 
 Format: 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets}},
 then the data region; offsets are relative to the data region.
+
+Like the safetensors library itself (Metadata::validate + MetadataIncompleteBuffer), the tensors,
+sorted by offset, must tile the data region exactly: no overlap (two names aliasing the same bytes),
+no gap, nothing after the last tensor. Every file the library writes passes; a header edited to
+point two tensors at one region, or to hide bytes between them, does not.
 """
 
 from __future__ import annotations
@@ -102,19 +107,42 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     tensors: dict[str, TensorEntry] = {}
     for name, spec in obj.items():
         tensors[name] = _entry(path, name, spec, data_start, data_len, comp)
+    _check_tiling(path, tensors, data_start, data_len)
     if comp is not None:
         comp.load_index(tensors)
     return SafetensorsHeader(path, comp.size if comp else size, data_start, tensors, metadata, comp)
 
 
+def _check_tiling(path: Path, tensors: dict[str, TensorEntry], data_start: int, data_len: int) -> None:
+    """Sorted by offset, the tensors must cover [0, data_len) exactly once (what safetensors enforces)."""
+    pos, prev = data_start, None
+    for e in sorted(tensors.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin < pos:
+            raise FormatError(f"data offsets [{e.begin - data_start}, {e.end - data_start}] overlap tensor {prev} "
+                              "(aliased or overlapping data)", file=str(path), tensor=e.name)
+        if e.begin > pos:
+            raise FormatError(f"data offsets [{e.begin - data_start}, {e.end - data_start}] leave a gap of "
+                              f"{e.begin - pos} bytes after {prev or 'the header'}", file=str(path), tensor=e.name)
+        pos, prev = e.end, e.name
+    if pos != data_start + data_len:
+        raise FormatError(f"{data_start + data_len - pos} bytes after the last tensor belong to none "
+                          "(the header does not describe the whole file)", file=str(path))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _entry(path: Path, name: str, spec, data_start: int, data_len: int, comp=None) -> TensorEntry:
     try:
         dtype, shape, (lo, hi) = spec["dtype"], spec["shape"], spec["data_offsets"]
-        shape = tuple(int(s) for s in shape)
-        lo, hi = int(lo), int(hi)
     except (KeyError, TypeError, ValueError):
         raise FormatError("malformed header entry (needs dtype, shape, data_offsets)", file=str(path), tensor=name) from None
-    if dtype not in DTYPES:
+    if not (isinstance(shape, list) and all(map(_is_int, shape)) and _is_int(lo) and _is_int(hi)):
+        raise FormatError("malformed header entry (shape and data_offsets must be lists of integers)", file=str(path),
+                          tensor=name)
+    shape = tuple(shape)
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise FormatError(f"unsupported dtype {dtype!r}", file=str(path), tensor=name)
     if any(s < 0 for s in shape) or lo < 0 or hi < lo:
         raise FormatError(f"invalid shape {list(shape)} or offsets [{lo}, {hi}]", file=str(path), tensor=name)

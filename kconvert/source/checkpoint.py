@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path, PurePosixPath
 
@@ -24,6 +25,7 @@ from kconvert.source.formats import LogicalTensor, fold, read_logical
 from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
+FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
 SINGLE = "model.safetensors"
 
 
@@ -77,7 +79,11 @@ class Checkpoint:
         for fname, tensors in hub.remote_headers(repo_id, revision=revision).items():
             for tname, spec in tensors.items():
                 lo, hi = spec["data_offsets"]
-                stored[tname] = TensorEntry(tname, root / fname, spec["dtype"], tuple(spec["shape"]), lo, hi)
+                shape = tuple(spec["shape"])
+                if spec["dtype"] not in DTYPES or hi - lo != math.prod(shape) * ITEMSIZE[spec["dtype"]]:
+                    raise CheckpointError(f"remote header entry {spec['dtype']}{list(shape)} [{lo}, {hi}] is malformed",
+                                          file=f"{repo_id}/{fname}", tensor=tname)
+                stored[tname] = TensorEntry(tname, root / fname, spec["dtype"], shape, lo, hi)
         return cls(root, config, {f: None for f in {e.file.name for e in stored.values()}}, stored,
                    source=repo_id, remote=True)
 
@@ -104,6 +110,9 @@ class Checkpoint:
         """Every tensor known with the shape config.json implies; every required tensor present."""
         for name, t in self.logical.items():
             info = self.info(name)
+            if t.format == "plain" and t.main.dtype not in FLOAT_TAGS:  # e.g. a header whose BF16 became I16
+                raise ManifestError(f"stored as {t.main.dtype}: a model weight must be a float (F16, BF16, F32 or "
+                                    "F64), or FP8/INT8/INT4 with its scale", file=str(t.main.file), tensor=name)
             expect = info.expected_shape()
             if tuple(t.shape) != expect:
                 raise ManifestError(f"shape {list(t.shape)} disagrees with config.json, which implies {list(expect)}",

@@ -474,6 +474,7 @@ def test_disk_full_is_a_clean_error_and_resumable(checkpoint, tmp_path):
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr and "layer-0001.safetensors" in lines[0], r.stderr
+    assert "disk full" in lines[0] and "re-run" in lines[0], lines[0]  # the message says it resumes
     assert not (out / MANIFEST).exists()
     assert not list(out.rglob(".*.tmp-*")), "a temporary file was left behind"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -21,7 +21,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_error(e: OSError, path: Path) -> KConvertError:
     """An OSError while writing `path` as a one-line error (disk full stays resumable)."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # EFBIG: a file-size limit (ulimit -f)
         return DiskFullError("disk full while writing; free space and re-run the same command to resume", file=str(path))
     return KConvertError(f"cannot write: {e.strerror}", file=str(path))
 

@@ -105,7 +105,7 @@ def _open(src: str, revision: str | None):
             raise CheckpointError(f"not a readable config.json: {e}", file=str(p)) from None
         if not isinstance(config, dict):
             raise CheckpointError("config.json is not a JSON object", file=str(p))
-        model, groups = config_groups(json.dumps(config, sort_keys=True))
+        model, groups = config_groups(json.dumps(config, sort_keys=True), str(p))
         return "config", model, groups
     ck = Checkpoint.open(src, revision=revision, headers_only=True)
     return "checkpoint", ck.model, tuple(checkpoint_groups(ck))

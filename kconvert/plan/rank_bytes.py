@@ -65,8 +65,9 @@ def _collapse(items) -> list[TensorGroup]:
 
 
 @functools.lru_cache(maxsize=8)
-def config_groups(config_json: str) -> tuple[ModelMap, tuple[TensorGroup, ...]]:
-    model = bind(json.loads(config_json))
+def config_groups(config_json: str, config_file: str = "config.json") -> tuple[ModelMap, tuple[TensorGroup, ...]]:
+    """Groups of a model known only by its config (cached: `plan` asks again for every tp degree)."""
+    model = bind(json.loads(config_json), config_file=config_file)
     shapes: dict[tuple, tuple[int, ...]] = {}  # experts of one rule and layer share one shape: evaluate once
 
     def items():

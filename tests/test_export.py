@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,9 +30,9 @@ def exported(checkpoint, tmp_path_factory):
 
 def _modules(out: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """(quantization_config, {module: its stored tensors by local name}), read with safetensors itself."""
-    qc = json.loads((__import__("pathlib").Path(out) / "config.json").read_text())["quantization_config"]
+    qc = json.loads((Path(out) / "config.json").read_text())["quantization_config"]
     mods: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in load_source(__import__("pathlib").Path(out)).items():
+    for name, t in load_source(Path(out)).items():
         module, local = name.rsplit(".", 1)
         mods.setdefault(module, {})[local] = t
     return qc, mods
@@ -74,7 +75,7 @@ def test_fp8_block_through_transformers_equals_kconvert(exported):
     import transformers
 
     out = exported["fp8-block"]
-    qc = json.loads((__import__("pathlib").Path(out) / "config.json").read_text())["quantization_config"]
+    qc = json.loads((Path(out) / "config.json").read_text())["quantization_config"]
     assert qc == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -141,17 +142,26 @@ def test_transformers_kld_equals_kconvert_verify(exported, checkpoint, tmp_path)
     assert abs(hf - engine) <= 0.2 * max(hf, engine), (hf, engine)
 
 
-@pytest.mark.parametrize("fmt", ("fp8-block", *CT_FORMATS))
-def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path, fmt):
-    src = json.loads(run_cli("inspect", checkpoint("tiny-k3"), "--json", check=True).stdout)
-    got = json.loads(run_cli("inspect", exported[fmt], "--json", check=True).stdout)
-    assert got["total_params"] == src["total_params"] and got["params"] == src["params"]
-    proc = run_cli("shard", exported[fmt], tmp_path / "c", "--tp", "2", "--json", check=True)
-    assert json.loads(proc.stdout)["files_written"] > 0
-    index = json.loads((__import__("pathlib").Path(exported[fmt]) / "model.safetensors.index.json").read_text())
-    sizes = sum(t.numel() * t.element_size() for t in load_source(__import__("pathlib").Path(exported[fmt])).values())
-    assert index["metadata"]["total_size"] == sizes
-    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00001.safetensors"]
+def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import app
+    from kconvert.convert.shard import ShardJob, shard
+
+    def inspect(path) -> dict:
+        res = CliRunner().invoke(app, ["inspect", str(path), "--json"])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)
+
+    src = inspect(checkpoint("tiny-k3"))
+    for fmt, out in exported.items():
+        got = inspect(out)
+        assert got["total_params"] == src["total_params"] and got["params"] == src["params"], fmt
+        assert shard(ShardJob(out, str(tmp_path / fmt), tp=2)).files_written > 0
+        index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
+        sizes = sum(t.numel() * t.element_size() for t in load_source(Path(out)).values())
+        assert index["metadata"]["total_size"] == sizes
+        assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00001.safetensors"]
 
 
 def test_interrupted_export_resumes_and_never_looks_complete(checkpoint, tmp_path, monkeypatch):

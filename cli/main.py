@@ -14,7 +14,7 @@ import click
 from kconvert import __version__
 from kconvert.errors import KConvertError
 
-from . import fixture_cmd, inspect_cmd, pack_cmd, shard_cmd
+from . import export_cmd, fixture_cmd, inspect_cmd, pack_cmd, shard_cmd
 from . import load_cmd, plan_cmd, verify_cmd
 
 
@@ -40,6 +40,7 @@ app.add_command(shard_cmd.shard)
 app.add_command(shard_cmd.verify_files)
 app.add_command(pack_cmd.pack)
 app.add_command(pack_cmd.unpack)
+app.add_command(export_cmd.export)
 
 
 def main(argv: list[str] | None = None) -> int:

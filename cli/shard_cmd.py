@@ -35,7 +35,8 @@ def _rank0() -> bool:
               help="Quantize matching 2-D tensors even if the manifest keeps them (glob, repeatable).")
 @click.option("--requantize", is_flag=True, help="Block-FP8 source cut inside a block: dequantize and re-quantize.")
 @click.option("--keep-mtp", is_flag=True, help="Keep multi-token-prediction layers (dropped by default).")
-@click.option("--workers", type=int, default=1, show_default=True, help="Files converted in parallel (threads).")
+@click.option("--workers", type=click.IntRange(min=1),
+              help="Units converted in parallel (threads); default: cores + 1, fewer if memory is short.")
 @click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) conversion in OUT.")
 @click.option("--compress", metavar="zstd[:LEVEL]",
               help="Write compressed shards (lossless zstd, byte-grouped; the loader reads them transparently).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import click
@@ -51,12 +52,14 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, as_json):
 @click.option("--per-layer", is_flag=True, help="Hidden-state error per layer, first bad layer, tensors to blame.")
 @click.option("--device", default="cpu", show_default=True, help="Device the engine runs on.")
 @click.option("--force", is_flag=True, help="Compare even if the reference was made from another source.")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="An exported (Hugging Face-layout) OUT is resharded for this many ranks first.")
 @click.option("--threshold", "threshold", multiple=True, metavar="KEY=VALUE",
               help="Override a PASS bound: mean_kld, p99_kld or same_top1_pct (repeatable).")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Write a PNG (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
-def verify(out, reference_file, against, per_layer, device, force, threshold, plot_file, as_json):
-    """Check converted checkpoint OUT against reference log-probabilities: integrity first, then
+def verify(out, reference_file, against, per_layer, device, force, tp, threshold, plot_file, as_json):
+    """Check converted (or exported: see --tp) checkpoint OUT against reference log-probabilities: integrity first, then
     KLD, same-top-1, RMS Δp, PPL ratio, cosine, max |Δ log p| (llama.cpp's --kl-divergence report),
     split by prompt kind, PASS/FAIL per the scheme's thresholds. Exit 0 PASS, 1 FAIL, 2 bad input.
 
@@ -64,6 +67,7 @@ def verify(out, reference_file, against, per_layer, device, force, threshold, pl
     Example:
       kconvert reference ./tiny-k3 --out ref.safetensors --hidden-states
       kconvert verify ./tiny-k3-tp2-fp8 --reference ref.safetensors --per-layer
+      kconvert verify ./tiny-k3-w4a16 --reference ref.safetensors   # an export: resharded, then verified
     """
     from kconvert.errors import UsageError
     from kconvert.errors import VerifyFailed
@@ -82,9 +86,18 @@ def verify(out, reference_file, against, per_layer, device, force, threshold, pl
             limits[key] = float(value)
         except ValueError:
             raise UsageError(f"threshold {key} needs a number, got {value!r}") from None
-    with byte_progress("verify", enabled=not as_json, unit="items") as cb:
-        rep = run_verify(out, reference=reference_file, against=against, per_layer=per_layer, device=device,
+    from kconvert.verify.exported import as_converted, is_converted, reference_matches
+
+    with contextlib.ExitStack() as stack, byte_progress("verify", enabled=not as_json, unit="items") as cb:
+        target = out
+        if not is_converted(out):  # an export: resharded into a temporary converted dir
+            cb("phase", name="reshard")
+            target, bounds, made_from = stack.enter_context(as_converted(out, tp))
+            limits = {**bounds, **limits}
+            force = force or reference_matches(made_from, reference_file, against)
+        rep = run_verify(target, reference=reference_file, against=against, per_layer=per_layer, device=device,
                          force=force, limits=limits, progress=cb)
+        rep.out = out
     if plot_file:
         from .verify_plot import plot
 

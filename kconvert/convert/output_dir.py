@@ -26,13 +26,15 @@ def check_paths(ck: Checkpoint, out: Path) -> None:
         raise UsageError("output path exists and is not a directory", file=str(out))
 
 
-def prepare_out(out: Path, identity: dict, overwrite: bool, follower: bool = False) -> str:
-    """Make `out` ready for this job: 'fresh', 'resume' or 'complete'. Refuses to mix jobs."""
+def prepare_out(out: Path, identity: dict, overwrite: bool, follower: bool = False, *, marker: str = MANIFEST,
+                job_of=lambda meta: meta.get("job")) -> str:
+    """Make `out` ready for this job: 'fresh', 'resume' or 'complete'. Refuses to mix jobs. `marker` is the
+    file written last (kconvert.json; an export's index) and `job_of` finds the job identity in it."""
     journal = out / JOURNAL_DIR
     job_file = journal / "job.json"
-    if (out / MANIFEST).exists():
-        meta = _read_json(out / MANIFEST)
-        if meta.get("job") == identity and not overwrite:
+    if (out / marker).exists():
+        meta = _read_json(out / marker)
+        if job_of(meta) == identity and not overwrite:
             return "complete"
         if not overwrite:
             raise UsageError("the output directory holds a different conversion (other source or arguments); "
@@ -49,7 +51,7 @@ def prepare_out(out: Path, identity: dict, overwrite: bool, follower: bool = Fal
     if follower:
         return "resume"
     if overwrite and out.exists():
-        if not ((out / MANIFEST).exists() or job_file.exists() or not any(out.iterdir())):
+        if not ((out / marker).exists() or job_file.exists() or not any(out.iterdir())):
             raise UsageError("refusing to --overwrite a directory that is not a kconvert output", file=str(out))
         shutil.rmtree(out)
     try:
@@ -62,9 +64,9 @@ def prepare_out(out: Path, identity: dict, overwrite: bool, follower: bool = Fal
     return "fresh"
 
 
-def copy_side_files(ck: Checkpoint, out: Path) -> None:
+def copy_side_files(ck: Checkpoint, out: Path, patterns: tuple[str, ...] = COPY_PATTERNS) -> None:
     """Config and tokenizer files, each a regular file inside the source (a symlink leading out is refused)."""
-    for pattern in COPY_PATTERNS:
+    for pattern in patterns:
         for f in sorted(ck.root.glob(pattern)):
             src = contained(ck.root, f.name, named_in=ck.root)
             if not src.is_file():

@@ -53,3 +53,10 @@ def quantize_int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
+def quantize_fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] float -> (float8_e4m3fn [R, C], float32 scale [R, 1]) with w ≈ q * scale (scale = row amax / 448)."""
+    x = w.to(torch.float32)
+    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(TINY)
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

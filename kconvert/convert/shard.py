@@ -9,6 +9,7 @@ writes kconvert.json.
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import time
@@ -41,7 +42,7 @@ class ShardJob:
     force: tuple[str, ...] = ()
     requantize: bool = False
     keep_mtp: bool = False
-    workers: int = 1
+    workers: int | None = None  # None: default_workers() from the cores and the memory budget
     overwrite: bool = False
     compress: str | None = None  # "zstd[:LEVEL]": compressed shards (a storage form, not part of identity())
 
@@ -66,6 +67,33 @@ class ShardResult:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+# Worker threads: I/O (reads, fsync) overlaps with quantization, so one more than the cores pays; each
+# worker holds its tensors plus float32 temporaries, and all of them together stay within MEMORY_SHARE
+# of the available memory (and MAX_WORKERS: beyond it the disk, not the CPU, is the limit).
+MEMORY_SHARE = 0.25
+MAX_WORKERS = 8
+WORKER_BYTES_PER_SOURCE_BYTE = {False: 3, True: 10}  # plain copy vs quantize (fp32 copy, padded, scales)
+
+
+def default_workers(largest_tensor_bytes: int, quantized: bool) -> int:
+    """Workers for a conversion whose largest source tensor is `largest_tensor_bytes`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_worker = max(1, largest_tensor_bytes) * WORKER_BYTES_PER_SOURCE_BYTE[quantized]
+    by_memory = int(available_memory() * MEMORY_SHARE) // per_worker
+    return max(1, min(cores + 1, MAX_WORKERS, by_memory))
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def shard(job: ShardJob, progress=None) -> ShardResult:
@@ -107,7 +135,7 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     if progress:
         progress("start", total=sum(w.bytes_in for w in todo))
     with JournalLog(out / JOURNAL_DIR / f"done-{dist.rank:04d}.jsonl") as log, \
-            ThreadPoolExecutor(max(1, job.workers)) as pool:
+            ThreadPoolExecutor(job.workers or _default_workers(ck, todo, policy)) as pool:
         for batch, recs in zip(batches, pool.map(lambda b: run_unit(ck, b, out, progress, level), batches)):
             for w, (rec, stored) in zip(batch, recs):
                 entry = {"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32}
@@ -129,6 +157,11 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     result.seconds = time.perf_counter() - t0
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
+
+
+def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy) -> int:
+    largest = max((ck.logical[o.src].stored_bytes for w in todo for o in w.outputs), default=1)
+    return default_workers(largest, quantized=policy.scheme != "none")
 
 
 def _journalled(out: Path) -> dict[str, dict]:

@@ -1,0 +1,101 @@
+"""Conversion speed and memory with DEFAULT options, side by side with DeepSeek's own inference/convert.py.
+
+Per source size (a generated `scale` checkpoint, page cache warm): DeepSeek's convert.py + `sync` (when
+--deepseek names a checkout of its `inference/` directory; never copied here), `kconvert shard --tp 8`
+unquantized and fp8, and `kconvert export --format fp8-block`, each with its defaults and followed by
+`sync`, each in its own process (peak RSS from wait4). Prints speed ratios to convert.py, fp8 vs
+unquantized, export vs shard fp8, and peak RSS flatness across sizes. Note the machine's load: it is shared.
+
+    .venv/bin/python bench/convert_bench.py --sizes 1GB,3GB --deepseek /path/to/DeepSeek-V3/inference
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cli.units import fmt_bytes, parse_size  # noqa: E402
+
+
+def timed(cmd: list[str], out: Path) -> dict:
+    """Wall time (command + sync) and peak RSS of one command in its own process."""
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-2000:]}")
+    subprocess.run(["sync"], check=True)
+    wall = time.perf_counter() - t
+    shutil.rmtree(out, ignore_errors=True)
+    return {"seconds": wall, "peak_rss": usage.ru_maxrss * 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1GB,3GB")
+    ap.add_argument("--workdir", default="/tmp/kbench")
+    ap.add_argument("--deepseek", help="DeepSeek-V3 inference/ directory (holds convert.py); skipped when absent")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per command (the best is reported)")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    from kconvert.fixtures import build_fixture
+    from kconvert.source.checkpoint import Checkpoint
+
+    convert_py = Path(args.deepseek) / "convert.py" if args.deepseek else None
+    if convert_py is None or not convert_py.exists():
+        print(f"DeepSeek's convert.py not given or not found ({convert_py}): its column is skipped "
+              f"(pass --deepseek PATH/TO/DeepSeek-V3/inference)")
+        convert_py = None
+    kc = [sys.executable, "-m", "cli.main"]
+    results: dict[str, dict[str, dict]] = {}
+    for size_text in args.sizes.split(","):
+        src = work / f"scale-{size_text}"
+        if not (src / "model.safetensors.index.json").exists():
+            shutil.rmtree(src, ignore_errors=True)
+            build_fixture("scale", src, size=parse_size(size_text))
+        experts = Checkpoint.open(src).config["n_routed_experts"]
+        subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)
+        out = work / "out"
+        cmds = {"shard none": kc + ["shard", str(src), str(out), "--tp", "8"],
+                "shard fp8": kc + ["shard", str(src), str(out), "--tp", "8", "--quant", "fp8"],
+                "export fp8-block": kc + ["export", str(src), str(out), "--format", "fp8-block"]}
+        if convert_py:
+            cmds = {"convert.py": [sys.executable, str(convert_py), "--hf-ckpt-path", str(src), "--save-path", str(out),
+                                   "--n-experts", str(experts), "--model-parallel", "8"], **cmds}
+        row = results.setdefault(size_text, {})
+        for name, cmd in cmds.items():
+            runs = [timed(cmd, out) for _ in range(args.repeat)]
+            row[name] = min(runs, key=lambda r: r["seconds"]) | {"all_seconds": [round(r["seconds"], 2) for r in runs]}
+            print(json.dumps({"size": size_text, "cmd": name, "load": os.getloadavg()[0], **row[name]}), flush=True)
+    print(f"\nload average now {os.getloadavg()}; {os.cpu_count()} cores")
+    for size_text, row in results.items():
+        base = row.get("convert.py")
+        print(f"\n{size_text}: {'command':<18} {'seconds':>8} {'peak RSS':>10} {'x convert.py':>12} {'RSS / conv':>10}")
+        for name, r in row.items():
+            speed = f"{base['seconds'] / r['seconds']:12.2f}" if base else f"{'-':>12}"
+            rss = f"{r['peak_rss'] / base['peak_rss']:10.2f}" if base else f"{'-':>10}"
+            print(f"{'':>{len(size_text) + 1}} {name:<18} {r['seconds']:8.2f} {fmt_bytes(r['peak_rss']):>10} {speed} {rss}")
+        print(f"  fp8 / unquantized speed: {row['shard none']['seconds'] / row['shard fp8']['seconds']:.2f}; "
+              f"export / shard (fp8) time: {row['export fp8-block']['seconds'] / row['shard fp8']['seconds']:.2f}")
+    sizes = list(results)
+    if len(sizes) > 1:
+        for name in results[sizes[0]]:
+            if name != "convert.py":
+                print(f"peak RSS {sizes[-1]} / {sizes[0]}, {name}: "
+                      f"{results[sizes[-1]][name]['peak_rss'] / results[sizes[0]][name]['peak_rss']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kconvert.load import devices  # noqa: E402
+from kconvert import devices  # noqa: E402
 
 PRELUDE = ("import sys\nif {standin}:\n    from kconvert.load import standin; standin.install()\n"
            "from cli.main import main; sys.exit(main())")

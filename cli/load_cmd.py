@@ -39,7 +39,7 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
     """
     if warmup and _launched_ranks(out, device):
         return
-    from kconvert.load import devices
+    from kconvert import devices
     from kconvert.load.loader import open_converted
 
     import os
@@ -132,7 +132,7 @@ def _launched_ranks(out, device) -> bool:
 
     from engine import launch
     from kconvert.errors import UsageError
-    from kconvert.load import devices
+    from kconvert import devices
     from kconvert.load.loader import open_converted
 
     ctx = click.get_current_context()

@@ -10,24 +10,12 @@ import datetime
 import os
 from dataclasses import dataclass
 
-from kconvert.errors import DeviceError, EngineError
-
-# torch.distributed backend per device type: gloo on CPU, the vendor's collective library on accelerators
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "musa": "mccl"}
-
+from kconvert import devices
+from kconvert.errors import EngineError
 
 # How long a collective may wait. Not torch's 30 minutes: a conversion's barrier waits while another rank
 # writes its share of a terabyte, and chat's ranks wait in a broadcast while the user types.
 TIMEOUT = datetime.timedelta(hours=48)
-
-
-def backend_for(device) -> str:
-    import torch
-
-    kind = torch.device(device).type
-    if kind not in BACKENDS:
-        raise DeviceError(f"no distributed backend for device type {kind!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[kind]
 
 
 def world_from_env() -> int:
@@ -50,9 +38,9 @@ class Group:
 
         if not dist.is_initialized():
             dev = torch.device(device)
-            if dev.type in ("cuda", "musa"):
-                getattr(torch, dev.type).set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend_for(dev), timeout=TIMEOUT)
+            if dev.type != "cpu":  # each process takes the device of its local rank
+                devices.set_current(torch.device(dev.type, int(os.environ.get("LOCAL_RANK", "0"))))
+            dist.init_process_group(devices.collective_backend(dev), timeout=TIMEOUT)
         return cls(dist.get_rank(), dist.get_world_size())
 
     def check_tp(self, tp: int) -> None:

@@ -13,7 +13,7 @@ from helpers import ROOT
 # `engine` sits between `load` (it reads converted checkpoints through the loader) and `verify`
 # (which runs the engine against the reference).
 STAGES = [
-    "kconvert",            # errors, distributed: used by every stage
+    "kconvert",            # errors, devices, distributed: used by every stage
     "kconvert.io",         # safetensors read/write, compressed shards, atomic writes
     "kconvert.family",     # family manifests and their shape expressions
     "kconvert.source",     # source checkpoints: hub, index, formats, tokenizer

@@ -16,7 +16,8 @@ import torch
 from helpers import ROOT, assert_one_line_error
 from kconvert.convert.pack import pack
 from kconvert.convert.shard import ShardJob, shard
-from kconvert.load import devices, standin
+from kconvert import devices
+from kconvert.load import standin
 from kconvert.load.loader import open_converted
 
 DEV = standin.install()  # once per process; off except while this module's tests run
@@ -222,7 +223,7 @@ ACCELERATOR_NAMES = ("cuda", "musa")
 
 
 def test_only_devices_py_names_an_accelerator():
-    """Code (not comments, docstrings or help text) outside kconvert/load/devices.py never names cuda or
+    """Code (not comments, docstrings or help text) outside kconvert/devices.py never names cuda or
     musa: an identifier (torch.cuda) or a string that is a device type ("cuda", "musa:0")."""
     import io
     import re
@@ -232,7 +233,7 @@ def test_only_devices_py_names_an_accelerator():
     bad = []
     for folder in ("kconvert", "engine", "cli", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == ROOT / "kconvert/load/devices.py":
+            if path == ROOT / "kconvert/devices.py":
                 continue
             for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
                 if (tok.type == tokenize.NAME and tok.string in ACCELERATOR_NAMES) or \

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert.load import devices
+from kconvert import devices
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import check_size
 from kconvert.converted.journal import check_not_mid_pack

@@ -238,7 +238,7 @@ def in_flight(t: torch.Tensor) -> bool:
 
 class DeviceModule:
     """What `torch.get_device_module("standin")` returns: the part of torch.cuda's surface that
-    generic device code (kconvert.load.devices, torch.accelerator) calls."""
+    generic device code (kconvert.devices, torch.accelerator) calls."""
 
     Stream = Stream
     Event = Event

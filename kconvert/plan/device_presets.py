@@ -1,5 +1,5 @@
 """Accelerator presets (manifests/devices.toml): memory, bandwidth, FP8 support. Planning data only;
-selecting a real device to load onto is kconvert.load.devices."""
+selecting a real device to load onto is kconvert.devices."""
 
 from __future__ import annotations
 

@@ -32,11 +32,11 @@ class TierStats:
 
 
 def grow_rows(t: torch.Tensor, need: int, device, pin: bool = False) -> torch.Tensor:
-    """t with at least `need` rows (doubling, so appends cost O(1) amortized); zero-filled so padding
-    rows read back as finite values."""
+    """t with at least `need` rows, growing by 1/4 (appends stay O(1) amortized, memory at most 25% over
+    the tokens in use); zero-filled so padding rows read back as finite values."""
     if t.shape[0] >= need:
         return t
-    new = torch.zeros(max(need, 2 * t.shape[0]), t.shape[1], dtype=t.dtype, device=device)
+    new = torch.zeros(max(need, t.shape[0] + t.shape[0] // 4), t.shape[1], dtype=t.dtype, device=device)
     if pin:
         try:
             new = new.pin_memory()
@@ -56,9 +56,9 @@ class Placement:
             total = budget // (self.page * cache.latent_bytes_per_token)
             self.hot_pages = max(1, total // HOT_SHARE)
             self.dev_limit = total - self.hot_pages
-            if self.dev_limit < 2 * cache.batch:
-                raise UsageError(f"--kv-device-budget {budget} B holds {total} latent pages: at least "
-                                 f"{2 * cache.batch + 1} are needed for {cache.batch} sequence(s)")
+            if self.dev_limit < 1:  # one resident page (rows may also be written straight to host pages)
+                raise UsageError(f"--kv-device-budget {budget} B holds {total} latent page(s) of {PAGE} "
+                                 "tokens: at least 2 are needed")
         self.where = torch.zeros(0, dtype=torch.long, device=cache.device)
         self.resident: OrderedDict[int, None] = OrderedDict()  # device pages, oldest first
         self.dev_free: list[int] = []

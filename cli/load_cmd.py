@@ -26,8 +26,12 @@ from .units import fmt_bytes
 @click.option("--warmup", type=int, default=0, show_default=True,
               help="Build our engine from the streamed units and run N warmup forward passes. On a tp-N "
                    "conversion without --rank this starts all N ranks itself (or runs under torchrun).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), help="KV cache format of the --warmup passes.")
+@click.option("--kv-budget", help="Bytes the --warmup KV cache may take (8GiB) or a fraction of free memory.")
+@click.option("--kv-device-budget", help="Bytes of KV latent on the device; older pages go to host memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the phase table as JSON.")
-def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_json):
+def load(out, rank, world_size, device, verify, prefetch, threads, warmup, kv_dtype, kv_budget, kv_device_budget,
+         as_json):
     """Load rank RANK of converted checkpoint OUT onto DEVICE, layer by layer, and time it.
 
     Prints the phases (open, read, verify, copy), bytes/s and peak host/device memory.
@@ -36,6 +40,7 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
     Example:
       kconvert load ./tiny-k3-tp2-fp8 --rank 1 --device cpu --verify
       kconvert load ./tiny-k3-tp2-fp8 --warmup 2      # every rank, rank 0 reports
+      kconvert load ./tiny-k3-tp2-fp8 --warmup 2 --kv-dtype fp8 --kv-budget 1GiB
     """
     if warmup and _launched_ranks(out, device):
         return
@@ -68,7 +73,11 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, as_js
 
         from engine.model import Model
 
+        from engine.kv_budget import kv_options
+
+        kv = kv_options(kv_dtype, kv_budget, kv_device_budget, dev)
         model = Model(conv.config, conv.family, par, dev, torch.bfloat16)  # holds no weights until units arrive
+        model.kv = kv
     t1 = time.perf_counter()
     with byte_progress(f"load rank {rank} → {dev}", enabled=not as_json and os.environ.get("RANK", "0") == "0") as cb:
         cb("start", total=conv.total_bytes)
@@ -158,7 +167,7 @@ def _argv(params: dict) -> list[str]:
     import sys
 
     args = [str(params["out"])]
-    for name in ("world_size", "device", "prefetch", "threads", "warmup"):
+    for name in ("world_size", "device", "prefetch", "threads", "warmup", "kv_dtype", "kv_budget", "kv_device_budget"):
         if params[name] is not None:
             args += [f"--{name.replace('_', '-')}", str(params[name])]
     args += ["--verify"] if params["verify"] else []

@@ -71,16 +71,19 @@ def _tries(p) -> str:
 @click.option("--context", "context_text", help="Tokens per sequence, e.g. 4096, 128k, 1M (k = 1024). "
               "Default: the model's max_position_embeddings.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Sequences held in the KV cache at once.")
-@click.option("--kv-cache-dtype", "kv_dtype", default="bf16", show_default=True,
+@click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", default="bf16", show_default=True,
               help="bf16, or fp8 (FlashMLA latent layout: 656 B per layer at 512 + 64; indexer 132 B at 128).")
 @click.option("--reserve-gb", type=float, help="Activation/workspace reserve per rank in GiB "
               "(default: 2 GiB + 8192 tokens x hidden x 2 B x 24 buffers).")
 @click.option("--mem-fraction", type=float, default=0.92, show_default=True,
               help="Share of device memory the engine may use.")
+@click.option("--host-gb", type=float, default=256.0, show_default=True,
+              help="Host memory per rank for the KV host tier (the 'with host tier' context).")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_text: str | None, batch: int,
-         kv_dtype: str, reserve_gb: float | None, mem_fraction: float, revision: str | None, as_json: bool) -> None:
+         kv_dtype: str, reserve_gb: float | None, mem_fraction: float, host_gb: float, revision: str | None,
+         as_json: bool) -> None:
     """Plan a conversion of SRC: weights per rank by component, KV cache per token, and whether it fits.
 
     Reads config.json and safetensors headers only. SRC is a checkpoint directory or Hub repo id, or a
@@ -93,7 +96,7 @@ def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_tex
       kconvert plan ./tiny-k3 --tp 4 --quant fp8 --kv-cache-dtype fp8 --json
     """
     context = parse_tokens(context_text) if context_text is not None else None
-    p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision)
+    p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision, host_gb)
     if as_json:
         click.echo(json.dumps(p.to_json(), indent=2))
         return
@@ -137,6 +140,16 @@ def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_tex
         con.print(f"smallest tp that fits on {mem['device']} at {ctx}: "
                   + (str(smallest) if smallest else "none of " + ", ".join(str(r["tp"]) for r in p.tp_table if r["ok"])
                      + f" (try {_tries(p)})"))
+
+    k = Table(title=f"KV options on {mem['device']} (batch {mem['batch']}; host tier: {gib(p.kv_options[0]['host_bytes'])} "
+                    "host memory per rank)")
+    for col in ("--kv-dtype", "latent B/token", "indexer B/token", "total B/token", "max context",
+                "with host tier"):
+        k.add_column(col, justify="left" if col == "--kv-dtype" else "right")
+    for o in p.kv_options:
+        k.add_row(o["dtype"], f"{o['latent_bytes_per_token']:,}", f"{o['indexer_bytes_per_token']:,}",
+                  f"{o['bytes_per_token']:,}", fmt_tokens(o["max_context"]), fmt_tokens(o["tiered_max_context"]))
+    con.print(k)
 
     d = Table(title=f"Devices (tp {lay['tp']}, {ctx})")
     for col in ("device", "memory", "usable", "fp8", "fits", "headroom", "max context"):

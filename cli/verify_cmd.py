@@ -57,8 +57,10 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, as_json):
 @click.option("--threshold", "threshold", multiple=True, metavar="KEY=VALUE",
               help="Override a PASS bound: mean_kld, p99_kld or same_top1_pct (repeatable).")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Write a PNG (needs matplotlib).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]),
+              help="Run the engine with this KV cache format: the KLD then includes what KV quantization adds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
-def verify(out, reference_file, against, per_layer, device, force, tp, threshold, plot_file, as_json):
+def verify(out, reference_file, against, per_layer, device, force, tp, threshold, plot_file, kv_dtype, as_json):
     """Check converted (or exported: see --tp) checkpoint OUT against reference log-probabilities: integrity first, then
     KLD, same-top-1, RMS Δp, PPL ratio, cosine, max |Δ log p| (llama.cpp's --kl-divergence report),
     split by prompt kind, PASS/FAIL per the scheme's thresholds. Exit 0 PASS, 1 FAIL, 2 bad input.
@@ -73,6 +75,12 @@ def verify(out, reference_file, against, per_layer, device, force, tp, threshold
     from kconvert.errors import VerifyFailed
     from kconvert.verify.verdict import run_verify
 
+    if kv_dtype:  # read by kconvert.verify.run.run_rank, in this process and in the ranks it spawns
+        import os
+
+        from kconvert.verify.run import KV_DTYPE_ENV
+
+        os.environ[KV_DTYPE_ENV] = kv_dtype
     if plot_file:  # before minutes of verification, not after
         from kconvert.deps import require
 

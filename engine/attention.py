@@ -3,13 +3,14 @@
 Queries are projected into the latent space through kv_b's key half (q_nope · W_uk), scored against the
 cached latent + rope key, and the attended latent is projected out through kv_b's value half. With a DSA
 indexer each query gathers only its top-k latent entries (O(k) per query); without one (deepseek_v3) it
-attends causally over the whole cache."""
+attends causally over the whole cache. The cache is paged (engine/cache.py): every read goes through
+the step's row map, so ragged batches and the host tier need nothing here."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.cache import LayerCache
+from engine.cache import LayerKV
 from engine.config import TextConfig
 from engine.indexer import Indexer
 from engine.linear import Weight, rms_norm
@@ -38,7 +39,7 @@ class MLA:
         self.indexer = Indexer(cfg, t, f"{p}indexer.") if cfg.index_topk else None
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
 
-    def forward(self, x: torch.Tensor, start: int, cache: LayerCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache: LayerKV, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B,S,hidden] at positions start..start+S-1; returns this rank's partial o_proj output."""
         c = self.cfg
         B, S, _ = x.shape
@@ -52,31 +53,29 @@ class MLA:
         q = q.view(B, S, self.heads, nope + rope)
         q_rope = rotate_interleaved(q[..., nope:], cos[:, :, None], sin[:, :, None])
         kv = self.kv_a(x)
-        cache.latent[:, start:start + S] = rms_norm(kv[..., :lat], self.kv_a_norm, self.eps).to(cache.latent.dtype)
-        cache.k_rope[:, start:start + S] = rotate_interleaved(kv[..., lat:], cos, sin).to(cache.k_rope.dtype)
-        T = start + S
+        step = cache.step_for(start, B, S)
+        cache.write(step, rms_norm(kv[..., :lat], self.kv_a_norm, self.eps), rotate_interleaved(kv[..., lat:], cos, sin))
 
         wkv = self.kv_b.dense(dt).view(self.heads, nope + c.v_head_dim, lat)
         q_abs = torch.einsum("bshd,hdc->bshc", q[..., :nope], wkv[:, :nope])  # [B,S,h,lat]
-        latent, k_rope = cache.latent[:, :T].to(dt), cache.k_rope[:, :T].to(dt)
         if self.indexer is not None:
-            idx, valid = self.indexer.select(x, q_lat, cache.index_k, start, cos, sin)
-            o_lat = self._sparse(q_abs, q_rope, latent, k_rope, idx, valid)
+            idx, valid = self.indexer.select(x, q_lat, cache, step, cos, sin)
+            o_lat = self._sparse(q_abs, q_rope, cache, step.rows, idx, valid)
         else:
-            o_lat = self._dense(q_abs, q_rope, latent, k_rope, start)
+            o_lat = self._dense(q_abs, q_rope, cache, step)
         o = torch.einsum("bshc,hvc->bshv", o_lat, wkv[:, nope:])
         return self.o_proj(o.reshape(B, S, self.heads * c.v_head_dim))
 
-    def _sparse(self, q_abs, q_rope, latent, k_rope, idx, valid):
+    def _sparse(self, q_abs, q_rope, cache: LayerKV, rows, idx, valid):
+        """Only the selected latent rows are read (and, with the host tier, fetched)."""
         B, S, h, lat = q_abs.shape
         k = idx.shape[-1]
         out = torch.empty_like(q_abs)
-        chunk = max(1, GATHER_BUDGET // max(1, k * (lat + k_rope.shape[-1])))
-        bidx = torch.arange(B, device=idx.device)[:, None, None]
+        chunk = max(1, GATHER_BUDGET // max(1, B * k * (lat + self.cfg.qk_rope_head_dim)))
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = idx[:, s0:s1]
-            lat_g, rope_g = latent[bidx, sel], k_rope[bidx, sel]  # [B,s,k,lat], [B,s,k,rope]
+            sel = rows.gather(1, idx[:, s0:s1].flatten(1)).view(B, s1 - s0, k)
+            lat_g, rope_g = cache.read(sel, q_abs.dtype)  # [B,s,k,lat], [B,s,k,rope]
             scores = torch.einsum("bshc,bskc->bshk", q_abs[:, s0:s1], lat_g)
             scores += torch.einsum("bshr,bskr->bshk", q_rope[:, s0:s1], rope_g)
             scores = (scores * self.scale).masked_fill(~valid[:, s0:s1, None, :], float("-inf"))
@@ -84,18 +83,20 @@ class MLA:
             out[:, s0:s1] = torch.einsum("bshk,bskc->bshc", p, lat_g)
         return out
 
-    def _dense(self, q_abs, q_rope, latent, k_rope, start):
+    def _dense(self, q_abs, q_rope, cache: LayerKV, step):
+        """No indexer (deepseek_v3): every earlier position, each sequence masked at its own length."""
         B, S, h, lat = q_abs.shape
+        latent, k_rope = cache.read(step.rows, q_abs.dtype)  # [B,T,lat], [B,T,rope]
         T = latent.shape[1]
         out = torch.empty_like(q_abs)
-        chunk = max(1, GATHER_BUDGET // max(1, h * T))
+        chunk = max(1, GATHER_BUDGET // max(1, B * h * T))
         keys = torch.arange(T, device=q_abs.device)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             scores = torch.einsum("bshc,btc->bsht", q_abs[:, s0:s1], latent)
             scores += torch.einsum("bshr,btr->bsht", q_rope[:, s0:s1], k_rope)
-            future = keys[None, :] > torch.arange(start + s0, start + s1, device=keys.device)[:, None]
-            scores = (scores * self.scale).masked_fill(future[None, :, None, :], float("-inf"))
+            future = keys[None, None, :] > step.positions[:, s0:s1, None]  # [B,s,T]
+            scores = (scores * self.scale).masked_fill(future[:, :, None, :], float("-inf"))
             p = torch.softmax(scores.float(), dim=-1).to(q_abs.dtype)
             out[:, s0:s1] = torch.einsum("bsht,btc->bshc", p, latent)
         return out

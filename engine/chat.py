@@ -9,7 +9,9 @@ A checkpoint converted with --tp N runs as N processes: this command starts them
 cpu, one per device on cuda/musa); this process is rank 0 and owns the terminal, the others follow its
 input. --nproc overrides the count. Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
-The KV cache grows with the conversation, up to --context tokens (default: the model's maximum).
+The KV cache grows with the conversation in pages of 64 tokens, up to --context tokens (default: the
+model's maximum) and --kv-budget bytes; --kv-dtype fp8 halves it; --kv-device-budget keeps older pages in
+host memory (docs/KV_CACHE.md).
 Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 130 interrupted."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from engine import launch
 from engine.generate import Sampling, generate
 from engine.image import load_image, preprocess
+from engine.kv_budget import kv_options
 from engine.model import Model
 from engine.stream import TextStream
 from engine.tokenizer import Tokenizer
@@ -115,6 +118,12 @@ def _parse(argv):
     ap.add_argument("--context", type=int, default=None,
                     help="most tokens a conversation may hold (default: the model's maximum); the cache is "
                          "allocated as the conversation grows, never for the whole limit up front")
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default=None,
+                    help="KV cache format (default: the compute dtype); fp8: e4m3 latent + per-128 scales")
+    ap.add_argument("--kv-budget", default=None,
+                    help="most bytes the KV cache may take (8GiB, 512M) or a fraction of free memory (0.9)")
+    ap.add_argument("--kv-device-budget", default=None,
+                    help="bytes of KV latent kept on the device; older pages go to host memory")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or musa (each rank takes device LOCAL_RANK)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--nproc", type=int, default=None,
@@ -183,7 +192,9 @@ def _run(a) -> int:
         raise UsageError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
     device = launch.rank_device(a.device)
     par = Group.from_env(device)
+    kv = kv_options(a.kv_dtype, a.kv_budget, a.kv_device_budget, device)  # bad input fails before loading
     model = Model.from_converted(a.path, device=device, dtype=DTYPES[a.dtype], par=par)
+    model.kv = kv
     tok = Tokenizer(a.path)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.max_new_tokens, tok.stop_ids, a.seed)
     session = Session(model, tok, sampling, a.system, _context(a.context, model))

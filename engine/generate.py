@@ -52,15 +52,16 @@ def sample(logits: torch.Tensor, p: Sampling, gen: torch.Generator | None) -> in
 
 
 def generate(model, prompt: list[int], p: Sampling, cache=None, image_embeds=None, on_token=None,
-             start: int = 0) -> Result:
+             start: int = 0, kv=None) -> Result:
     """Generate after `prompt`; with a cache holding prompt[:start] already, only prompt[start:] is prefilled.
+    Without a cache one is made with KV options `kv` (engine.cache.KVOptions; default: the model's).
     `on_token(id)` is called as each token is chosen. Every rank runs this in lock-step under torchrun."""
     if not prompt or start >= len(prompt):
         raise EngineError("empty prompt")
-    cache = cache if cache is not None else model.new_cache(1, len(prompt) + p.max_new_tokens)
+    cache = cache if cache is not None else model.new_cache(1, len(prompt) + p.max_new_tokens, kv=kv)
     if len(prompt) > cache.max_len:
         raise EngineError(f"prompt of {len(prompt)} tokens exceeds the context of {cache.max_len} tokens")
-    cache.ensure(min(cache.max_len, len(prompt) + p.max_new_tokens))  # allocate once for the whole answer
+    cache.ensure(min(cache.max_len, len(prompt) + p.max_new_tokens))
     gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
     t0 = time.perf_counter()
     logits = model.forward(torch.tensor([prompt[start:]]), cache, image_embeds=image_embeds, last_only=True)

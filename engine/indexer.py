@@ -37,30 +37,31 @@ class Indexer:
         r = self.rope_dim
         return torch.cat([rotate_half(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
-    def select(self, x: torch.Tensor, q_lat: torch.Tensor, cache_k: torch.Tensor, start: int,
-               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B,S,H], q_lat [B,S,q_lora]; writes this step's keys into cache_k [B,max,D].
-        Returns (indices [B,S,k], valid [B,S,k]) with k = min(topk, keys so far)."""
+    def select(self, x: torch.Tensor, q_lat: torch.Tensor, cache, step, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B,S,H], q_lat [B,S,q_lora]; writes this step's keys into the cache (LayerKV) and scores
+        every earlier key of each sequence (the keys stay on the device; the latent may not).
+        Returns (positions [B,S,k], valid [B,S,k]) with k = min(topk, longest sequence so far)."""
         B, S, _ = x.shape
         dt = x.dtype
         q = self.wq_b(q_lat).view(B, S, self.n_heads, self.head_dim)
         q = self._rope(q, cos[:, :, None], sin[:, :, None])
         k = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm_w.to(dt), self.k_norm_b.to(dt), 1e-6)
-        cache_k[:, start:start + S] = self._rope(k, cos, sin).to(cache_k.dtype)
-        T = start + S
-        keys = cache_k[:, :T].float()
+        cache.write_index(step, self._rope(k, cos, sin))
+        keys = cache.read_index(step.rows, torch.float32)  # [B,T,D]
+        T = keys.shape[1]
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B,S,h]
         k_sel = min(self.topk, T)
-        pos = torch.arange(start, T, device=x.device)
-        chunk = max(1, SCORE_BUDGET // max(1, self.n_heads * T))
+        pos = step.positions  # [B,S]
+        chunk = max(1, SCORE_BUDGET // max(1, B * self.n_heads * T))
         idx_parts = []
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             scores = torch.einsum("bshd,btd->bsht", q[:, s0:s1].float(), keys).mul_(self.scale).relu_()
             index = torch.einsum("bsh,bsht->bst", w[:, s0:s1], scores)
-            future = torch.arange(T, device=x.device)[None, :] > pos[s0:s1, None]
+            future = torch.arange(T, device=x.device)[None, None, :] > pos[:, s0:s1, None]
             index = index.masked_fill(future, float("-inf"))
             idx_parts.append(top_keys(index, k_sel))
         idx = torch.cat(idx_parts, dim=1)
-        valid = idx <= pos[None, :, None]
+        valid = idx <= pos[:, :, None]
         return idx, valid

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import MLA
-from engine.cache import KVCache
+from engine.cache import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
 from engine.linear import Weight, rms_norm
 from engine.moe import MLP, MoE
@@ -47,6 +47,7 @@ class Model:
         self.embed = self.norm = self.head = None
         self.vision = None
         self.rotary = Rotary(self.cfg.rope, self.cfg.qk_rope_head_dim, self.device)
+        self.kv = KVOptions()  # the KV format/budgets every new cache takes (chat/verify/load set them)
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -101,12 +102,13 @@ class Model:
         self.head.materialize(dtype)
 
     # ---- compute -------------------------------------------------------------------------------
-    def new_cache(self, batch: int = 1, max_len: int | None = None, reserve: int | None = None) -> KVCache:
-        """A cache for up to max_len tokens (default: the model's maximum, allocated only as it fills),
-        holding `reserve` tokens at first (default: max_len when given)."""
+    def new_cache(self, batch: int = 1, max_len: int | None = None, reserve: int | None = None,
+                  kv: KVOptions | None = None) -> KVCache:
+        """A paged cache for `batch` sequences of up to max_len tokens each (default: the model's maximum);
+        pages are taken as tokens arrive, bounded by the KV budget (`kv`, default self.kv)."""
         if max_len is None:
-            max_len, reserve = self.cfg.max_position_embeddings, reserve or 0
-        return KVCache(self.cfg, batch, max_len, self.dtype, self.device, reserve)
+            max_len = self.cfg.max_position_embeddings
+        return KVCache(self.cfg, batch, max_len, self.dtype, self.device, reserve, kv or self.kv)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         n = self.embed.shape[0]
@@ -118,22 +120,23 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, image_embeds: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """Logits [B,S,V] (or [B,1,V]) for ids [B,S] appended after the cache's tokens; advances the cache."""
+                last_only: bool = False, seqs: list[int] | None = None) -> torch.Tensor:
+        """Logits [B,S,V] (or [B,1,V]) for ids [B,S] appended after each sequence's cached tokens; advances
+        the cache. `seqs` names the cache's sequences the rows belong to (default: all, in order); their
+        lengths may differ (a ragged batch)."""
         ids = ids.to(self.device)
         B, S = ids.shape
         if cache is None:
             cache = self.new_cache(B, S)
-        start = cache.length
-        cache.ensure(start + S)
+        step = cache.begin(S, seqs)
         x = self.embed_tokens(ids)
         if image_embeds is not None:
             x = self.scatter_images(ids, x, image_embeds)
-        cos, sin = self.rotary(torch.arange(start, start + S, device=self.device), self.dtype)
-        cos, sin = cos[None], sin[None]
+        cos, sin = self.rotary(step.positions, self.dtype)  # [B,S,rope/2]: each sequence at its own position
+        start = int(step.positions[0, 0])
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, start, cache.layers[i], cos, sin, self.par)
-        cache.length = start + S
+        cache.commit(step)
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)

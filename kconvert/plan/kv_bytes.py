@@ -73,3 +73,23 @@ def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
         latent_bytes=latent_bytes(int(tc["kv_lora_rank"]), int(tc["qk_rope_head_dim"]), dtype),
         indexer_bytes=indexer_bytes(index_dim, dtype),
     )
+
+
+TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (newest pages + a page cache)
+
+
+def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int) -> list[dict]:
+    """Per KV format: bytes per token, the longest context the device's free bytes hold, and the context
+    the host tier reaches: indexer keys of every token + 1/TIER_DEVICE_SHARE of the latent stay on the
+    device, the whole latent is in `host_bytes` of host memory (engine.cache with --kv-device-budget)."""
+    out = []
+    free = max(free_bytes, 0)
+    for dtype in KV_DTYPES:
+        kv = kv_bytes(text_config, dtype)
+        lat, idx = kv.layers * kv.latent_bytes, kv.layers * kv.indexer_bytes
+        on_device = idx + lat / TIER_DEVICE_SHARE
+        out.append({"dtype": dtype, "latent_bytes_per_token": lat, "indexer_bytes_per_token": idx,
+                    "bytes_per_token": lat + idx, "max_context": free // (batch * (lat + idx)),
+                    "tiered_max_context": int(min(free / (batch * on_device), host_bytes / (batch * lat))),
+                    "host_bytes": host_bytes})
+    return out

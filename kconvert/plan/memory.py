@@ -18,6 +18,8 @@ Memory model, per rank (every number in bytes; GiB = 2**30):
   KV cache    = batch x context x KV bytes per token per rank (kv_bytes.py; replicated across tp).
   fits        = weights + reserve + KV cache <= usable
   max context = floor((usable - weights - reserve) / (batch x KV bytes per token))
+  KV options  = the same for bf16 and fp8, and the context the host tier reaches with --host-gb of host
+                memory per rank (kv_bytes.kv_options: indexer keys + 1/8 of the latent on the device).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
 from kconvert.errors import CheckpointError, UsageError
 from kconvert.plan.device_presets import GIB, DevicePreset, devices, find_device
-from kconvert.plan.kv_bytes import KVBytes, kv_bytes
+from kconvert.plan.kv_bytes import KVBytes, kv_bytes, kv_options
 from kconvert.plan.rank_bytes import COMPONENTS, TensorGroup, checkpoint_groups, config_groups, fp8_misaligned, rank_bytes
 from kconvert.convert.layout import TP_DEGREES, Layout, check, layout_problem
 from kconvert.family.manifest import ModelMap, manifests_dir
@@ -84,6 +86,7 @@ class Plan:
     memory: dict  # the chosen device at --context / --batch
     devices: list[dict]  # the same rank on every preset
     tp_table: list[dict]
+    kv_options: list[dict] = field(default_factory=list)  # bf16 / fp8 / host tier on the chosen device
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -176,7 +179,7 @@ def _warnings(sz: _Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> l
 
 def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", device: str = "H200",
               context: int | None = None, batch: int = 1, kv_dtype: str = "bf16", reserve_gb: float | None = None,
-              mem_fraction: float = MEM_FRACTION, revision: str | None = None) -> Plan:
+              mem_fraction: float = MEM_FRACTION, revision: str | None = None, host_gb: float = 256.0) -> Plan:
     """Plan SRC converted for `--tp tp --ep ep --quant quant` on `device` (see the module docstring)."""
     policy = QuantPolicy(quant)
     dev = find_device(device)
@@ -201,6 +204,8 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         params[g.info.component] += g.numel
     stored = [(g, policy.stored_bytes(g.info, g.shape, g.itemsize) * g.count) for g in groups]
     vision = next((p for p in model.parts if p.group == "vision"), None)
+    mem = sz.fit(dev, totals[top])
+    kv_free = mem["headroom_bytes"] + mem["kv_bytes"]  # usable - weights - reserve
     return Plan(
         source=src, source_kind=kind, family=model.name,
         model={"layers": model.text.layer_count, "hidden_size": tc.get("hidden_size"),
@@ -219,5 +224,6 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
                 "reserve_default": reserve_gb is None},
         devices=[{**sz.fit(d, totals[top]), "fp8": d.fp8, "backend": d.backend, "bandwidth_tbs": d.bandwidth_tbs}
                  for d in devices().values()],
-        tp_table=_tp_table(sz, model, layout, dev), warnings=_warnings(sz, layout, dev, max_pos),
+        tp_table=_tp_table(sz, model, layout, dev), kv_options=kv_options(tc, kv_free, batch, int(host_gb * GIB)),
+        warnings=_warnings(sz, layout, dev, max_pos),
     )

@@ -16,15 +16,23 @@ import torch
 from kconvert.verify.forward import engine_inputs, hidden_states
 
 
+KV_DTYPE_ENV = "KCONVERT_KV_DTYPE"  # verify --kv-dtype: read here so spawned ranks see it too
+
+
 def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
-             per_layer: dict | None = None, device: str = "cpu") -> None:
+             per_layer: dict | None = None, device: str = "cpu", kv_dtype: str | None = None) -> None:
     """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
-    per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking."""
+    per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking.
+    kv_dtype (default: $KCONVERT_KV_DTYPE, else the compute dtype) is the KV cache format every
+    model.new_cache takes, so the KLD includes what KV quantization adds."""
     from engine.model import Model
     from kconvert.distributed import Group
 
     par = Group.from_env(device)
     model = Model.from_converted(out_dir, device=device, dtype=torch.float32, par=par)
+    from engine.cache import KVOptions
+
+    model.kv = KVOptions(kv_dtype or os.environ.get(KV_DTYPE_ENV) or None)
     if per_layer is not None and per_layer.get("attribute_layer") is not None:
         from kconvert.verify.attribution import attribute
 

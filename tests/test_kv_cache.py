@@ -1,0 +1,164 @@
+"""The paged / quantized / tiered KV cache (engine/cache.py, kv_format.py, kv_tier.py): pages taken and
+returned, ragged batches equal per-sequence runs, bf16/fp8 rows round-trip, the host tier changes no
+logit, and the engine's bytes per token are plan's."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kconvert.convert.shard import ShardJob, shard
+from kconvert.errors import EngineError
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint, tmp_path_factory):
+    from engine.model import Model
+
+    out = tmp_path_factory.mktemp("kv") / "tiny-k3"
+    shard(ShardJob(str(checkpoint("tiny-k3")), str(out), tp=1))
+    return Model.from_converted(out, dtype=torch.float32)
+
+
+@pytest.fixture
+def dense(model):
+    """The same model without its indexer: the deepseek_v3 path (full attention, full reads)."""
+    saved = [l.attn.indexer for l in model.layers], model.cfg
+    for l in model.layers:
+        l.attn.indexer = None
+    model.cfg = dataclasses.replace(model.cfg, index_topk=0)
+    yield model
+    for l, ix in zip(model.layers, saved[0]):
+        l.attn.indexer = ix
+    model.cfg = saved[1]
+
+
+def _ids(n, seed):
+    return torch.randint(0, 768, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_pages_taken_on_demand_returned_and_bounded(model):
+    from engine.cache import PAGE, KVCache, KVOptions
+
+    per_token = KVCache(model.cfg, 1, 10, torch.float32).bytes_per_token
+    cache = KVCache(model.cfg, 2, 1 << 20, torch.float32, kv=KVOptions(budget=5 * PAGE * per_token))
+    assert cache.nbytes() == 0 and cache.max_pages == 5  # a 1M-token limit allocates nothing up front
+    cache.commit(cache.begin(PAGE + 1, seqs=[0]))
+    cache.commit(cache.begin(3, seqs=[1]))
+    assert cache.tables[0] == [0, 1] and cache.tables[1] == [2] and cache.lengths == [PAGE + 1, 3]
+    cache.release(0)
+    assert cache.pages_in_use == 1 and sorted(cache.free_ids) == [0, 1]
+    cache.commit(cache.begin(2 * PAGE, seqs=[1]))  # 3 tokens -> 131: two more pages, the freed ones
+    assert sorted(cache.tables[1][1:]) == [0, 1] and cache.pages_in_use == 3
+    cache.commit(cache.begin(2 * PAGE, seqs=[0]))
+    with pytest.raises(EngineError, match="budget"):
+        cache.begin(1, seqs=[0])  # 6th page: over the budget
+    cache.length = 10  # truncation gives pages back too
+    assert cache.tables == [[cache.tables[0][0]], [cache.tables[1][0]]]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_rows_round_trip(kv_dtype):
+    from engine.kv_format import RowFormat
+    from kconvert.plan.kv_bytes import indexer_bytes, latent_bytes
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    lat = torch.randn(3, 5, 200, generator=g) * torch.logspace(-3, 2, 200)  # tiles of very different range
+    rope = torch.randn(3, 5, 64, generator=g)
+    fmt = RowFormat(200, 64, kv_dtype, torch.float32)
+    rows = fmt.encode(lat, rope)
+    assert rows.shape == (3, 5, latent_bytes(200, 64, kv_dtype)) and rows.dtype == torch.uint8
+    assert RowFormat(96, 0, kv_dtype, torch.float32).row_bytes == indexer_bytes(96, kv_dtype)
+    got, got_rope = fmt.decode(rows, torch.float32)
+    assert torch.equal(got_rope, rope.to(torch.bfloat16).float())
+    if kv_dtype == "bf16":
+        assert torch.equal(got, lat.to(torch.bfloat16).float())
+        return
+    for t0 in range(0, 200, 128):  # independently: per 128-value tile, scale = amax / 448, e4m3 of x / scale
+        x = lat[..., t0:t0 + 128]
+        s = x.abs().amax(-1, keepdim=True) / 448
+        assert torch.equal(got[..., t0:t0 + 128], (x / s).to(torch.float8_e4m3fn).float() * s)
+        assert ((got[..., t0:t0 + 128] - x).abs() <= x.abs() / 16 + s / 2 ** 6).all()
+
+
+def _greedy_run(model, cache, ids, steps, seqs=None):
+    logits = [model.forward(ids, cache, seqs=seqs)[:, -1]]
+    for _ in range(steps):
+        logits.append(model.forward(logits[-1].argmax(-1, keepdim=True), cache, seqs=seqs)[:, -1])
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_ragged_batch_equals_per_sequence(model, kv_dtype):
+    from engine.cache import KVOptions
+
+    kv = KVOptions(kv_dtype)
+    lengths, steps = [5, 70, 23], 2
+    prompts = [_ids(n, 100 + n) for n in lengths]
+    alone = [_greedy_run(model, model.new_cache(1, 128, kv=kv), p, steps)[0] for p in prompts]
+    cache = model.new_cache(3, 128, kv=kv)
+    first = [model.forward(p, cache, seqs=[b])[0, -1] for b, p in enumerate(prompts)]
+    tok = torch.stack(first).argmax(-1, keepdim=True)
+    batched = [torch.stack(first)]
+    for _ in range(steps):  # one decode step for all three, each at its own position
+        batched.append(model.forward(tok, cache)[:, -1])
+        tok = batched[-1].argmax(-1, keepdim=True)
+    batched = torch.stack(batched, 1)
+    assert cache.lengths == [n + steps for n in lengths]
+    for b in range(3):
+        torch.testing.assert_close(batched[b], alone[b], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype,path", [(None, "dsa"), ("fp8", "dsa"), ("bf16", "dense")])
+def test_host_tier_changes_no_logit(model, kv_dtype, path, request):
+    from engine.cache import PAGE, KVOptions
+
+    m = request.getfixturevalue("dense") if path == "dense" else model
+    ids, steps = _ids(4 * PAGE + 8, 7), 5
+    flat = m.new_cache(1, 320, kv=KVOptions(kv_dtype))
+    ref = _greedy_run(m, flat, ids, steps)
+    per_page = PAGE * flat.latent_bytes_per_token
+    tiered = m.new_cache(1, 320, kv=KVOptions(kv_dtype, device_budget=4 * per_page))
+    prefill = m.forward(ids, tiered)[:, -1]
+    stats = tiered.placement.stats
+    assert stats.evicted_bytes > 0 and tiered.placement.dev_next == 3  # 3 newest pages + 1 cached host page
+    moved = stats.moved_bytes
+    out = [prefill]
+    for _ in range(steps):
+        out.append(m.forward(out[-1].argmax(-1, keepdim=True), tiered)[:, -1])
+    assert torch.equal(torch.stack(out, 1), ref)
+    per_step = (stats.moved_bytes - moved) / steps
+    full = 4 * PAGE * flat.latent_bytes_per_token
+    if path == "dsa":  # only selected rows cross: at most index_topk per layer and step
+        assert 0 < per_step <= m.cfg.index_topk * flat.latent_bytes_per_token < full
+    else:
+        assert per_step >= PAGE * flat.latent_bytes_per_token  # full reads of the host pages
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_measured_bytes_per_token_equal_plan(model, kv_dtype):
+    from engine.cache import PAGE, KVOptions
+    from kconvert.plan.kv_bytes import kv_bytes
+
+    plan = kv_bytes(model.mc.raw.get("text_config", model.mc.raw), kv_dtype).per_token
+    cache = model.new_cache(1, 4 * PAGE, kv=KVOptions(kv_dtype))
+    model.forward(_ids(2 * PAGE, 3), cache)  # exactly two pages: storage holds exactly 128 tokens
+    assert cache.nbytes() == 2 * PAGE * plan == cache.bytes_in_use()
+    if kv_dtype == "fp8":  # the latent proper (rope part aside): e4m3 + a float32 per 128 vs bf16
+        r = model.cfg.kv_lora_rank
+        assert 2 * r / (cache.lat_fmt.row_bytes - 2 * model.cfg.qk_rope_head_dim) == 2 * r / (r + 4 * math.ceil(r / 128)) > 1.9
+
+
+def test_fp8_kv_logits_close_to_native(model):
+    from engine.cache import KVOptions
+
+    ids = _ids(96, 11)
+    base = model.forward(ids, model.new_cache(1, 96)).log_softmax(-1)
+    fp8 = model.forward(ids, model.new_cache(1, 96, kv=KVOptions("fp8"))).log_softmax(-1)
+    kld = (base.exp() * (base - fp8)).sum(-1).mean()
+    assert 0 < float(kld) < 0.05  # the random tiny model is touchy: bf16 KV alone adds ~2e-3 here

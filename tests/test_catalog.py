@@ -44,12 +44,21 @@ def _tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-COMMANDS = (("load", "--verify"), ("verify-files",), ("pack",), ("unpack",))
-
-
 def _all_refuse(out: Path, *needles: str) -> None:
-    for cmd in COMMANDS:
-        assert_one_line_error(run_cli(cmd[0], out, *cmd[1:]), "kconvert.json", *needles)
+    """Every reader and writer refuses, in the library (load, verify-files, pack, unpack) and once through
+    the CLI (one line, exit 2)."""
+    from kconvert.convert.pack import pack, unpack
+    from kconvert.converted.integrity import verify_files
+    from kconvert.load.loader import open_converted
+
+    for name, call in (("load", lambda: list(open_converted(out).stream("cpu", verify=True))),
+                       ("verify-files", lambda: verify_files(out)), ("pack", lambda: pack(out)),
+                       ("unpack", lambda: unpack(out))):
+        with pytest.raises(CheckpointError) as e:
+            call()
+        line = e.value.one_line()
+        assert "kconvert.json" in line and all(n in line for n in needles), (name, line)
+    assert_one_line_error(run_cli("load", out, "--verify"), "kconvert.json", *needles)
 
 
 def test_written_catalog_reads_back_and_digest_covers_everything(out):

@@ -36,8 +36,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 class Session:
-    def __init__(self, model: Model, tok: Tokenizer, sampling: Sampling, system: str | None, context: int):
+    def __init__(self, model: Model, tok: Tokenizer, sampling: Sampling, system: str | None, context: int,
+                 complete: bool = False):
         self.model, self.tok, self.sampling, self.system = model, tok, sampling, system
+        self.complete = complete  # a base model: continue the text as is, no chat template
         self.cache = model.new_cache(1, context, reserve=0)  # grows with the conversation, up to `context`
         self.clear()
 
@@ -58,7 +60,9 @@ class Session:
         messages = self.messages + [{"role": "user", "content": content}]
         images = self.images + new_images
         counts = [self.model.vision.tokens_per_image(g) for _, g in images]
-        prompt = self.tok.chat_ids(messages, counts)
+        prompt = self.tok.encode(text) if self.complete else self.tok.chat_ids(messages, counts)
+        if not prompt:
+            raise UsageError("--prompt is empty")
         if len(prompt) + 1 > self.cache.max_len:
             raise UsageError(f"prompt of {len(prompt)} tokens does not fit the context of {self.cache.max_len} "
                              f"tokens (/clear starts over; --context raises the limit)")
@@ -110,6 +114,9 @@ def _parse(argv):
     ap.add_argument("--prompt", help="one non-interactive turn")
     ap.add_argument("--image", help="image for the --prompt turn")
     ap.add_argument("--system", default=None)
+    ap.add_argument("--complete", action="store_true",
+                    help="continue --prompt as plain text, without the chat template (base models such as the "
+                         "trained fixtures: --prompt 'def main(' --complete)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -197,7 +204,9 @@ def _run(a) -> int:
     model.kv = kv
     tok = Tokenizer(a.path)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.max_new_tokens, tok.stop_ids, a.seed)
-    session = Session(model, tok, sampling, a.system, _context(a.context, model))
+    if a.complete and (a.prompt is None or a.image):
+        raise UsageError("--complete continues one --prompt of plain text (no image, not interactive)")
+    session = Session(model, tok, sampling, a.system, _context(a.context, model), a.complete)
     out = sys.stdout if par.rank == 0 else None
     if a.prompt is not None:
         session.turn(a.prompt, a.image, out)

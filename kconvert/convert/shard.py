@@ -26,7 +26,7 @@ from kconvert.converted.format import FORMAT, FORMAT_VERSION, JOURNAL_DIR, MANIF
 from kconvert.errors import KConvertError, UsageError
 from kconvert.convert.layout import Layout
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
-from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_int8_channel
+from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_int4_group, quantize_int8_channel
 from kconvert.io.safetensors_read import read_tensor
 from kconvert.io.atomic import write_atomic
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile
@@ -52,12 +52,15 @@ class ShardJob:
     workers: int = 1
     overwrite: bool = False
     compress: str | None = None  # "zstd[:LEVEL]": compressed shards (a storage form, not part of identity())
+    group_size: int = 32  # int4
+    int4_scales: str = "mse"  # int4
 
     def identity(self, fingerprint: str, layout: Layout) -> dict:
         """What must match for two runs to write into the same directory."""
         return {"source_fingerprint": fingerprint, "tp": layout.tp, "ep": layout.ep, "quant": self.quant,
                 "scale_format": self.scale_format, "keep": list(self.keep), "force": list(self.force),
-                "requantize": self.requantize, "keep_mtp": self.keep_mtp, "format_version": FORMAT_VERSION}
+                "requantize": self.requantize, "keep_mtp": self.keep_mtp, "format_version": FORMAT_VERSION,
+                **({"group_size": self.group_size, "int4_scales": self.int4_scales} if self.quant == "int4" else {})}
 
 
 @dataclass
@@ -83,7 +86,7 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     ck = Checkpoint.open(job.src)
     _check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
-    policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format)
+    policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales)
     items = plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp)
     identity = job.identity(ck.fingerprint(), layout)
     result = ShardResult(str(out))
@@ -221,9 +224,13 @@ def _produce(o: Output, x):
         yield o.src, x[0]
         yield o.src + "_scale_inv", x[1].to(torch.float32)
         return
-    if o.transform in ("fp8", "int8"):
+    if o.transform in ("fp8", "int8", "int4"):
         check_finite(x, o.src)
-        if o.transform == "fp8":
+        if o.transform == "int4":
+            q, s = quantize_int4_group(x, o.group_size, o.int4_scales)
+            yield o.src + "_packed", q
+            yield o.src + "_scale", s
+        elif o.transform == "fp8":
             q, s = quantize_fp8_block(x, FP8_BLOCK, o.scale_format)
             yield o.src, q
             yield o.src + "_scale_inv", s
@@ -333,7 +340,9 @@ def _finish(ck: Checkpoint, out: Path, items: list[WorkItem], identity: dict, la
                    sorted({w.unit for w in items if w.unit.startswith("layer-")})},
         "quantization": {"scheme": policy.scheme, "block_size": [128, 128] if policy.scheme == "fp8" else None,
                          "scale_format": policy.scale_format, "keep": list(policy.keep), "quantize": list(policy.force),
-                         "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped"},
+                         "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped",
+                         **({"group_size": policy.group_size, "int4_scales": policy.int4_scales}
+                            if policy.scheme == "int4" else {})},
         "files": files,
         "tensors": tensors,
     }

@@ -225,7 +225,8 @@ def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None) -
     else:
         faith = compare(prompts, fq[1], got, faithful_limits, fq[0], per_kind_limits=False)
     cost = compare(prompts, refs, got, budget, "the unquantized source", per_kind_limits=True)
-    failures = [f"{WRONG}: {f}" for f in faith.failures] + [f"{LOSSY}: {f}" for f in cost.failures]
+    failures = ([f"{WRONG}: " + "; ".join(faith.failures)] if faith.failures else []) + \
+        ([f"{LOSSY} ({scheme} budget): " + "; ".join(cost.failures)] if cost.failures else [])
     return VerifyReport(out=str(out), scheme=scheme, tp=meta["layout"]["tp"], verdict="FAIL" if failures else "PASS",
                         faithfulness=faith, cost=cost, failures=failures)
 

@@ -41,10 +41,10 @@ def main() -> None:
         r = cli("fixture", args.preset, src, "--seed", args.seed)
         assert r.returncode == 0, r.stderr
         print(r.stdout.strip())
-    ref = work / f"{src.name}-ref.safetensors"
+    ref = work / f"ref-s{args.seed}.safetensors"  # the same file bench/verify_damage.py makes
     t = time.perf_counter()
     if not ref.exists():
-        r = cli("reference", src, "--out", ref)
+        r = cli("reference", src, "--out", ref, "--hidden-states")
         assert r.returncode == 0, r.stderr
     print(f"reference: {time.perf_counter() - t:.1f} s")
     rows = []

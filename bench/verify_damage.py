@@ -2,7 +2,7 @@
 conversions of every scheme must not, for any seed of the trained fixture.
 
 Damage (consistent checksums, wrong numbers; the same rewrite as tests/test_verify.py): one expert's
-up_proj scales x30, one layer's o_proj scales x8, rank 0's and rank 1's experts of layer 1 swapped,
+up_proj scales x30 (expert 0 of layer 2: the trained fixture's layer 2 routes every token to 4 experts), one layer's o_proj scales x8, rank 0's and rank 1's experts of layer 1 swapped,
 one output row of one q_b_proj slice with its sign flipped.
 
     .venv/bin/python bench/verify_damage.py --workdir /tmp/kdamage                 # damage table, seed 0
@@ -39,7 +39,7 @@ def damage(clean: Path, work: Path) -> dict[str, Path]:
 
     cases = {}
     d = cases["one expert x30"] = fresh("expert")
-    n = f"{P}2.mlp.experts.3.up_proj.weight_scale_inv"
+    n = f"{P}2.mlp.experts.0.up_proj.weight_scale_inv"
     _rewrite(d, "rank-000/layer-0002.safetensors", lambda t: t.__setitem__(n, t[n] * 30))
     d = cases["one layer's scales x8"] = fresh("scales")
     n = f"{P}1.self_attn.o_proj.weight_scale_inv"
@@ -75,8 +75,8 @@ def damage(clean: Path, work: Path) -> dict[str, Path]:
 def row(name: str, rep: dict) -> str:
     f, c = rep["faithfulness"]["overall"], rep["cost"]["overall"]
     return (f"| {name} | {rep['faithfulness']['verdict']} | {f['mean_kld']:.2e} | {f['p99_kld']:.2e} | "
-            f"{f['same_top1_pct']:.2f} % | {rep['cost']['verdict']} | {c['mean_kld']:.2e} | {c['same_top1_pct']:.2f} % | "
-            f"{rep.get('fault_at')} |")
+            f"{f['same_top1_pct']:.2f} % | {rep['cost']['verdict']} | {c['mean_kld']:.2e} | {c['p99_kld']:.3f} | "
+            f"{c['same_top1_pct']:.2f} % | {c['ppl_ratio']:.4f} | {rep.get('fault_at')} |")
 
 
 def main() -> None:
@@ -89,7 +89,7 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     head = ("| case | faithfulness | faithful mean KLD | faithful p99 | faithful top-1 | cost | cost mean KLD "
-            "| cost top-1 | first fault |\n|---|---|---|---|---|---|---|---|---|")
+            "| cost p99 KLD | cost top-1 | PPL ratio | first fault |\n|---|---|---|---|---|---|---|---|---|---|---|")
     false_fails = total = 0
     for seed in range(args.seeds):
         src, ref = work / f"tiny-k3-trained-s{seed}", work / f"ref-s{seed}.safetensors"

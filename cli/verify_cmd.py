@@ -75,8 +75,10 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
 
     \b
     Example:
-      kconvert reference ./tiny-k3 --out ref.safetensors --hidden-states
-      kconvert verify ./tiny-k3-tp2-fp8 --reference ref.safetensors --per-layer
+      kconvert fixture tiny-k3-trained ./tk3 && kconvert shard ./tk3 ./tk3-tp2-fp8 --tp 2 --quant fp8
+      kconvert reference ./tk3 --out ref.safetensors --hidden-states
+      kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --per-layer
+      kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --threshold mean_kld=0.01
     """
     from kconvert.errors import UsageError
     from kconvert.errors import VerifyFailed

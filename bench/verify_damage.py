@@ -83,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/kdamage")
     ap.add_argument("--seeds", type=int, default=1, help="trained fixtures to check clean conversions on")
+    ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--tp", default="2", help="comma-separated tp degrees for the clean conversions")
     ap.add_argument("--no-damage", action="store_true", help="only the clean conversions")
     args = ap.parse_args()
@@ -91,7 +92,7 @@ def main() -> None:
     head = ("| case | faithfulness | faithful mean KLD | faithful p99 | faithful top-1 | cost | cost mean KLD "
             "| cost p99 KLD | cost top-1 | PPL ratio | first fault |\n|---|---|---|---|---|---|---|---|---|---|---|")
     false_fails = total = 0
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         src, ref = work / f"tiny-k3-trained-s{seed}", work / f"ref-s{seed}.safetensors"
         if not (src / "config.json").exists():
             shutil.rmtree(src, ignore_errors=True)

@@ -62,8 +62,8 @@ def main() -> None:
             print(json.dumps({"tp": tp, "scheme": label, "verdict": rep["verdict"], "seconds": round(secs, 1),
                               "faithful_mean_kld": rep["faithfulness"]["overall"].get("mean_kld"),
                               "cost": rep["cost"]["overall"], "failures": rep["failures"]}), flush=True)
-    print(f"\n| tp | scheme | verdict | faithful mean KLD | cost mean KLD | p99 KLD | same top-1 | PPL ratio "
-          f"| worst kind (mean KLD) | verify s |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| tp | scheme | verdict | faithful mean KLD | cost mean KLD | p99 KLD | same top-1 | PPL ratio "
+          "| worst kind (mean KLD) | verify s |\n|---|---|---|---|---|---|---|---|---|---|")
     for tp, label, rep, secs in rows:
         c, f = rep["cost"]["overall"], rep["faithfulness"]["overall"]
         kind, worst = max(rep["cost"]["by_kind"].items(), key=lambda kv: kv[1]["mean_kld"])

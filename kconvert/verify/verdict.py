@@ -196,7 +196,7 @@ def _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, path,
         return "the unquantized reference (every weight is copied)", refs, ref_tensors
     if path is None:
         src = against or meta["source"]["path"]
-        if not Path(src).exists():
+        if against is None and not Path(src).exists():  # a Hub id or a moved source: say so, don't guess
             return None
         phase("faithfulness reference (fake-quantized source)")
         path = str(tmp / "faithful.safetensors")

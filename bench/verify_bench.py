@@ -1,6 +1,8 @@
-"""The verify table for none / fp8 / fp8-ue8m0 / int8 conversions of one preset, and how long verify takes.
+"""verify's two figures for none / fp8 / fp8-ue8m0 / int8 / int4 (clipping-search and amax scales)
+conversions of one preset at tp 1 and tp 2: the cost (vs the unquantized reference: mean and p99 KLD,
+same top-1, PPL ratio) and the faithfulness (mean KLD vs the source fake-quantized the same way).
 
-    .venv/bin/python bench/verify_bench.py --preset small-k3 --tp 2 --workdir /tmp/kverify
+    .venv/bin/python bench/verify_bench.py --preset tiny-k3-trained --tp 1,2 --workdir /tmp/kverify
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
+           "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"], "int8": ["--quant", "int8"],
+           "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"]}
 
 
 def cli(*args) -> subprocess.CompletedProcess:
@@ -22,42 +27,49 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="small-k3")
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--preset", default="tiny-k3-trained")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", default="1,2", help="comma-separated tp degrees")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--workdir", default="/tmp/kverify")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    src = work / args.preset
+    src = work / f"{args.preset}-s{args.seed}"
     if not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
-        r = cli("fixture", args.preset, src)
+        r = cli("fixture", args.preset, src, "--seed", args.seed)
         assert r.returncode == 0, r.stderr
-    ref = work / f"{args.preset}-ref.safetensors"
+        print(r.stdout.strip())
+    ref = work / f"ref-s{args.seed}.safetensors"  # the same file bench/verify_damage.py makes
     t = time.perf_counter()
     if not ref.exists():
-        r = cli("reference", src, "--out", ref)
+        r = cli("reference", src, "--out", ref, "--hidden-states")
         assert r.returncode == 0, r.stderr
     print(f"reference: {time.perf_counter() - t:.1f} s")
     rows = []
-    for label, extra in (("none", ["--quant", "none"]), ("fp8", ["--quant", "fp8"]),
-                         ("fp8-ue8m0", ["--quant", "fp8", "--scale-format", "ue8m0"]), ("int8", ["--quant", "int8"])):
-        out = work / f"{args.preset}-tp{args.tp}-{label}"
-        shutil.rmtree(out, ignore_errors=True)
-        r = cli("shard", src, out, "--tp", args.tp, *extra)
-        assert r.returncode == 0, r.stderr
-        t = time.perf_counter()
-        r = cli("verify", out, "--reference", ref, "--json")
-        secs = time.perf_counter() - t
-        rep = json.loads(r.stdout)
-        rows.append((label, rep, secs))
-        print(json.dumps({"scheme": label, "verdict": rep["verdict"], "seconds": secs, **rep["overall"]}))
-    print(f"\n{'scheme':>10} {'verdict':>7} {'mean KLD':>10} {'median':>10} {'p99':>8} {'max':>7} {'top-1':>7} "
-          f"{'RMS dp':>7} {'PPL x':>7} {'verify s':>8}")
-    for label, rep, secs in rows:
-        o = rep["overall"]
-        print(f"{label:>10} {rep['verdict']:>7} {o['mean_kld']:10.6f} {o['median_kld']:10.6f} {o['p99_kld']:8.4f} "
-              f"{o['max_kld']:7.3f} {o['same_top1_pct']:6.2f}% {o['rms_dp_pct']:6.3f}% {o['ppl_ratio']:7.4f} {secs:8.1f}")
+    for tp in map(int, args.tp.split(",")):
+        for label in args.schemes.split(","):
+            out = work / f"{src.name}-tp{tp}-{label}"
+            shutil.rmtree(out, ignore_errors=True)
+            r = cli("shard", src, out, "--tp", tp, *SCHEMES[label])
+            assert r.returncode == 0, r.stderr
+            t = time.perf_counter()
+            r = cli("verify", out, "--reference", ref, "--json")
+            secs = time.perf_counter() - t
+            rep = json.loads(r.stdout)
+            rows.append((tp, label, rep, secs))
+            print(json.dumps({"tp": tp, "scheme": label, "verdict": rep["verdict"], "seconds": round(secs, 1),
+                              "faithful_mean_kld": rep["faithfulness"]["overall"].get("mean_kld"),
+                              "cost": rep["cost"]["overall"], "failures": rep["failures"]}), flush=True)
+    print("\n| tp | scheme | verdict | faithful mean KLD | cost mean KLD | p99 KLD | same top-1 | PPL ratio "
+          "| worst kind (mean KLD) | verify s |\n|---|---|---|---|---|---|---|---|---|---|")
+    for tp, label, rep, secs in rows:
+        c, f = rep["cost"]["overall"], rep["faithfulness"]["overall"]
+        kind, worst = max(rep["cost"]["by_kind"].items(), key=lambda kv: kv[1]["mean_kld"])
+        print(f"| {tp} | {label} | {rep['verdict']} | {f.get('mean_kld', float('nan')):.1e} | {c['mean_kld']:.2e} | "
+              f"{c['p99_kld']:.3f} | {c['same_top1_pct']:.2f} % | {c['ppl_ratio']:.4f} | {kind} {worst['mean_kld']:.2e} "
+              f"| {secs:.0f} |")
 
 
 if __name__ == "__main__":

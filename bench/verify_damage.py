@@ -1,8 +1,12 @@
-"""Verify statistics of clean none/int8/fp8 and three damaged fp8 conversions of tiny-k3 (the numbers behind
-manifests/verify_thresholds.toml): one expert's up_proj scales x30, one layer's o_proj scales x8,
-rank 0's and rank 1's experts of layer 1 swapped. Uses the same rewrite as tests/test_verify.py.
+"""Damaged fp8 conversions of the trained tiny-k3 must FAIL verify's faithfulness check; clean
+conversions of every scheme must not, for any seed of the trained fixture.
 
-    .venv/bin/python bench/verify_damage.py --workdir /tmp/kdamage
+Damage (consistent checksums, wrong numbers; the same rewrite as tests/test_verify.py): one expert's
+up_proj scales x30 (expert 0 of layer 2: the trained fixture's layer 2 routes every token to 4 experts), one layer's o_proj scales x8, rank 0's and rank 1's experts of layer 1 swapped,
+one output row of one q_b_proj slice with its sign flipped.
+
+    .venv/bin/python bench/verify_damage.py --workdir /tmp/kdamage                 # damage table, seed 0
+    .venv/bin/python bench/verify_damage.py --seeds 20 --no-damage                 # false FAILs over 20 seeds
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -20,36 +26,26 @@ from helpers import run_cli  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_verify import P, _rewrite  # noqa: E402
 
+CLEAN = {"none": [], "fp8": ["--quant", "fp8"], "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"],
+         "int8": ["--quant", "int8"], "int4": ["--quant", "int4"]}
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default="/tmp/kdamage")
-    work = Path(ap.parse_args().workdir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    src, clean, ref = work / "tiny-k3", work / "fp8-tp2", work / "ref.safetensors"
-    run_cli("fixture", "tiny-k3", src, check=True)
-    run_cli("shard", src, clean, "--tp", 2, "--quant", "fp8", check=True)
-    run_cli("reference", src, "--out", ref, check=True)
 
+def damage(clean: Path, work: Path) -> dict[str, Path]:
     def fresh(name: str) -> Path:
         d = work / name
+        shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(clean, d)
         return d
 
     cases = {}
-    for quant in ("none", "int8"):
-        cases[f"clean {quant}"] = work / quant
-        run_cli("shard", src, work / quant, "--tp", 2, "--quant", quant, check=True)
-    cases["clean fp8"] = clean
-    d = cases["expert up_proj x30"] = fresh("expert")
-    n = f"{P}2.mlp.experts.3.up_proj.weight_scale_inv"
+    d = cases["one expert x30"] = fresh("expert")
+    n = f"{P}2.mlp.experts.0.up_proj.weight_scale_inv"
     _rewrite(d, "rank-000/layer-0002.safetensors", lambda t: t.__setitem__(n, t[n] * 30))
-    d = cases["o_proj scales x8"] = fresh("scales")
+    d = cases["one layer's scales x8"] = fresh("scales")
     n = f"{P}1.self_attn.o_proj.weight_scale_inv"
     for r in (0, 1):
         _rewrite(d, f"rank-00{r}/layer-0001.safetensors", lambda t: t.__setitem__(n, t[n] * 8))
-    d = cases["experts swapped"] = fresh("swap")
+    d = cases["experts swapped between ranks"] = fresh("swap")
     r0, r1 = (load_file(d / f"rank-00{r}/layer-0001.safetensors") for r in (0, 1))
 
     def renumber(tensors: dict, shift: int) -> dict:
@@ -64,11 +60,64 @@ def main() -> None:
     into0, into1 = renumber(r1, -8), renumber(r0, 8)
     _rewrite(d, "rank-000/layer-0001.safetensors", lambda t: t.update(into0))
     _rewrite(d, "rank-001/layer-0001.safetensors", lambda t: t.update(into1))
-    print(f"{'case':>20} {'verdict':>7} {'mean KLD':>9} {'p99 KLD':>8} {'top-1':>7}")
-    for name, d in cases.items():
-        o = json.loads(run_cli("verify", d, "--reference", ref, "--json").stdout)
-        s = o["overall"]
-        print(f"{name:>20} {o['verdict']:>7} {s['mean_kld']:9.4f} {s['p99_kld']:8.3f} {s['same_top1_pct']:6.1f}%")
+    d = cases["one row sign-flipped"] = fresh("flip")
+    n = f"{P}1.self_attn.q_b_proj.weight"
+
+    def flip(t):
+        w = t[n].float()
+        w[5] = -w[5]
+        t[n] = w.to(torch.float8_e4m3fn)
+
+    _rewrite(d, "rank-001/layer-0001.safetensors", flip)
+    return cases
+
+
+def row(name: str, rep: dict) -> str:
+    f, c = rep["faithfulness"]["overall"], rep["cost"]["overall"]
+    return (f"| {name} | {rep['faithfulness']['verdict']} | {f['mean_kld']:.2e} | {f['p99_kld']:.2e} | "
+            f"{f['same_top1_pct']:.2f} % | {rep['cost']['verdict']} | {c['mean_kld']:.2e} | {c['p99_kld']:.3f} | "
+            f"{c['same_top1_pct']:.2f} % | {c['ppl_ratio']:.4f} | {rep.get('fault_at')} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/kdamage")
+    ap.add_argument("--seeds", type=int, default=1, help="trained fixtures to check clean conversions on")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--tp", default="2", help="comma-separated tp degrees for the clean conversions")
+    ap.add_argument("--no-damage", action="store_true", help="only the clean conversions")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    head = ("| case | faithfulness | faithful mean KLD | faithful p99 | faithful top-1 | cost | cost mean KLD "
+            "| cost p99 KLD | cost top-1 | PPL ratio | first fault |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    false_fails = total = 0
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        src, ref = work / f"tiny-k3-trained-s{seed}", work / f"ref-s{seed}.safetensors"
+        if not (src / "config.json").exists():
+            shutil.rmtree(src, ignore_errors=True)
+            print(run_cli("fixture", "tiny-k3-trained", src, "--seed", seed, check=True).stdout.strip(), flush=True)
+        if not ref.exists():
+            run_cli("reference", src, "--out", ref, "--hidden-states", check=True)
+        print(f"\nseed {seed}\n{head}", flush=True)
+        for tp in map(int, args.tp.split(",")):
+            for label, extra in CLEAN.items():
+                out = work / f"s{seed}-tp{tp}-{label}"
+                shutil.rmtree(out, ignore_errors=True)
+                run_cli("shard", src, out, "--tp", tp, *extra, check=True)
+                rep = json.loads(run_cli("verify", out, "--reference", ref, "--json").stdout)
+                total += 1
+                false_fails += rep["faithfulness"]["verdict"] != "PASS"
+                print(row(f"clean {label} tp{tp}", rep), flush=True)
+        if args.no_damage or seed:
+            continue
+        clean = work / f"s{seed}-tp2-fp8"
+        fq = work / f"fq-s{seed}.safetensors"
+        run_cli("reference", src, "--out", fq, "--like", clean, "--hidden-states", check=True)
+        for name, d in damage(clean, work).items():
+            r = run_cli("verify", d, "--reference", ref, "--faithful-reference", fq, "--per-layer", "--json")
+            print(row(name, json.loads(r.stdout)), flush=True)
+    print(f"\nclean conversions: {false_fails} faithfulness FAILs out of {total}")
 
 
 if __name__ == "__main__":

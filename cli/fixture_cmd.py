@@ -24,15 +24,25 @@ def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
     """Write checkpoint PRESET (random weights, real names, shapes and formats) to OUT.
 
     Built with transformers' own model classes (install the `ref` extra), saved as sharded
-    safetensors with an index, config.json and a Kimi-format tokenizer.
+    safetensors with an index, config.json and a Kimi-format tokenizer. The `-trained` presets
+    train the text model first (about 2 minutes on 2 cores) on Python standard-library sources;
+    their verify prompts (`stdlib-heldout`) come from stdlib files they never saw.
 
     \b
     Example:
       kconvert fixture tiny-k3 ./tiny-k3
+      kconvert fixture tiny-k3-trained ./tiny-k3-trained --seed 0
       kconvert fixture scale ./scale-8g --size 8GB
     """
     from kconvert.fixtures import build_fixture
 
     path = build_fixture(preset, out, seed=seed, size=parse_size(size) if size else None)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-    click.echo(f"wrote {preset} to {path} ({fmt_bytes(total)})")
+    training = path / "kconvert_training.json"
+    trained = ""
+    if training.exists():
+        import json
+
+        rec = json.loads(training.read_text())
+        trained = f", trained {rec['steps']} steps: loss {rec['loss_first']:.2f} -> {rec['loss_last10_mean']:.2f}"
+    click.echo(f"wrote {preset} to {path} ({fmt_bytes(total)}{trained})")

@@ -30,6 +30,9 @@ def _rank0() -> bool:
               help="Target weight format for quantizable tensors.")
 @click.option("--scale-format", type=click.Choice(SCALE_FORMATS), default="fp32", show_default=True,
               help="FP8 block scales: float32, or powers of two (UE8M0) as DeepSeek-V3.1+ uses.")
+@click.option("--group-size", type=int, default=32, show_default=True, help="int4: inputs per scale group.")
+@click.option("--int4-scales", type=click.Choice(["mse", "amax"]), default="mse", show_default=True,
+              help="int4 scales: clipping search for the least squared error per group, or plain amax / 7.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Keep matching tensors in bf16 (glob, repeatable).")
 @click.option("--quantize", "force", multiple=True, metavar="PATTERN",
               help="Quantize matching 2-D tensors even if the manifest keeps them (glob, repeatable).")
@@ -41,9 +44,10 @@ def _rank0() -> bool:
 @click.option("--compress", metavar="zstd[:LEVEL]",
               help="Write compressed shards (lossless zstd, byte-grouped; the loader reads them transparently).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of tables.")
-def shard(src, out, tp, ep, quant, scale_format, keep, force, requantize, keep_mtp, workers, overwrite, compress,
-          as_json):
-    """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8 or INT8 on the way.
+def shard(src, out, tp, ep, quant, scale_format, group_size, int4_scales, keep, force, requantize, keep_mtp, workers,
+          overwrite, compress, as_json):
+    """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8, INT8 or INT4 on the way
+    (int4: routed experts, symmetric, one scale per --group-size inputs, two values per byte).
 
     Streams tensor by tensor with bounded memory; every file is written to a temporary name and
     renamed when complete. Interrupted? Re-run the same command: it resumes. kconvert.json is
@@ -53,11 +57,12 @@ def shard(src, out, tp, ep, quant, scale_format, keep, force, requantize, keep_m
     \b
     Example:
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-fp8 --tp 2 --quant fp8
+      kconvert shard ./tiny-k3 ./tiny-k3-tp2-int4 --tp 2 --quant int4 --group-size 32
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-z --tp 2 --compress zstd
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
     """
     job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, keep_mtp, workers,
-                   overwrite, compress)
+                   overwrite, compress, group_size, int4_scales)
     with byte_progress(f"shard tp={tp} {quant}", enabled=not as_json and _rank0()) as cb:
         r = _shard(job, progress=cb)
     if not _rank0():

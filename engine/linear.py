@@ -1,5 +1,5 @@
-"""Weights kept in their converted form (bf16 / fp8 + 128x128 block scales / int8 + per-row scales),
-dequantized to the compute dtype on each call."""
+"""Weights kept in their converted form (bf16 / fp8 + 128x128 block scales / int8 + per-row scales /
+int4 nibbles packed two per byte + per-group scales), dequantized to the compute dtype on each call."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ class Weight:
     @classmethod
     def take(cls, tensors: dict, name: str) -> "Weight":
         """Pop `name`.weight (+ its scale) out of a loaded unit."""
+        if f"{name}.weight_packed" in tensors:  # int4: uint8 [out, in/2], float32 scale [out, in/group]
+            if f"{name}.weight_scale" not in tensors:
+                raise KConvertError("int4 weight without its scale", tensor=f"{name}.weight_packed")
+            return cls(tensors.pop(f"{name}.weight_packed"), tensors.pop(f"{name}.weight_scale").float(), "int4")
         try:
             w = tensors.pop(f"{name}.weight")
         except KeyError:
@@ -36,6 +40,8 @@ class Weight:
 
     @property
     def shape(self) -> torch.Size:
+        if self.kind == "int4":
+            return torch.Size((self.data.shape[0], 2 * self.data.shape[1]))
         return self.data.shape
 
     def nbytes(self) -> int:
@@ -47,6 +53,9 @@ class Weight:
             return self.data if self.data.dtype == dtype else self.data.to(dtype)
         if self.kind == "int8":
             return self.data.to(dtype) * self.scale.to(dtype)
+        if self.kind == "int4":
+            q = torch.stack([self.data & 0xF, self.data >> 4], dim=-1).view(self.data.shape[0], -1).to(dtype) - 8
+            return q * self.scale.to(dtype).repeat_interleave(q.shape[1] // self.scale.shape[1], 1)
         out, inp = self.data.shape
         s = self.scale.to(dtype).repeat_interleave(BLOCK, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inp]
         return self.data.to(dtype) * s

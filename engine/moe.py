@@ -46,7 +46,7 @@ class MoE:
         per = cfg.n_routed_experts // tp
         self.first = rank * per
         self.experts = {e: MLP(t, f"{p}experts.{e}.") for e in range(self.first, self.first + per)
-                        if f"{p}experts.{e}.gate_proj.weight" in t}
+                        if f"{p}experts.{e}.gate_proj.weight" in t or f"{p}experts.{e}.gate_proj.weight_packed" in t}
         if len(self.experts) != per:
             raise EngineError(f"rank {rank} holds {len(self.experts)} experts, expected {per} (experts {self.first}..)")
         self.shared = MLP(t, f"{p}shared_experts.") if cfg.n_shared_experts else None

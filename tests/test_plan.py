@@ -41,7 +41,7 @@ def test_fp8_halves_the_quantized_part_and_keeps_the_rest():
     assert 0.49 < fp8.rank["total"] / none.rank["total"] < 0.51
 
 
-@pytest.mark.parametrize("quant", ["none", "fp8", "int8"])
+@pytest.mark.parametrize("quant", ["none", "fp8", "int8", "int4"])
 def test_ranks_add_up_to_the_converted_model_plus_replicas(quant):
     p = make_plan(K3, 8, quant=quant)
     assert p.rank["total"] == p.rank["min_total"]  # 1152 experts divide evenly: ranks are equal
@@ -152,7 +152,7 @@ def test_cli_json_and_errors(checkpoint, capsys):
     assert "MTT S5000" in out and "does not fit" in out and "tp degrees" in out
     bad = [["plan", K3, "--tp", "8", "--device", "TPUv9"],
            ["plan", str(checkpoint("tiny-k3")), "--tp", "8"],
-           ["plan", K3, "--tp", "8", "--quant", "int4"],
+           ["plan", K3, "--tp", "8", "--quant", "int3"],
            ["plan", K3, "--tp", "8", "--context", "lots"]]
     for argv in bad:
         assert main(argv) == 2, argv

@@ -51,3 +51,48 @@ def test_reference_bad_inputs(checkpoint, tmp_path):
     assert_one_line_error(run_cli("reference", src, "--out", tmp_path / "r.safetensors", "--prompts", img),
                           "no vision tower")
     assert not (tmp_path / "r.safetensors").exists()
+
+
+def test_reference_refuses_non_finite_logprobs(checkpoint, copy_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = copy_checkpoint(checkpoint("tiny-dsv32"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"]["model.norm.weight"]
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+    save_file(tensors, shard)
+    out = tmp_path / "r.safetensors"
+    assert_one_line_error(run_cli("reference", src, "--out", out), "non-finite")
+    assert not out.exists() and not list(tmp_path.glob(".r.safetensors*"))
+
+
+def test_earliest_ties_rule():
+    from kconvert.verify.reference import EarliestTies
+
+    x = torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0, 0.0, float("-inf")]])
+    with EarliestTies():
+        got = x.topk(4, dim=-1).indices
+    assert got.tolist() == [[1, 4, 0, 2]]  # the largest, then the earliest of the tied zeros
+
+
+def test_lossless_conversion_with_three_indexer_heads_passes(monkeypatch, tmp_path):
+    """ReLU index scores tie at exactly 0 far more often with 3 heads than with 16: both sides must
+    break the ties the same way (earliest positions) for a lossless conversion to PASS."""
+    import dataclasses
+
+    from kconvert.fixtures import presets
+    from kconvert.fixtures.checkpoint import write_model_preset
+
+    spec = presets.MODEL_SPECS["tiny-dsv32"]
+    monkeypatch.setitem(presets.MODEL_SPECS, "tiny-dsv32-3h",
+                        dataclasses.replace(spec, text={**spec.text, "index_n_heads": 3}))
+    src = tmp_path / "src"
+    src.mkdir()
+    write_model_preset("tiny-dsv32-3h", src, 0)
+    run_cli("shard", src, tmp_path / "out", "--tp", 2, check=True)
+    run_cli("reference", src, "--out", tmp_path / "ref.safetensors", check=True)
+    r = run_cli("verify", tmp_path / "out", "--reference", tmp_path / "ref.safetensors", "--json")
+    rep = json.loads(r.stdout)
+    assert r.returncode == 0 and rep["verdict"] == "PASS", r.stdout + r.stderr
+    assert rep["faithfulness"]["overall"]["mean_kld"] < 1e-6

@@ -60,3 +60,17 @@ def test_topk_reference_is_a_lower_bound_and_tight_when_peaked():
 def test_concat_pools_positions_across_prompts():
     parts = [compare(RefLogprobs(tokens=tk, full=r), t) for tk, r, t in (_pair(3, T=10), _pair(4, T=30))]
     assert summarize(concat(parts)).positions == 40
+
+
+def test_non_finite_statistics_fail():
+    """NaN compares false against every limit: without an explicit check, all-NaN metrics would PASS."""
+    from kconvert.verify.verdict import compare as check_against
+
+    tokens, r, _ = _pair(6)
+    nan = torch.full_like(r, float("nan"))
+    prompts = [{"kind": "short"}]
+    limits = {"mean_kld": 1.0, "p99_kld": 10.0, "same_top1_pct": 0.0, "ppl_ratio": 100.0}
+    bad = check_against(prompts, [RefLogprobs(tokens=tokens, full=r)], {"prompt.0.logprobs": nan}, limits, "ref", True)
+    assert bad.verdict == "FAIL" and any("nan" in f for f in bad.failures), bad.failures
+    good = check_against(prompts, [RefLogprobs(tokens=tokens, full=r)], {"prompt.0.logprobs": r}, limits, "ref", True)
+    assert good.verdict == "PASS" and not good.failures

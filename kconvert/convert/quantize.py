@@ -3,7 +3,11 @@
 FP8: float8_e4m3fn with one float32 scale per 128x128 block (DeepSeek's `weight_scale_inv`,
 dequant = w * scale); with `ue8m0` the scale is rounded up to a power of two (2^ceil(log2(amax/448))),
 as DeepSeek-V3.1/V3.2 store it. INT8: symmetric, one float32 scale per output row (amax / 127).
-Both refuse non-finite input: a NaN in a source weight is a broken checkpoint, not something to round.
+INT4: symmetric, one float32 scale per group of `group` inputs of a row, values -8..7 stored as
+nibbles q + 8, two per byte (even column in the low nibble). Its scale is amax / 7 shrunk by the
+clipping factor (1 - 0.02 k, k = 0..15) that gives the least squared error for the group (first
+such k on ties); `search="amax"` keeps k = 0. Formulas: docs/FORMAT.md.
+All refuse non-finite input: a NaN in a source weight is a broken checkpoint, not something to round.
 """
 
 from __future__ import annotations
@@ -51,12 +55,37 @@ def quantize_int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize_int8_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
-
-
 def quantize_fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float -> (float8_e4m3fn [R, C], float32 scale [R, 1]) with w ≈ q * scale (scale = row amax / 448)."""
     x = w.to(torch.float32)
     scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(TINY)
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+INT4_SEARCH = ("mse", "amax")
+INT4_CLIP_STEPS, INT4_CLIP_STEP = 16, 0.02
+
+
+def quantize_int4_group(w: torch.Tensor, group: int = 32, search: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] float (C a multiple of `group`, even) -> (uint8 [R, C/2] packed nibbles, float32 scale [R, C/group])."""
+    rows, cols = w.shape
+    g = w.to(torch.float32).view(rows, cols // group, group)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    best_q = best_s = best_err = None
+    for k in range(INT4_CLIP_STEPS if search == "mse" else 1):
+        s = (amax * (1 - INT4_CLIP_STEP * k) / 7.0).clamp_min(TINY)
+        q = torch.round(g / s).clamp_(-8, 7)
+        err = (q * s - g).pow(2).sum(-1, keepdim=True)
+        if best_q is None:
+            best_q, best_s, best_err = q, s, err
+            continue
+        better = err < best_err
+        best_q, best_s, best_err = torch.where(better, q, best_q), torch.where(better, s, best_s), torch.minimum(err, best_err)
+    u = (best_q.view(rows, cols) + 8).to(torch.uint8)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous(), best_s.view(rows, cols // group).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, C/2] -> int8 values -8..7 [R, C] (low nibble = even column)."""
+    u = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
+    return u.to(torch.int8) - 8

@@ -45,12 +45,15 @@ class ShardJob:
     workers: int | None = None  # None: default_workers() from the cores and the memory budget
     overwrite: bool = False
     compress: str | None = None  # "zstd[:LEVEL]": compressed shards (a storage form, not part of identity())
+    group_size: int = 32  # int4: values per scale
+    int4_scales: str = "mse"  # int4: clipping search ("mse") or plain amax scales
 
     def identity(self, fingerprint: str, layout: Layout) -> dict:
         """What must match for two runs to write into the same directory."""
         return {"source_fingerprint": fingerprint, "tp": layout.tp, "ep": layout.ep, "quant": self.quant,
                 "scale_format": self.scale_format, "keep": list(self.keep), "force": list(self.force),
-                "requantize": self.requantize, "keep_mtp": self.keep_mtp, "format_version": FORMAT_VERSION}
+                "requantize": self.requantize, "keep_mtp": self.keep_mtp, "format_version": FORMAT_VERSION,
+                **({"group_size": self.group_size, "int4_scales": self.int4_scales} if self.quant == "int4" else {})}
 
 
 @dataclass
@@ -103,7 +106,7 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     ck = Checkpoint.open(job.src)
     check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
-    policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format)
+    policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales)
     items = plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp)
     identity = job.identity(ck.fingerprint(), layout)
     result = ShardResult(str(out))
@@ -202,7 +205,9 @@ def _finish(ck: Checkpoint, out: Path, items: list[WorkItem], identity: dict, la
                    "experts": "whole" if layout.expert_tp == 1 else "split", "units": units},
         "quantization": {"scheme": policy.scheme, "block_size": [FP8_BLOCK, FP8_BLOCK] if policy.scheme == "fp8" else None,
                          "scale_format": policy.scale_format, "keep": list(policy.keep), "quantize": list(policy.force),
-                         "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped"},
+                         "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped",
+                         **({"group_size": policy.group_size, "int4_scales": policy.int4_scales}
+                            if policy.scheme == "int4" else {})},
         "files": files,
         "tensors": tensors,
     }

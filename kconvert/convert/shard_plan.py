@@ -26,10 +26,12 @@ class Output:
     src: str
     info: TensorInfo
     piece: Piece
-    transform: str  # copy | bf16 | fp8 | int8 | fp8_copy
+    transform: str  # copy | bf16 | fp8 | int8 | int4 | fp8_copy
     shape: tuple[int, ...]  # of the slice
     src_dtype: str
     scale_format: str = "fp32"
+    group_size: int = 32  # int4
+    int4_scales: str = "mse"  # int4
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         r, c = (self.shape + (0, 0))[:2]
@@ -38,6 +40,8 @@ class Output:
             return [(self.src, "F8_E4M3", self.shape), (self.src + "_scale_inv", "F32", grid)]
         if self.transform == "int8":
             return [(self.src, "I8", self.shape), (self.src + "_scale", "F32", (r, 1))]
+        if self.transform == "int4":
+            return [(self.src + "_packed", "U8", (r, c // 2)), (self.src + "_scale", "F32", (r, c // self.group_size))]
         tag = self.src_dtype if self.transform == "copy" else "BF16"
         return [(self.src, tag, self.shape)]
 
@@ -96,9 +100,13 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
                     misaligned.append(name)
                     break
                 transform = "fp8"
+            if transform == "int4" and shape[1] % policy.group_size:
+                raise UsageError(f"--quant int4: {shape[1]} inputs per rank do not divide into groups of "
+                                 f"{policy.group_size}; choose another --group-size", tensor=name)
             unit = unit_of(info)
             item = items.setdefault((unit, p.rank), WorkItem(p.rank, unit))
-            item.outputs.append(Output(name, info, p, transform, tuple(shape), t.stored_dtype, policy.scale_format))
+            item.outputs.append(Output(name, info, p, transform, tuple(shape), t.stored_dtype, policy.scale_format,
+                                       policy.group_size, policy.int4_scales))
     if misaligned:
         works = [tp for tp in TP_DEGREES if _fp8_aligned(ck, tp, layout, policy)]
         raise UsageError(f"block-FP8 source: --tp {layout.tp} cuts {misaligned[0]} (and {len(misaligned) - 1} more) "

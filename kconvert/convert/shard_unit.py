@@ -15,7 +15,7 @@ from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import read_checked
 from kconvert.convert.quant_policy import FP8_BLOCK
-from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_int8_channel
+from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_int4_group, quantize_int8_channel
 from kconvert.convert.shard_plan import Output, WorkItem
 
 
@@ -92,9 +92,13 @@ def _produce(o: Output, x):
         yield o.src, x[0]
         yield o.src + "_scale_inv", x[1].to(torch.float32)
         return
-    if o.transform in ("fp8", "int8"):
+    if o.transform in ("fp8", "int8", "int4"):
         check_finite(x, o.src)
-        if o.transform == "fp8":
+        if o.transform == "int4":
+            q, s = quantize_int4_group(x, o.group_size, o.int4_scales)
+            yield o.src + "_packed", q
+            yield o.src + "_scale", s
+        elif o.transform == "fp8":
             q, s = quantize_fp8_block(x, FP8_BLOCK, o.scale_format)
             yield o.src, q
             yield o.src + "_scale_inv", s

@@ -1,6 +1,7 @@
 """Which tensors make one layer wrong: run the layer on the engine's own input with the converted
-weights, with exact source weights, and with exact weights for one tensor at a time. A tensor's
-share is how much of the layer's output error disappears when only it is exact.
+weights, with faithful weights (the source quantized and dequantized with the conversion's scheme by
+verify/fake_quant.py, so quantization noise is not blamed), and with faithful weights for one tensor
+at a time. A tensor's share is how much of the layer's output error disappears when only it is faithful.
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ import torch
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.units import layer_unit
 from kconvert.load.loader import open_converted
+from kconvert.verify.fake_quant import expected_tensor
 from kconvert.verify.forward import engine_inputs, hidden_states
 
 
-def _exact(meta_tensors: list[dict], ck: Checkpoint, name: str) -> torch.Tensor | None:
+def _exact(meta_tensors: list[dict], ck: Checkpoint, name: str, quantization: dict) -> torch.Tensor | None:
+    """This rank's slice of source tensor `name` as a faithful conversion holds it (None: another rank's)."""
     for t in meta_tensors:
-        if t["name"] == name:
+        if t["name"] in (name, name + "_packed"):
             x = ck.read(name, dtype=torch.float32)
             if t["slice"]:
                 dim, a, b = t["slice"]
                 x = x.narrow(dim, a, b - a).contiguous()
-            return x
+            return expected_tensor(x, {"transform": t["transform"], "slices": [None]}, quantization)
     return None
 
 
@@ -33,19 +36,19 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
     unit = layer_unit(L)
     converted = conv.load_unit(unit)
     mine = [t for t in conv.meta["tensors"] if t["rank"] == rank and t["unit"] == unit]
-    everyone = sorted({t["name"] for t in conv.meta["tensors"] if t["unit"] == unit
+    everyone = sorted({t["name"].removesuffix("_packed") for t in conv.meta["tensors"] if t["unit"] == unit
                        and not t["name"].endswith(("_scale_inv", "_scale")) and len(t["shape"]) >= 2})
     prefix = f"{model.prefix}model.layers.{L}."
 
     def with_exact(names: set[str]) -> dict:
         t = dict(converted)
         for n in names:
-            x = _exact(mine, ck, n)
+            x = _exact(mine, ck, n, conv.meta["quantization"])
             if x is None:
                 continue  # another rank holds it
             t[n] = x
-            t.pop(n + "_scale_inv", None)
-            t.pop(n + "_scale", None)
+            for suffix in ("_scale_inv", "_scale", "_packed"):
+                t.pop(n + suffix, None)
         return t
 
     inputs = []

@@ -48,7 +48,7 @@ def as_converted(path: str, tp: int = 1):
     with tempfile.TemporaryDirectory(prefix="kconvert-verify-export-") as tmp:
         out = Path(tmp) / "converted"
         shard(ShardJob(path, str(out), tp=tp, quant=quant))
-        yield str(out), dict(thresholds()[scheme]), made_from
+        yield str(out), dict(thresholds()["cost"][scheme]), made_from
 
 
 def reference_matches(made_from: str | None, reference: str | None, against: str | None) -> bool:

@@ -1,6 +1,9 @@
 """The prompt set `kconvert reference` / `verify` run: short and long text (long ones past the DSA
 index_topk so sparse attention is exercised), chat-formatted turns, and prompts with images that are
-generated deterministically (no downloads). A user file (--prompts FILE, JSON list) may replace it:
+generated deterministically (no downloads). Two built-in sets: `default` (prose about the tool), and
+`stdlib-heldout`, drawn from Python standard-library sources the trained fixtures never saw
+(HELD_OUT_FILES; a model's config.json names it with `"kconvert_prompts": "stdlib-heldout"`).
+A user file (--prompts FILE, JSON list) may replace them:
     [{"id": "q1", "kind": "short", "text": "..."}, {"id": "img", "kind": "image", "text": "...",
       "image": {"seed": 1, "width": 84, "height": 56}}]
 """
@@ -8,6 +11,7 @@ generated deterministically (no downloads). A user file (--prompts FILE, JSON li
 from __future__ import annotations
 
 import json
+import sysconfig
 from pathlib import Path
 
 from kconvert.errors import UsageError
@@ -40,14 +44,69 @@ def default_prompts(index_topk: int | None = None, vision: bool = True) -> list[
     return [p for p in prompts if vision or p["kind"] != "image"]
 
 
+HELD_OUT_FILES = ("graphlib.py", "sched.py", "colorsys.py")  # never in the trained fixtures' corpus
+PROMPT_SETS = ("default", "stdlib-heldout")
+
+
+def stdlib_text(names: tuple[str, ...]) -> str:
+    """The named Python standard-library sources, concatenated (offline on every machine)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for n in names:
+        try:
+            parts.append((root / n).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise UsageError(f"missing from this Python's standard library: {e.strerror}", file=str(root / n)) from None
+    return "\n\n".join(parts)
+
+
+def _chunks(text: str, n_chars: int, count: int, start: int) -> tuple[list[str], int]:
+    """`count` chunks of about n_chars, each starting at a line start, from offset `start`; and where they end."""
+    out = []
+    for _ in range(count):
+        start = text.index("\n", start) + 1
+        out.append(text[start:start + n_chars])
+        start += n_chars
+    return out, start
+
+
+def heldout_prompts(index_topk: int | None = None, vision: bool = True) -> list[dict]:
+    """Short, long (past 3 x index_topk tokens), chat and image prompts from held-out stdlib code."""
+    text = stdlib_text(HELD_OUT_FILES)
+    text = text[text.index("import "):]  # past the module docstring boilerplate
+    long_chars = max(1200, 12 * 3 * (index_topk or 64))
+    short, pos = _chunks(text, 240, 3, 0)
+    long, pos = _chunks(text, long_chars, 3, pos)
+    chat, pos = _chunks(text, 400, 1, pos)
+    caption, _ = _chunks(text, 120, 2, pos)
+    prompts = [{"id": f"short-{i + 1}", "kind": "short", "text": t} for i, t in enumerate(short)]
+    prompts += [{"id": f"long-{i + 1}", "kind": "long", "text": t} for i, t in enumerate(long)]
+    prompts.append({"id": "chat-1", "kind": "chat", "chat": [
+        {"role": "system", "content": "You are a careful Python reviewer."},
+        {"role": "user", "content": "What does this code do?\n" + chat[0]}]})
+    if vision:
+        prompts += [{"id": f"image-{i + 1}", "kind": "image", "text": t,
+                     "image": {"seed": i + 1, "width": (84, 60)[i], "height": (56, 90)[i]}} for i, t in enumerate(caption)]
+    return prompts
+
+
 def prompts_for(config: dict) -> list[dict]:
-    """The default set sized for a model: long prompts past its index_topk, images only with a vision tower."""
-    return default_prompts(config.get("text_config", config).get("index_topk"), "vision_config" in config)
+    """The built-in set a model's config names (default: `default`), sized for it: long prompts past its
+    index_topk, images only with a vision tower."""
+    text = config.get("text_config", config)
+    name = config.get("kconvert_prompts", "default")
+    if name not in PROMPT_SETS:
+        raise UsageError(f"config.json names an unknown prompt set {name!r} (known: {', '.join(PROMPT_SETS)})")
+    make = heldout_prompts if name == "stdlib-heldout" else default_prompts
+    return make(text.get("index_topk"), "vision_config" in config)
 
 
 def load_prompts(path: str | Path | None, config: dict) -> list[dict]:
+    """The prompts of --prompts: None (the set the config names), a built-in set's name, or a JSON file."""
     if path is None:
         return prompts_for(config)
+    if str(path) in PROMPT_SETS:
+        return prompts_for({**config, "kconvert_prompts": str(path)})
     try:
         prompts = json.loads(Path(path).read_text())
     except FileNotFoundError:

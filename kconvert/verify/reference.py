@@ -5,7 +5,9 @@ REF.safetensors holds, per prompt i: `prompt.i.tokens` [T] int64, and either `pr
 [T, V] float32 or `prompt.i.topk_ids` [T, K] int64 + `prompt.i.topk_logprobs` [T, K] +
 `prompt.i.rest_logprob` [T]; with --hidden-states also `prompt.i.hidden.L` [T, H] (input of layer L,
 the final-norm input last) and `prompt.i.vision` (the projector output). The JSON in the header's
-`kconvert_reference` key records the prompts, the source fingerprint, family and dtype.
+`kconvert_reference` key records the prompts, the source fingerprint, family, dtype, the indexer tie
+rule and, for a faithfulness reference (`--like OUT`), the fake-quantization it ran with (`fake_quant`).
+Written atomically; non-finite log-probs are refused (NonFiniteError), never stored.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from pathlib import Path
 
 import torch
 
+from torch.overrides import TorchFunctionMode
+
+from kconvert.errors import KConvertError, NonFiniteError, UsageError
+from kconvert.io.atomic import write_atomic
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.errors import KConvertError, UsageError
-from kconvert.verify.kld import RefLogprobs
+from kconvert.verify.kld import RefLogprobs, topk_reference
 from kconvert.verify.prompts import prompt_patches
 
 FORMAT = 1
@@ -70,8 +75,36 @@ def _render(p: dict) -> str:
     return p["text"]
 
 
+class EarliestTies(TorchFunctionMode):
+    """torch.topk with the documented tie rule: among equal scores the earliest positions win (what the
+    engine's DSA indexer does). transformers' indexer leaves ties to torch.topk, which breaks them
+    arbitrarily; ReLU index scores tie at exactly 0 often when a model has few indexer heads."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.topk, torch.Tensor.topk):
+            x, k = args[0], args[1] if len(args) > 1 else kwargs["k"]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if not kwargs.get("largest", True):
+                return func(*args, **kwargs)
+            order = torch.sort(x, dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+            return torch.return_types.topk((x.gather(dim, order), order))
+        return func(*args, **kwargs)
+
+
+def _with_tie_rule(module: torch.nn.Module) -> None:
+    forward = module.forward
+
+    def tie_ruled(*args, **kwargs):
+        with EarliestTies():
+            return forward(*args, **kwargs)
+
+    module.forward = tie_ruled
+
+
 def reference_model(ck: Checkpoint, dtype: torch.dtype):
-    """The transformers class the family manifest names, loaded from the source checkpoint."""
+    """The transformers class the family manifest names, loaded from the source checkpoint, its DSA
+    indexers (if any) selecting with the documented tie rule."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -80,17 +113,51 @@ def reference_model(ck: Checkpoint, dtype: torch.dtype):
     if not name or not hasattr(transformers, name):
         raise UsageError(f"family {ck.family} names no transformers reference class", file=str(ck.root))
     model = getattr(transformers, name).from_pretrained(str(ck.root), dtype=dtype)
+    for m in model.modules():
+        if type(m).__name__.endswith("Indexer"):
+            _with_tie_rule(m)
     return model.eval()
 
 
-@torch.inference_mode()
 def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str = "float32", top_k: int | None = None,
-                  hidden_states: bool = False, progress=None) -> dict:
+                  hidden_states: bool = False, like: str | None = None, progress=None) -> dict:
+    """Reference log-probs of SRC over `prompts` into `out`. With `like` (a converted directory): of SRC
+    with every weight that conversion quantized fake-quantized the same way (verify/fake_quant.py),
+    the reference for the faithfulness check."""
     ck = Checkpoint.open(src)
     ck.validate()
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
+    if dtype not in ("float32", "bfloat16"):
         raise UsageError(f"unknown --dtype {dtype!r} (float32 or bfloat16)")
+    meta = {"format": FORMAT, "source": str(src), "source_fingerprint": ck.fingerprint(), "family": ck.family,
+            "dtype": dtype, "top_k": top_k, "hidden_states": hidden_states, "tie_rule": "earliest", "fake_quant": None}
+    if like is None:
+        tensors, specs = _run(ck, prompts, dtype, top_k, hidden_states, progress)
+    else:
+        import tempfile
+
+        from kconvert.converted.format import read_manifest
+        from kconvert.verify.fake_quant import plan_digest, write_fake_quant_source
+
+        conv = read_manifest(like)
+        if conv["source"]["fingerprint"] != meta["source_fingerprint"]:
+            raise UsageError(f"{like} was converted from another source", file=str(src))
+        q = conv["quantization"]
+        meta["fake_quant"] = {"scheme": q["scheme"], "scale_format": q.get("scale_format"),
+                              "group_size": q.get("group_size"), "int4_scales": q.get("int4_scales"),
+                              "tp": conv["layout"]["tp"], "plan_digest": plan_digest(conv)}
+        with tempfile.TemporaryDirectory(prefix="kconvert-fq-") as tmp:
+            fq = Checkpoint.open(write_fake_quant_source(src, conv, Path(tmp)))
+            tensors, specs = _run(fq, prompts, dtype, top_k, hidden_states, progress)
+    meta["prompts"] = specs
+    from safetensors.torch import save
+
+    write_atomic(Path(out), save(tensors, metadata={"kconvert_reference": json.dumps(meta)}))
+    return meta
+
+
+@torch.inference_mode()
+def _run(ck: Checkpoint, prompts: list[dict], dtype: str, top_k: int | None, hidden_states: bool, progress):
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     inputs = encode_prompts(prompts, ck.root, ck.config)
     model = reference_model(ck, torch_dtype)
     tensors: dict[str, torch.Tensor] = {}
@@ -100,12 +167,14 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
             kwargs = {"pixel_values": pi.pixel_values.to(torch_dtype), "image_grid_thw": pi.grid_thw}
         res = model(input_ids=pi.input_ids[None], output_hidden_states=hidden_states, **kwargs)
         logprobs = res.logits[0].float().log_softmax(-1)
+        if not bool(torch.isfinite(logprobs).all()):
+            raise NonFiniteError(f"the reference produced non-finite log-probs for prompt {pi.spec.get('id', i)}: "
+                                 "refusing to write them", file=str(ck.root))
         tensors[f"prompt.{i}.tokens"] = pi.input_ids
         if top_k:
-            vals, ids = logprobs.topk(top_k, dim=-1)
-            tensors[f"prompt.{i}.topk_ids"] = ids
-            tensors[f"prompt.{i}.topk_logprobs"] = vals.contiguous()
-            tensors[f"prompt.{i}.rest_logprob"] = torch.log1p(-vals.double().exp().sum(-1).clamp(max=1 - 1e-12)).float()
+            r = topk_reference(pi.input_ids, logprobs, top_k)
+            tensors.update({f"prompt.{i}.topk_ids": r.topk_ids, f"prompt.{i}.topk_logprobs": r.topk_logprobs.contiguous(),
+                            f"prompt.{i}.rest_logprob": r.rest_logprob})
         else:
             tensors[f"prompt.{i}.logprobs"] = logprobs.contiguous()
         if hidden_states:
@@ -116,15 +185,7 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
                 tensors[f"prompt.{i}.vision"] = torch.cat(feats.pooler_output).float().contiguous()
         if progress:
             progress("advance", n=1)
-    meta = {"format": FORMAT, "source": str(src), "source_fingerprint": ck.fingerprint(), "family": ck.family,
-            "dtype": dtype, "top_k": top_k, "hidden_states": hidden_states, "prompts": [p.spec for p in inputs]}
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"kconvert_reference": json.dumps(meta)})
-    tmp.replace(out)
-    return meta
+    return tensors, [p.spec for p in inputs]
 
 
 def load_reference(path: str | Path) -> tuple[dict, list[RefLogprobs], dict[str, torch.Tensor]]:

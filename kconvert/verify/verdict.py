@@ -1,17 +1,27 @@
-"""`kconvert verify`: is a converted checkpoint faithful to its source?
+"""`kconvert verify`: is a converted checkpoint faithful to its scheme, and what does the scheme cost?
 
 1. integrity: every file's checksum (a damaged shard fails here, before any model runs);
 2. the engine runs the reference's prompts on the conversion (all tp ranks);
-3. llama.cpp-style statistics against the reference log-probs, overall and per prompt kind, and
-   PASS / FAIL against the scheme's thresholds (manifests/verify_thresholds.toml);
-4. with per_layer: hidden-state error after every layer (and the vision tower), the layer that
-   adds the most error, and the tensors of that layer that cause it (verify_attribution).
+3. faithfulness: statistics against a reference run of the source whose weights were fake-quantized
+   with the conversion's own scheme by an independent implementation (verify/fake_quant.py). A
+   faithful conversion agrees to fp32 round-off; any slicing, scale, placement or engine fault FAILs,
+   however small next to the quantization noise ("the conversion is wrong");
+4. cost: llama.cpp-style statistics against the unquantized reference, overall and per prompt kind,
+   against the scheme's budget (manifests/verify_thresholds.toml; "the scheme is too lossy for this model");
+5. with per_layer: hidden-state error after every layer for both, the first layer where the
+   faithfulness error appears (`first_fault_layer`), the layer that adds the most quantization error
+   (`largest_error_step_layer`), and the tensors of the faulty layer that cause it (attribution).
+
+JSON (VerifyReport.to_json): verdict, scheme, tp, failures, faithfulness {verdict, reference, overall,
+by_kind, limits, failures, per_layer, first_fault_layer}, cost {verdict, overall, by_kind, limits,
+failures, per_layer, largest_error_step_layer}, vision_error, attribution, seconds.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import tempfile
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -19,13 +29,19 @@ from pathlib import Path
 
 import torch
 
-from kconvert.verify import kld
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import verify_files
 from kconvert.errors import KConvertError, UsageError, VerifyFailed
 from kconvert.family.manifest import manifests_dir
+from kconvert.verify import kld
 from kconvert.verify.reference import load_reference, run_reference
 from kconvert.verify.run import load_result, run_all_ranks
+
+FAULT_REL_ERROR = 1e-4  # hidden-state relative error vs the fake-quantized reference that marks a faulty layer
+WRONG = "the conversion is wrong"
+LOSSY = "the scheme is too lossy for this model"
+CHECKED = ("mean_kld", "p99_kld", "same_top1_pct", "ppl_ratio")
+KIND_FACTOR = 2.0  # every prompt kind's mean KLD must stay within this multiple of the budget (fewer positions)
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,18 +50,40 @@ def thresholds() -> dict:
         return tomllib.load(f)
 
 
+def limits_for(scheme: str, overrides: dict | None = None) -> tuple[dict, dict]:
+    """(faithfulness limits, cost budget) for a scheme; overrides `faithful.KEY` / `KEY` win."""
+    t = thresholds()
+    over = overrides or {}
+    faithful = {**t["faithful"], **{k.split(".", 1)[1]: v for k, v in over.items() if k.startswith("faithful.")}}
+    budget = {**t["cost"][scheme], **{k: v for k, v in over.items() if not k.startswith("faithful.")}}
+    return faithful, budget
+
+
+@dataclass
+class Check:
+    """One of verify's two questions answered: statistics, limits and what broke them."""
+
+    verdict: str  # PASS | FAIL | SKIPPED
+    reference: str
+    overall: dict = field(default_factory=dict)
+    by_kind: dict[str, dict] = field(default_factory=dict)
+    limits: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    per_layer: list[dict] | None = None
+
+
 @dataclass
 class VerifyReport:
     out: str
     scheme: str
     tp: int
     verdict: str
-    overall: dict
-    by_kind: dict[str, dict]
-    thresholds: dict
+    faithfulness: Check
+    cost: Check
     failures: list[str] = field(default_factory=list)
-    per_layer: list[dict] | None = None
-    first_bad_layer: int | None = None
+    first_fault_layer: int | None = None  # first decoder layer whose output departs from the faithful reference
+    fault_at: str | None = None  # "embeddings", "layer N", "vision tower" or None
+    largest_error_step_layer: int | None = None  # the layer that adds the most error vs the unquantized reference
     vision_error: float | None = None
     attribution: list[dict] | None = None
     seconds: float = 0.0
@@ -54,14 +92,47 @@ class VerifyReport:
         return asdict(self)
 
 
-def run_verify(out: str, *, reference: str | None = None, against: str | None = None, per_layer: bool = False,
-               device: str = "cpu", force: bool = False, limits: dict | None = None, progress=None) -> VerifyReport:
+def failed_limits(summary: dict, limits: dict) -> list[str]:
+    """Which limits a summary breaks; any non-finite statistic is a failure (NaN compares false)."""
+    out = [f"{k} is {summary[k]}" for k in ("mean_kld", "p99_kld", "max_kld", "same_top1_pct", "ppl_ratio")
+           if k in summary and not math.isfinite(summary[k])]
+    if out:
+        return out
+    for k in CHECKED:
+        if k not in limits:
+            continue
+        if k == "same_top1_pct" and summary[k] < limits[k]:
+            out.append(f"same top-1 {summary[k]:.2f} % < {limits[k]} %")
+        elif k == "ppl_ratio" and abs(math.log(summary[k])) > math.log(limits[k]):
+            out.append(f"PPL ratio {summary[k]:.4f} outside 1/{limits[k]}..{limits[k]}")
+        elif k not in ("same_top1_pct", "ppl_ratio") and summary[k] > limits[k]:
+            out.append(f"{k.replace('_kld', ' KLD')} {summary[k]:.3g} > {limits[k]}")
+    return out
+
+
+def compare(prompts: list[dict], refs: list, got: dict, limits: dict, reference: str, per_kind_limits: bool) -> Check:
+    """Statistics of the engine's log-probs against `refs`, overall and by prompt kind, checked against limits."""
+    per_kind: dict[str, list] = {}
+    for i, (p, r) in enumerate(zip(prompts, refs)):
+        per_kind.setdefault(p["kind"], []).append(kld.compare(r, got[f"prompt.{i}.logprobs"]))
+    overall = kld.summarize(kld.concat([s for v in per_kind.values() for s in v])).to_json()
+    by_kind = {k: kld.summarize(kld.concat(v)).to_json() for k, v in per_kind.items()}
+    failures = failed_limits(overall, limits)
+    if per_kind_limits:  # a budget holds for every kind of prompt, not only on average
+        kind_limits = {k: KIND_FACTOR * v for k, v in limits.items() if k == "mean_kld"}
+        failures += [f"{kind}: {f}" for kind, row in by_kind.items() for f in failed_limits(row, kind_limits)]
+    return Check("FAIL" if failures else "PASS", reference, overall, by_kind, limits, failures)
+
+
+def run_verify(out: str, *, reference: str | None = None, faithful_reference: str | None = None,
+               against: str | None = None, per_layer: bool = False, device: str = "cpu", force: bool = False,
+               limits: dict | None = None, progress=None) -> VerifyReport:
     import time
 
     t0 = time.perf_counter()
     meta = Catalog.read(out).doc
-    if progress:
-        progress("phase", name="integrity")
+    phase = (lambda name: progress("phase", name=name)) if progress else (lambda name: None)
+    phase("integrity")
     try:
         verify_files(out)
     except KConvertError as e:
@@ -70,62 +141,101 @@ def run_verify(out: str, *, reference: str | None = None, against: str | None = 
         if reference is None:
             if against is None:
                 raise UsageError("give --reference REF.safetensors or --against SRC")
-            if progress:
-                progress("phase", name="reference")
+            phase("reference")
             from kconvert.verify.prompts import prompts_for
 
             reference = str(Path(tmp) / "ref.safetensors")
             run_reference(against, reference, prompts_for(meta["config"]), hidden_states=per_layer)
         ref_meta, refs, ref_tensors = load_reference(reference)
-        if ref_meta["source_fingerprint"] != meta["source"]["fingerprint"] and not force:
-            raise UsageError(f"the reference was made from another source (fingerprint {ref_meta['source_fingerprint']}"
-                             f" vs {meta['source']['fingerprint']}); pass --force to compare anyway", file=reference)
-        if per_layer and "prompt.0.hidden.0" not in ref_tensors:
-            raise UsageError("--per-layer needs a reference made with --hidden-states", file=reference)
-        if progress:
-            progress("phase", name="engine")
+        _check_reference(reference, ref_meta, ref_tensors, meta, force, per_layer)
+        fq = _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, faithful_reference, against,
+                                 per_layer, force, Path(tmp), phase)
+        phase("engine")
         result_path = str(Path(tmp) / "result.safetensors")
         tokens = [r.tokens for r in refs]
-        layer_opts = {"source": against or meta["source"]["path"], "attribute_layer": None} if per_layer else None
+        source = against or meta["source"]["path"]
+        layer_opts = {"source": source, "attribute_layer": None} if per_layer else None
         run_all_ranks(out, meta["layout"]["tp"], ref_meta["prompts"], tokens, result_path, layer_opts, device)
         got = load_result(result_path)
-        report = _report(out, meta, ref_meta, refs, got, limits)
+        report = _report(out, meta, ref_meta, refs, got, fq, limits)
         if per_layer:
-            _per_layer(report, ref_meta, ref_tensors, got)
-            if report.first_bad_layer is not None and report.first_bad_layer < meta["config"].get(
-                    "text_config", meta["config"])["num_hidden_layers"]:
-                if progress:
-                    progress("phase", name=f"attribution (layer {report.first_bad_layer})")
-                layer_opts["attribute_layer"] = report.first_bad_layer
+            report.cost.per_layer = layer_curve(ref_meta, ref_tensors, got)
+            report.largest_error_step_layer = largest_step(report.cost.per_layer)
+            report.vision_error = vision_error(ref_tensors, got)
+            if fq is not None:
+                report.faithfulness.per_layer = layer_curve(ref_meta, fq[2], got)
+                report.fault_at, report.first_fault_layer = first_fault(report.faithfulness.per_layer,
+                                                                        vision_error(fq[2], got))
+            n_layers = meta["config"].get("text_config", meta["config"])["num_hidden_layers"]
+            # attribute only a real fault in a decoder layer (not the embeddings, the vision tower or noise)
+            if report.first_fault_layer is not None and 0 <= report.first_fault_layer < n_layers:
+                phase(f"attribution (layer {report.first_fault_layer})")
+                layer_opts["attribute_layer"] = report.first_fault_layer
                 run_all_ranks(out, meta["layout"]["tp"], ref_meta["prompts"], tokens, result_path, layer_opts, device)
                 report.attribution = json.loads(Path(result_path + ".attribution.json").read_text())
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _report(out, meta, ref_meta, refs, got, overrides: dict | None = None) -> VerifyReport:
+def _check_reference(path, ref_meta, ref_tensors, meta, force: bool, per_layer: bool) -> None:
+    if ref_meta.get("fake_quant"):
+        raise UsageError("--reference must be a reference of the unquantized source (this one is fake-quantized: "
+                         "pass it as --faithful-reference)", file=path)
+    if ref_meta["source_fingerprint"] != meta["source"]["fingerprint"] and not force:
+        raise UsageError(f"the reference was made from another source (fingerprint {ref_meta['source_fingerprint']}"
+                         f" vs {meta['source']['fingerprint']}); pass --force to compare anyway", file=path)
+    if per_layer and "prompt.0.hidden.0" not in ref_tensors:
+        raise UsageError("--per-layer needs a reference made with --hidden-states", file=path)
+
+
+def _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, path, against, per_layer, force, tmp: Path,
+                        phase):
+    """(label, per-prompt log-probs, tensors) of the fake-quantized reference, or None when no source is at hand."""
+    from kconvert.verify.fake_quant import plan_digest, planned_slices
+
+    if path is None and all(e["transform"] == "copy" for e in planned_slices(meta).values()):
+        return "the unquantized reference (every weight is copied)", refs, ref_tensors
+    if path is None:
+        src = against or meta["source"]["path"]
+        if against is None and not Path(src).exists():  # a Hub id or a moved source: say so, don't guess
+            return None
+        phase("faithfulness reference (fake-quantized source)")
+        path = str(tmp / "faithful.safetensors")
+        run_reference(src, path, ref_meta["prompts"], hidden_states=per_layer, like=out)
+        label = f"{src} fake-quantized as {meta['quantization']['scheme']}"
+    else:
+        label = path
+    fq_meta, fq_refs, fq_tensors = load_reference(path)
+    fake = fq_meta.get("fake_quant") or {}
+    if fake.get("plan_digest") != plan_digest(meta) and not force:
+        raise UsageError("the faithfulness reference was made for another conversion (scheme, layout or slices "
+                         "differ); make it with `kconvert reference SRC --like OUT`", file=path)
+    if any(not torch.equal(a.tokens, b.tokens) for a, b in zip(refs, fq_refs)) or len(refs) != len(fq_refs):
+        raise UsageError("the faithfulness reference ran other prompts than --reference", file=path)
+    if per_layer and "prompt.0.hidden.0" not in fq_tensors:
+        raise UsageError("--per-layer needs a faithfulness reference made with --hidden-states", file=path)
+    return label, fq_refs, fq_tensors
+
+
+def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None) -> VerifyReport:
     scheme = meta["quantization"]["scheme"]
-    limits = {**thresholds()[scheme], **(overrides or {})}
-    per_kind: dict[str, list] = {}
-    for i, (p, r) in enumerate(zip(ref_meta["prompts"], refs)):
-        stats = kld.compare(r, got[f"prompt.{i}.logprobs"])
-        per_kind.setdefault(p["kind"], []).append(stats)
-    overall = kld.summarize(kld.concat([s for v in per_kind.values() for s in v])).to_json()
-    by_kind = {k: kld.summarize(kld.concat(v)).to_json() for k, v in per_kind.items()}
-    failures = []
-    if overall["mean_kld"] > limits["mean_kld"]:
-        failures.append(f"mean KLD {overall['mean_kld']:.3g} > {limits['mean_kld']}")
-    if overall["p99_kld"] > limits["p99_kld"]:
-        failures.append(f"p99 KLD {overall['p99_kld']:.3g} > {limits['p99_kld']}")
-    if overall["same_top1_pct"] < limits["same_top1_pct"]:
-        failures.append(f"same top-1 {overall['same_top1_pct']:.1f} % < {limits['same_top1_pct']} %")
+    faithful_limits, budget = limits_for(scheme, overrides)
+    prompts = ref_meta["prompts"]
+    if fq is None:
+        faith = Check("SKIPPED", "no source checkpoint at hand (pass --against SRC or --faithful-reference)",
+                      limits=faithful_limits)
+    else:
+        faith = compare(prompts, fq[1], got, faithful_limits, fq[0], per_kind_limits=False)
+    cost = compare(prompts, refs, got, budget, "the unquantized source", per_kind_limits=True)
+    failures = ([f"{WRONG}: " + "; ".join(faith.failures)] if faith.failures else []) + \
+        ([f"{LOSSY} ({scheme} budget): " + "; ".join(cost.failures)] if cost.failures else [])
     return VerifyReport(out=str(out), scheme=scheme, tp=meta["layout"]["tp"], verdict="FAIL" if failures else "PASS",
-                        overall=overall, by_kind=by_kind, thresholds=limits, failures=failures)
+                        faithfulness=faith, cost=cost, failures=failures)
 
 
-def _per_layer(report: VerifyReport, ref_meta, ref_tensors, got) -> None:
-    """Relative hidden-state error per layer position (0 = embeddings, last = after the final norm),
-    pooled over prompts, and the layer whose step adds the most error: where to look."""
+def layer_curve(ref_meta, ref_tensors, got) -> list[dict]:
+    """Relative hidden-state error per layer position (0 = embeddings, last = after the final norm), pooled
+    over prompts."""
     n = sum(1 for k in ref_tensors if k.startswith("prompt.0.hidden."))
     curve = []
     for L in range(n):
@@ -136,13 +246,31 @@ def _per_layer(report: VerifyReport, ref_meta, ref_tensors, got) -> None:
             den += float(r.pow(2).sum())
         curve.append({"position": L, "after": "embeddings" if L == 0 else f"layer {L - 1}" if L < n - 1 else
                       f"layer {L - 1} + final norm", "rel_error": (num / max(den, 1e-30)) ** 0.5})
-    report.per_layer = curve
+    return curve
+
+
+def largest_step(curve: list[dict]) -> int | None:
+    """The decoder layer whose step adds the most error (position L + 1 is after layer L); in a clean
+    quantized model that is where quantization costs the most; None when everything is exact."""
     errs = [c["rel_error"] for c in curve]
-    # the layer that adds the most error: damage shows as one step far above the others, and in a
-    # clean quantized model it is where quantization costs the most (None when everything is exact)
-    added = [errs[L + 1] - errs[L] for L in range(n - 1)]
-    report.first_bad_layer = max(range(n - 1), key=lambda L: added[L]) if max(errs) > 1e-4 else None
+    if len(errs) < 2 or not max(errs) > 1e-4:
+        return None
+    return max(range(len(errs) - 1), key=lambda L: errs[L + 1] - errs[L])
+
+
+def first_fault(curve: list[dict], vision: float | None) -> tuple[str | None, int | None]:
+    """Where the conversion first departs from its faithful reference: ("layer N", N), ("embeddings", None),
+    ("vision tower", None) or (None, None). A non-finite error is a fault too."""
+    if vision is not None and not vision <= FAULT_REL_ERROR:
+        return "vision tower", None
+    for c in curve:
+        if not c["rel_error"] <= FAULT_REL_ERROR:
+            return (c["after"], None) if c["position"] == 0 else (f"layer {c['position'] - 1}", c["position"] - 1)
+    return None, None
+
+
+def vision_error(ref_tensors, got) -> float | None:
     vis = [(got[k].float(), ref_tensors[k].float()) for k in got if k.endswith(".vision") and k in ref_tensors]
-    if vis:
-        report.vision_error = (sum(float((g - r).pow(2).sum()) for g, r in vis) /
-                               max(sum(float(r.pow(2).sum()) for _, r in vis), 1e-30)) ** 0.5
+    if not vis:
+        return None
+    return (sum(float((g - r).pow(2).sum()) for g, r in vis) / max(sum(float(r.pow(2).sum()) for _, r in vis), 1e-30)) ** 0.5

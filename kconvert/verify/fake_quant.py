@@ -1,0 +1,165 @@
+"""The faithfulness reference's weights: the source with every tensor a conversion quantized replaced by
+its quantize -> dequantize (QDQ) under the same scheme, slice by slice as the conversion stores it.
+
+Independent of kconvert's own quantizers (kconvert/convert/quantize.py): the scales are computed here
+from the formulas in docs/FORMAT.md ("Quantization formulas") and the rounding, clamping and
+dequantization are compressed-tensors' `fake_quantize` (block / channel / group strategies). What a
+conversion claims (scheme, which tensors, which transform, which slice) is read from its kconvert.json;
+the slices must tile each tensor exactly, or the layout itself is wrong.
+
+`write_fake_quant_source` writes that model as an fp32 checkpoint (plus the source's config without
+its quantization_config, and its tokenizer files) for `kconvert reference` to run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from kconvert.errors import MissingDependency, VerifyFailed
+
+QUANTIZED = ("fp8", "int8", "int4")
+FP8_E4M3_MAX = 448.0
+SCALE_FLOOR = 1e-12  # all-zero blocks/rows/groups: any positive scale dequantizes them to 0
+INT4_CLIP_STEPS = 16  # clipping search: scale = (1 - k/50) * amax / 7, k = 0..15, least squared error
+INT4_CLIP_STEP = 0.02
+
+
+def _ct():
+    try:
+        from compressed_tensors.quantization import QuantizationArgs
+        from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    except ImportError:
+        raise MissingDependency("the faithfulness check needs compressed-tensors: pip install 'compressed-tensors>=0.20'") \
+            from None
+    return QuantizationArgs, fake_quantize
+
+
+def _fq(x: torch.Tensor, scale: torch.Tensor, **args) -> torch.Tensor:
+    QuantizationArgs, fake_quantize = _ct()
+    return fake_quantize(x, scale, torch.zeros_like(scale), QuantizationArgs(**args))
+
+
+def qdq(x: torch.Tensor, scheme: str, *, scale_format: str = "fp32", group_size: int = 32,
+        int4_scales: str = "mse") -> torch.Tensor:
+    """x [R, C] float32 -> the float32 weight a faithful `scheme` conversion dequantizes to."""
+    x = x.to(torch.float32)
+    R, C = x.shape
+    if scheme == "fp8":
+        br, bc = -(-R // 128), -(-C // 128)
+        padded = torch.zeros(br * 128, bc * 128)
+        padded[:R, :C] = x.abs()
+        scale = (padded.view(br, 128, bc, 128).amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp_min(SCALE_FLOOR)
+        if scale_format == "ue8m0":
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        return _fq(x, scale, num_bits=8, type="float", strategy="block", block_structure=[128, 128])
+    if scheme == "int8":
+        scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(SCALE_FLOOR)
+        return _fq(x, scale, num_bits=8, type="int", symmetric=True, strategy="channel")
+    if scheme == "int4":
+        args = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+        amax = x.view(R, C // group_size, group_size).abs().amax(-1)
+        steps = INT4_CLIP_STEPS if int4_scales == "mse" else 1
+        best, best_err = None, None
+        for k in range(steps):
+            scale = (amax * (1 - INT4_CLIP_STEP * k) / 7.0).clamp_min(SCALE_FLOOR)
+            y = _fq(x, scale, **args)
+            err = (y - x).pow(2).view(R, C // group_size, group_size).sum(-1)
+            if best is None:
+                best, best_err = y, err
+            else:
+                better = (err < best_err)[..., None].expand(R, C // group_size, group_size).reshape(R, C)
+                best = torch.where(better, y, best)
+                best_err = torch.minimum(err, best_err)
+        return best
+    raise VerifyFailed(f"faithfulness: no reference quantizer for scheme {scheme!r}")
+
+
+def planned_slices(meta: dict) -> dict[str, dict]:
+    """Source tensor name -> {"transform", "slices": [[dim, start, stop] | None, ...]} from kconvert.json,
+    checking that the slices of every tensor tile it exactly (one whole copy, or equal, in order)."""
+    plan: dict[str, dict] = {}
+    for t in meta["tensors"]:
+        name = t["name"]
+        if t["transform"] in QUANTIZED:
+            if name.endswith(("_scale_inv", "_scale")):
+                continue
+            name = name.removesuffix("_packed")
+        entry = plan.setdefault(name, {"transform": t["transform"], "slices": []})
+        if entry["transform"] != t["transform"]:
+            raise VerifyFailed(f"faithfulness: kconvert.json gives {name} two transforms "
+                               f"({entry['transform']}, {t['transform']})", tensor=name)
+        s = tuple(t["slice"]) if t["slice"] else None
+        if s not in entry["slices"]:
+            entry["slices"].append(s)
+    for name, entry in plan.items():
+        slices = entry["slices"]
+        if None in slices:
+            if len(slices) > 1:
+                raise VerifyFailed("faithfulness: a tensor is both replicated and sliced in kconvert.json", tensor=name)
+            continue
+        slices.sort(key=lambda s: s[1])
+        widths = {b - a for _, a, b in slices}
+        contiguous = all(slices[i][2] == slices[i + 1][1] for i in range(len(slices) - 1))
+        if len({d for d, _, _ in slices}) != 1 or slices[0][1] != 0 or len(widths) != 1 or not contiguous:
+            raise VerifyFailed(f"faithfulness: the tensor-parallel slices of this tensor do not tile it: {slices}",
+                               tensor=name)
+    return plan
+
+
+def plan_digest(meta: dict) -> str:
+    """What a faithfulness reference depends on: scheme settings and every tensor's transform and slices."""
+    q = meta["quantization"]
+    key = {"scheme": q["scheme"], "scale_format": q.get("scale_format"), "group_size": q.get("group_size"),
+           "int4_scales": q.get("int4_scales"),
+           "plan": sorted((n, e["transform"], [list(s) if s else None for s in e["slices"]])
+                          for n, e in planned_slices(meta).items())}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def expected_tensor(x: torch.Tensor, entry: dict, q: dict) -> torch.Tensor:
+    """The float32 tensor a faithful conversion holds for source tensor x (all its slices together)."""
+    transform = entry["transform"]
+    if transform == "bf16":
+        return x.to(torch.bfloat16).to(torch.float32)
+    if transform not in QUANTIZED:
+        return x  # copy, fp8_copy: the source's own values
+    opts = dict(scale_format=q.get("scale_format") or "fp32", group_size=q.get("group_size") or 32,
+                int4_scales=q.get("int4_scales") or "mse")
+    out = torch.empty_like(x)
+    for s in entry["slices"]:
+        if s is None:
+            return qdq(x, transform, **opts)
+        dim, a, b = s
+        out.narrow(dim, a, b - a).copy_(qdq(x.narrow(dim, a, b - a), transform, **opts))
+    return out
+
+
+def write_fake_quant_source(src: str, meta: dict, out_dir: Path) -> Path:
+    """An fp32 checkpoint in out_dir holding what conversion `meta` should hold, for `kconvert reference`."""
+    from safetensors.torch import save_file
+
+    from kconvert.source.checkpoint import Checkpoint
+
+    ck = Checkpoint.open(src)
+    plan = planned_slices(meta)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name in ck.logical:
+        x = ck.read(name, dtype=torch.float32)
+        tensors[name] = expected_tensor(x, plan[name], meta["quantization"]).contiguous() if name in plan else x
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    config = json.loads((ck.root / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    for f in ck.root.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):
+            shutil.copyfile(f, out_dir / f.name)
+    return out_dir

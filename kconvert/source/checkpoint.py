@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import os
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
@@ -20,6 +20,7 @@ from kconvert.source import hub
 from kconvert.errors import CheckpointError, ManifestError
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.source.formats import LogicalTensor, fold, read_logical
 from kconvert.io.dtypes import FP8_BLOCK
@@ -180,20 +181,14 @@ def _index_map(root: Path) -> dict[str, str] | None:
         return None
     try:
         index = json.loads(path.read_text())
-        weight_map = index["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError):
-        raise CheckpointError("index is not JSON with a weight_map object", file=str(path)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"index is not valid JSON: {e}", file=str(path)) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError("index has no weight_map object", file=str(path))
     for tname, fname in weight_map.items():
-        _check_relative(root, str(fname), tname)
-    return {t: str(f) for t, f in weight_map.items()}
-
-
-def _check_relative(root: Path, fname: str, tensor: str | None) -> None:
-    p = PurePosixPath(fname)
-    if p.is_absolute() or ".." in p.parts or "\\" in fname or not fname:
-        raise CheckpointError(f"the index names file {fname!r}, which is not a plain relative path inside the checkpoint",
-                              file=str(root / INDEX), tensor=tensor)
+        contained(root, fname, named_in=path, tensor=tname)  # the one path rule (kconvert/io/paths.py)
+    return dict(weight_map)
 
 
 def _shard_files(root: Path) -> list[str]:

@@ -203,8 +203,8 @@ def test_bad_inputs(checkpoint, tmp_path, copy_checkpoint):
     src = checkpoint("tiny-k3")
     assert_one_line_error(run_cli("shard", src, tmp_path / "a", "--tp", 8), "4 attention heads", "1, 2, 4")
     assert not (tmp_path / "a").exists()
-    r = run_cli("shard", src, tmp_path / "b", "--tp", 2, "--quant", "int4")
-    assert r.returncode == 2 and "int4" in r.stderr
+    r = run_cli("shard", src, tmp_path / "b", "--tp", 2, "--quant", "int3")
+    assert r.returncode == 2 and "int3" in r.stderr
     assert_one_line_error(run_cli("shard", src, src / "out", "--tp", 2), "inside the source")
     assert_one_line_error(run_cli("shard", src, "/proc/kconvert-out", "--tp", 2), "/proc/kconvert-out")
     other = tmp_path / "other"

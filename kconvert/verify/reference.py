@@ -135,10 +135,10 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
     else:
         import tempfile
 
-        from kconvert.converted.format import read_manifest
+        from kconvert.converted.catalog import Catalog
         from kconvert.verify.fake_quant import plan_digest, write_fake_quant_source
 
-        conv = read_manifest(like)
+        conv = Catalog.read(like).doc
         if conv["source"]["fingerprint"] != meta["source_fingerprint"]:
             raise UsageError(f"{like} was converted from another source", file=str(src))
         q = conv["quantization"]

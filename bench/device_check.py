@@ -212,8 +212,8 @@ def verify(dev, paths: dict, fixtures: list[str]) -> dict:
     for fx in fixtures:
         for quant in ("none", "fp8"):
             rep = run_verify(str(paths[f"{fx}-{quant}"]), reference=str(paths[f"{fx}-ref"]), device=str(dev))
-            out[f"{fx}-{quant}"] = {"verdict": rep.verdict, "overall": rep.overall, "failures": rep.failures,
-                                    "seconds": rep.seconds}
+            out[f"{fx}-{quant}"] = {"verdict": rep.verdict, "faithful": rep.faithfulness.overall,
+                                    "cost": rep.cost.overall, "failures": rep.failures, "seconds": rep.seconds}
     return {"compute_dtype": "float32 (the dtype kconvert verify's engine computes in)", "fixtures": out}
 
 

@@ -137,7 +137,7 @@ def test_transformers_kld_equals_kconvert_verify(exported, checkpoint, tmp_path)
     hf = kld.summarize(kld.concat([kld.compare(r, t.full) for r, t in zip(refs, tests)])).to_json()["mean_kld"]
     proc = run_cli("verify", exported["fp8-block"], "--reference", ref, "--json")
     assert proc.returncode == 0, proc.stderr
-    engine = json.loads(proc.stdout)["overall"]["mean_kld"]
+    engine = json.loads(proc.stdout)["cost"]["overall"]["mean_kld"]
     assert hf > 1e-6 and engine > 1e-6  # quantization did something measurable
     assert abs(hf - engine) <= 0.2 * max(hf, engine), (hf, engine)
 

@@ -277,8 +277,8 @@ def table(steps: dict) -> str:
         elif name == "ready":
             res = ", ".join(f"{k} {v:.2f}s" for k, v in s["phases"].items())
         elif name == "verify":
-            res = "; ".join(f"{fx} {v['verdict']} (mean KLD {v['overall'].get('mean_kld', float('nan')):.2e})"
-                            for fx, v in s["fixtures"].items())
+            res = "; ".join(f"{fx} {v['verdict']} (faithful mean KLD {v['faithful'].get('mean_kld', float('nan')):.2e}, "
+                            f"cost {v['cost'].get('mean_kld', float('nan')):.2e})" for fx, v in s["fixtures"].items())
         elif name == "decode":
             res = ", ".join(f"{c} ctx {v['ms_per_token']:.1f} ms/token" for c, v in s["contexts"].items())
         else:

@@ -14,7 +14,7 @@ from kconvert.errors import MissingDependency
 PACKAGES = {
     "transformers": ("transformers", "ref", "the reference implementation (fixture, reference, verify --against)"),
     "matplotlib": ("matplotlib", "plot", "verify --plot"),
-    "compressed_tensors": ("compressed-tensors", "test", "the compressed-tensors cross-checks"),
+    "compressed_tensors": ("compressed-tensors", "ref", "verify's independent fake-quantized reference"),
     "jinja2": ("jinja2", None, "chat templates"),
     "PIL": ("Pillow", None, "images"),
     "tiktoken": ("tiktoken", None, "the Kimi tokenizer"),

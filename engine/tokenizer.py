@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from engine.template import render
-from kconvert.errors import EngineError, TokenizerError
+from kconvert.io.paths import contained
+from kconvert.errors import CheckpointError, EngineError, TokenizerError
 from kconvert.source.tokenizer import load_kimi_tokenizer
 
 IMAGE_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
@@ -17,13 +18,12 @@ FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _inside(d: Path, name: str) -> Path:
-    """d/name, refused when it resolves (through symlinks) outside d."""
+    """d/name, refused when it resolves (through symlinks) outside d: the one path rule, kconvert/io/paths.py."""
     p = d / name
-    if p.is_symlink() or p.exists():
-        real, root = p.resolve(), d.resolve()
-        if real != root and root not in real.parents:
-            raise TokenizerError(f"is a symlink to {real}, outside the checkpoint: refused", file=str(p))
-    return p
+    try:
+        return contained(d, name, named_in=p)
+    except CheckpointError:
+        raise TokenizerError(f"is a symlink to {p.resolve()}, outside the checkpoint: refused", file=str(p)) from None
 
 
 class Tokenizer:

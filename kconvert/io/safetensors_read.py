@@ -62,7 +62,7 @@ class SafetensorsHeader:
     data_start: int
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
-    compressed: object = None  # ChunkIndex when the file is a compressed shard (kconvert/compressed.py)
+    compressed: object = None  # ChunkIndex when the file is a compressed shard (kconvert/io/compressed.py)
 
     @property
     def stored_size(self) -> int:

@@ -10,7 +10,7 @@ file (the page cache itself: no copy). On an accelerator each file is read in pa
 pinned host memory, reused across files, and copied to one device allocation per unit on a side
 stream; compressed shards are decompressed in parallel chunks into the same buffers.
 With `verify`, the file's CRC-32 is checked against kconvert.json before any tensor is handed out.
-Compressed shards (kconvert/compressed.py) are decompressed chunk by chunk on the same threads into
+Compressed shards (kconvert/io/compressed.py) are decompressed chunk by chunk on the same threads into
 the same buffer, so everything after the read (verify, views, device copy) is unchanged.
 Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing is the engine's call.
 """

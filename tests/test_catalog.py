@@ -83,7 +83,11 @@ def test_any_edit_without_a_new_digest_is_refused(out, edit):
 
 
 @pytest.mark.parametrize("edit,field", [
-    (lambda m: m["layout"].update(tp=4), "files"),  # ranks 2 and 3 have no files
+    (lambda m: m["layout"].update(tp=4), "layout.world_size"),  # world_size 2 is not tp x pp
+    (lambda m: m["layout"].update(tp=4, world_size=4), "files"),  # ranks 2 and 3 have no files
+    (lambda m: m["layout"].update(pp=2, world_size=4), "layout.stages"),  # pp 2 without stages
+    (lambda m: m["layout"].update(pp=2, world_size=4, stages=[{"units": m["layout"]["units"]}] * 2),
+     "layout.stages"),  # every layer on both stages
     (lambda m: m["layout"].update(tp=0), "layout.tp"),
     (lambda m: m["layout"].update(tp="2"), "layout.tp"),
     (lambda m: m.pop("tensors"), "tensors"),
@@ -91,7 +95,7 @@ def test_any_edit_without_a_new_digest_is_refused(out, edit):
     (lambda m: m["files"]["rank-001/globals.safetensors"].update(rank=0), "files['rank-001/globals.safetensors']"),
     (lambda m: m["tensors"][0].update(shape="big"), "tensors[0].shape"),
     (lambda m: m["tensors"][0].update(file="rank-009/x.safetensors"), "tensors[0].file"),
-], ids=["tp-4", "tp-0", "tp-str", "no-tensors", "scheme", "rank-swap", "shape-type", "tensor-file"])
+], ids=["tp-4", "tp-4-world-4", "pp-2", "pp-2-overlap", "tp-0", "tp-str", "no-tensors", "scheme", "rank-swap", "shape-type", "tensor-file"])
 def test_schema_is_checked_even_with_a_valid_digest(out, edit, field):
     meta = _meta(out)
     edit(meta)
@@ -134,6 +138,17 @@ def test_older_format_versions_say_convert_again(out):
     meta.pop("digest")
     (out / "kconvert.json").write_text(json.dumps(meta))
     assert_one_line_error(run_cli("load", out), "kconvert.json", "format version 1", "convert again")
+
+
+def test_version_2_directories_still_read_as_one_stage(out):
+    """Format 3 added pipeline stages; a version-2 conversion (no pp, no stages) loads as pp = 1."""
+    meta = _meta(out)
+    meta["format_version"] = 2
+    rewrite_catalog(out, meta)
+    cat = Catalog.read(out)
+    assert (cat.pp, cat.world_size, cat.stage_of(1), cat.tp_rank_of(1)) == (1, cat.tp, 0, 1)
+    assert cat.stage_units(0) == cat.units
+    assert run_cli("load", out).returncode == 0
 
 
 def test_nan_in_kconvert_json_is_refused(out):

@@ -18,10 +18,11 @@ from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.paths import contained
-from kconvert.converted.units import is_unit, unit_file, unit_layer
+from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_file, unit_layer
 
 FORMAT = "kconvert"
-FORMAT_VERSION = 2  # 2: adds `digest`; version 1 directories are refused with "convert again"
+FORMAT_VERSION = 3  # 3: pipeline stages (layout.pp, layout.stages, files[*].stage); 2: adds `digest`
+READABLE_VERSIONS = (2, 3)  # a version-2 directory reads as pp = 1; version 1 is refused with "convert again"
 MANIFEST = "kconvert.json"
 SCHEMES = ("none", "fp8", "int8", "int4")
 _CRC = re.compile(r"[0-9a-f]{8}")
@@ -55,7 +56,7 @@ class Catalog:
             raise CheckpointError(f"kconvert.json is not valid JSON: {e}", file=str(path)) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise CheckpointError("kconvert.json is not a kconvert manifest", file=str(path))
-        if doc.get("format_version") != FORMAT_VERSION:
+        if doc.get("format_version") not in READABLE_VERSIONS:
             raise CheckpointError(f"format version {doc.get('format_version')!r} is not the {FORMAT_VERSION} this "
                                   "kconvert reads: convert again or use a matching kconvert", file=str(path))
         if doc.get("digest") != digest_of(doc):
@@ -83,7 +84,36 @@ class Catalog:
 
     @property
     def units(self) -> list[str]:
+        """Every unit of the conversion, over all stages."""
         return self.doc["layout"]["units"]
+
+    # ---- pipeline stages: global rank = stage * tp + tp_rank (version 2 directories: one stage)
+    @property
+    def pp(self) -> int:
+        return self.doc["layout"].get("pp", 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.tp
+
+    def rank_of(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp + tp_rank
+
+    def stage_units(self, stage: int) -> list[str]:
+        """The units the ranks of one stage hold. With pp > 1, `globals` is on the first stage (embeddings)
+        and on the last (final norm and head; the embeddings too when the head is tied to them)."""
+        stages = self.doc["layout"].get("stages")
+        return list(stages[stage]["units"]) if stages else list(self.units)
+
+    def stage_layers(self, stage: int) -> list[int]:
+        """Decoder layers (MTP layers kept by --keep-mtp included) of one stage, in order."""
+        return sorted(L for u in self.stage_units(stage) if (L := unit_layer(u)) is not None)
 
     @property
     def family(self) -> str:
@@ -145,14 +175,22 @@ class Catalog:
                 bad(f"source.{key}", "missing or not a string")
         if d["quantization"].get("scheme") not in SCHEMES:
             bad("quantization.scheme", f"{d['quantization'].get('scheme')!r} is not one of {', '.join(SCHEMES)}")
-        want = {unit_file(r, u): (r, u) for r in range(tp) for u in units}
+        pp = lay.get("pp", 1)
+        if not _int(pp) or pp < 1:
+            bad("layout.pp", f"{pp!r} is not a whole number >= 1")
+        if lay.get("world_size", tp * pp) != tp * pp:
+            bad("layout.world_size", f"{lay.get('world_size')!r} is not tp x pp = {tp * pp}")
+        self._validate_stages(lay, bad)
+        want = {unit_file(r, u): (r, u) for r in range(tp * pp) for u in self.stage_units(r // tp)}
         for rel, rec in d["files"].items():
             f = f"files[{rel!r}]"
             contained(out, rel, named_in=where)
             if not isinstance(rec, dict):
                 bad(f, "not a JSON object")
             if want.get(rel) != (rec.get("rank"), rec.get("unit")):
-                bad(f, f"rank {rec.get('rank')!r} / unit {rec.get('unit')!r} do not match the layout (tp {tp})")
+                bad(f, f"rank {rec.get('rank')!r} / unit {rec.get('unit')!r} do not match the layout (tp {tp}, pp {pp})")
+            if rec.get("stage", 0 if pp == 1 else None) != rec["rank"] // tp:
+                bad(f"{f}.stage", f"{rec.get('stage')!r} is not the stage of rank {rec['rank']} (rank // tp)")
             if rec.get("layer") != unit_layer(rec["unit"]):
                 bad(f"{f}.layer", f"{rec.get('layer')!r} does not match unit {rec['unit']}")
             if not _int(rec.get("bytes")) or rec["bytes"] < 0:
@@ -185,6 +223,32 @@ class Catalog:
                 bad(f"{f}.slice", f"{sl!r} is not [dim, start, stop]")
             if not isinstance(t.get("crc32"), str) or not _CRC.fullmatch(t["crc32"]):
                 bad(f"{f}.crc32", "not an 8-digit hex CRC-32")
+
+    @staticmethod
+    def _validate_stages(lay: dict, bad) -> None:
+        """layout.stages (absent = one stage): pp records of {"units": [...]}, each layer unit in exactly one
+        stage, stages holding contiguous layers in order, globals on the first and last stage, vision on the first."""
+        stages, pp, units = lay.get("stages"), lay.get("pp", 1), lay["units"]
+        if stages is None:
+            if pp != 1:
+                bad("layout.stages", f"missing: pp is {pp}")
+            return
+        if not isinstance(stages, list) or len(stages) != pp or not all(
+                isinstance(s, dict) and isinstance(s.get("units"), list) and all(u in units for u in s["units"])
+                for s in stages):
+            bad("layout.stages", f"not {pp} records of {{units: [...]}} naming units of layout.units")
+        layers = [[unit_layer(u) for u in s["units"] if unit_layer(u) is not None] for s in stages]
+        flat = [L for ls in layers for L in ls]
+        if flat != sorted(flat) or len(set(flat)) != len(flat) or \
+                sorted(flat) != sorted(L for u in units if (L := unit_layer(u)) is not None):
+            bad("layout.stages", "layers are not split into contiguous stages, each layer in exactly one")
+        if any(not ls for ls in layers):
+            bad("layout.stages", "a stage holds no decoder layer")
+        for i, s in enumerate(stages):
+            edge = {GLOBALS} if i in (0, pp - 1) else set()
+            extra = {u for u in s["units"] if unit_layer(u) is None} - edge - ({VISION} if i == 0 else set())
+            if extra or (GLOBALS in units and not edge <= set(s["units"])) or len(set(s["units"])) != len(s["units"]):
+                bad(f"layout.stages[{i}]", "globals must be on the first and last stage only, vision on the first")
 
 
 def _int(x: object) -> bool:

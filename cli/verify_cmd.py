@@ -68,7 +68,7 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
               help="Override a limit: mean_kld, p99_kld, same_top1_pct, ppl_ratio (cost budget) or "
                    "faithful.KEY (faithfulness); repeatable.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Write a PNG (needs matplotlib).")
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]),
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]),
               help="Run the engine with this KV cache format: the KLD then includes what KV quantization adds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 def verify(out, reference_file, faithful_file, against, per_layer, device, force, tp, threshold, plot_file, kv_dtype,

@@ -1,5 +1,5 @@
 """Paged decode cache: per token and layer one MLA latent row (latent + rope key) and one DSA indexer-key
-row, stored as byte rows (engine/kv_format.py) in pages of PAGE tokens (docs/KV_CACHE.md).
+row, stored as byte rows (engine/kv_format.py: bf16, fp8 or int8) in pages of PAGE tokens (docs/KV_CACHE.md).
 
 Every sequence has a page table of logical page ids; pages come from a pool on demand and go back when a
 sequence is released or truncated. The pool is bounded by a byte budget, never by max_position_embeddings
@@ -13,16 +13,17 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import TextConfig
-from engine.kv_format import RowFormat, check_kv_dtype
-from engine.kv_tier import PAGE, Placement, Tier, grow_rows
+from engine.kv_format import RowFormat, check_kv_dtype, row_codes
+from engine.kv_tier import PAGE, Placement, Tier, grow_rows, take_rows
 from kconvert.errors import EngineError, UsageError
 
 
 @dataclass
 class KVOptions:
-    kv_dtype: str | None = None  # None: the compute dtype; "bf16" | "fp8"
+    kv_dtype: str | None = None  # None: the compute dtype; "bf16" | "fp8" | "int8"
     budget: int | None = None  # bytes of the whole cache (device + host); None: unbounded
     device_budget: int | None = None  # bytes of latent pages on the device; None: no host tier
+    index_dtype: str | None = None  # the indexer key's code if not kv_dtype's own (measurements, tests)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class LayerKV:
         self.index[step.write_rows.reshape(-1)] = self.cache.idx_fmt.encode(keys).flatten(0, 1)
 
     def read_index(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.cache.idx_fmt.decode(self.index[rows], dtype)[0]
+        return self.cache.idx_fmt.decode(take_rows(self.index, rows), dtype)[0]
 
 
 class KVCache:
@@ -74,8 +75,9 @@ class KVCache:
         check_kv_dtype(kv.kv_dtype)
         self.cfg, self.dtype, self.device, self.kv = cfg, dtype, torch.device(device), kv
         self.max_len, self.batch = max_len, batch
-        self.lat_fmt = RowFormat(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv.kv_dtype, dtype)
-        self.idx_fmt = RowFormat(cfg.index_head_dim, 0, kv.kv_dtype, dtype) if cfg.index_topk else None
+        lat_code, idx_code = row_codes(kv.kv_dtype, kv.index_dtype)
+        self.lat_fmt = RowFormat(cfg.kv_lora_rank, cfg.qk_rope_head_dim, lat_code, dtype)
+        self.idx_fmt = RowFormat(cfg.index_head_dim, 0, idx_code, dtype) if cfg.index_topk else None
         self.latent_bytes_per_token = cfg.num_layers * self.lat_fmt.row_bytes
         self.bytes_per_token = self.latent_bytes_per_token + cfg.num_layers * (
             self.idx_fmt.row_bytes if self.idx_fmt else 0)

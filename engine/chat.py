@@ -125,7 +125,7 @@ def _parse(argv):
     ap.add_argument("--context", type=int, default=None,
                     help="most tokens a conversation may hold (default: the model's maximum); the cache is "
                          "allocated as the conversation grows, never for the whole limit up front")
-    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default=None,
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8", "int8"], default=None,
                     help="KV cache format (default: the compute dtype); fp8: e4m3 latent + per-128 scales")
     ap.add_argument("--kv-budget", default=None,
                     help="most bytes the KV cache may take (8GiB, 512M) or a fraction of free memory (0.9)")

@@ -8,6 +8,10 @@ Per decoder layer (MTP layers excluded: the converter drops them by default) a t
 - the DSA lightning-indexer key (`index_head_dim`, one per token, shared by the indexer heads);
   - bf16: 2 * index_head_dim (256 for 128);
   - fp8 as vLLM stores it: index_head_dim + 4 * ceil(index_head_dim / 128) (132 for 128).
+- int8 (`--kv-dtype int8`): the latent in int8 with one float32 scale per 128 values (amax / 127), the
+  rope part in bf16: the same bytes as fp8 (656 for 512 + 64), but the indexer keys stay in bf16 (256 for
+  128): on the trained fixture 8-bit indexer keys flip the DSA top-k selection and cost more than the
+  whole 8-bit latent (docs/KV_CACHE.md has the measurements).
 Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
 
 Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank
@@ -22,8 +26,10 @@ from dataclasses import asdict, dataclass
 
 from kconvert.errors import UsageError
 
-KV_DTYPES = ("bf16", "fp8")
-SCALE_GROUP = 128  # values per float32 scale in the fp8 caches
+KV_DTYPES = ("bf16", "fp8", "int8")
+ROW_CODES = ("bf16", "fp8", "int8")  # how one cached row (latent or indexer key) is encoded
+INDEX_CODE = {"bf16": "bf16", "fp8": "fp8", "int8": "bf16"}  # the indexer key's code under each --kv-dtype
+SCALE_GROUP = 128  # values per float32 scale in the fp8 / int8 rows
 
 
 @dataclass(frozen=True)
@@ -47,18 +53,21 @@ class KVBytes:
                 "replicated_across_tp": True}
 
 
+def row_bytes(width: int, code: str) -> int:
+    """Bytes of `width` values in a row code: bf16, or 8-bit values + a float32 scale per SCALE_GROUP."""
+    if code == "bf16":
+        return 2 * width
+    return width + 4 * math.ceil(width / SCALE_GROUP)
+
+
 def latent_bytes(kv_lora_rank: int, rope_dim: int, dtype: str) -> int:
-    if dtype == "bf16":
-        return 2 * (kv_lora_rank + rope_dim)
-    return kv_lora_rank + 4 * math.ceil(kv_lora_rank / SCALE_GROUP) + 2 * rope_dim
+    """The latent in `dtype`'s code, the rope part always in bf16 (it carries the position)."""
+    return row_bytes(kv_lora_rank, dtype) + 2 * rope_dim
 
 
 def indexer_bytes(index_head_dim: int, dtype: str) -> int:
-    if not index_head_dim:
-        return 0
-    if dtype == "bf16":
-        return 2 * index_head_dim
-    return index_head_dim + 4 * math.ceil(index_head_dim / SCALE_GROUP)
+    """One indexer key under --kv-dtype `dtype` (its code: INDEX_CODE)."""
+    return row_bytes(index_head_dim, INDEX_CODE[dtype]) if index_head_dim else 0
 
 
 def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:

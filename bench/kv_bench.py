@@ -1,19 +1,25 @@
-"""KV cache benchmark: memory per token and decode ms/token vs context for bf16, fp8 and the host tier;
-the tier's bytes moved per token; FP8 KV's added KLD; the fp8 scale granularity.
+"""KV cache benchmark: memory per token and decode ms/token vs context for bf16, fp8, int8 and the host
+tier; the tier's bytes moved per token; the KLD each KV format adds, and where it comes from; the 8-bit
+scale granularity.
 
-    .venv/bin/python bench/kv_bench.py --preset tiny-k3 --contexts 1k,4k,16k,32k --steps 8
-    .venv/bin/python bench/kv_bench.py --preset small-k3 --kld-only
+    .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained --contexts 1k,32k --steps 16 --rounds 5
+    .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained --kld-only --kld-tokens 256 --breakdown
 
 Decode cost depends on what the cache holds, not on how it got there, so each context is filled with
-synthetic rows (random latent / indexer keys written through the cache's own write path), then `--steps`
-real decode steps are timed. "tiered" runs with --kv-device-budget = 1/8 of the cache's latent bytes and
-checks its logits equal the untiered run's. KLD: real prefill of `--kld-tokens` tokens, fp8 (and bf16)
-KV vs the compute-dtype (fp32) cache, mean over positions. Compute is fp32 with weights dequantized once.
+synthetic rows (random latent / indexer keys written through the cache's own write path), then every
+format runs `--steps` real decode steps per round, formats interleaved round by round (the machine's
+load hits all of them alike); ms/token is the median over `--rounds`. "tiered" runs with
+--kv-device-budget = 1/8 of the cache's latent bytes; its logits must equal the untiered run's, step by step.
+KLD: real prefill of `--kld-tokens` tokens (3 held-out stdlib windows, the trained fixtures' prompt text,
+and one window of random ids), mean over positions, of each format against the fp32 cache and against the
+bf16 cache ("added": KLD(bf16-cache run || 8-bit-cache run)). Compute is fp32, weights dequantized once.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -22,6 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# label -> (--kv-dtype, indexer key code override): the shipped formats first, then the mixes that split
+# the error between the latent and the indexer keys
+KLD_FORMATS = {"bf16": ("bf16", None), "fp8": ("fp8", None), "int8": ("int8", None),
+               "fp8 latent + bf16 keys": ("fp8", "bf16"), "bf16 latent + fp8 keys": ("bf16", "fp8"),
+               "int8 latent + int8 keys": ("int8", "int8"), "bf16 latent + int8 keys": ("bf16", "int8")}
 
 
 def parse_ctx(s: str) -> int:
@@ -41,7 +53,7 @@ def load(preset: str, work: Path):
         shard(ShardJob(str(src), str(conv), tp=1))
     model = Model.from_converted(conv, dtype=torch.float32)
     model.materialize()
-    return model
+    return model, conv
 
 
 def fill(model, cache, tokens: int, seed: int = 0, chunk: int = 4096) -> None:
@@ -58,96 +70,183 @@ def fill(model, cache, tokens: int, seed: int = 0, chunk: int = 4096) -> None:
         cache.commit(step)
 
 
-def decode(model, cache, steps: int):
-    tok = torch.tensor([[1]])
-    model.forward(tok, cache, last_only=True)  # warm-up
-    stats = cache.placement.stats
-    moved0 = stats.moved_bytes
-    out, t0 = [], time.perf_counter()
-    for _ in range(steps):
-        out.append(model.forward(tok, cache, last_only=True))
-    ms = (time.perf_counter() - t0) * 1000 / steps
-    return ms, (stats.moved_bytes - moved0) / steps, torch.cat(out)
-
-
-def bench_context(model, ctx: int, steps: int) -> list[dict]:
+def bench_context(model, ctx: int, steps: int, rounds: int) -> list[dict]:
     from engine.cache import KVOptions
 
-    rows, ref = [], {}
-    for name, kv_dtype, tier in (("bf16", "bf16", False), ("fp8", "fp8", False),
-                                 ("bf16 tiered", "bf16", True), ("fp8 tiered", "fp8", True)):
-        probe = model.new_cache(1, ctx + steps + 2, kv=KVOptions(kv_dtype))
-        device_budget = ctx * probe.latent_bytes_per_token // 8 if tier else None
-        cache = model.new_cache(1, ctx + steps + 2, kv=KVOptions(kv_dtype, device_budget=device_budget))
-        fill(model, cache, ctx)
-        ms, moved, logits = decode(model, cache, steps)
-        if not tier:
-            ref[kv_dtype] = logits
-        rows.append({"context": ctx, "kv": name, "bytes_per_token": cache.bytes_per_token,
-                     "cache_bytes": cache.nbytes(), "ms_per_token": ms, "moved_bytes_per_token": moved,
-                     "logits_equal": bool(torch.equal(logits, ref[kv_dtype])) if tier else None})
+    caches = {}
+    for kv_dtype in ("bf16", "fp8", "int8"):
+        for tier in (False, True):
+            probe = model.new_cache(1, 8, kv=KVOptions(kv_dtype))
+            budget = ctx * probe.latent_bytes_per_token // 8 if tier else None
+            cache = model.new_cache(1, ctx + steps * rounds + 2, kv=KVOptions(kv_dtype, device_budget=budget))
+            fill(model, cache, ctx)
+            caches[kv_dtype, tier] = cache
+    tok = torch.tensor([[1]])
+    for cache in caches.values():
+        model.forward(tok, cache, last_only=True)  # warm-up
+    ms = {k: [] for k in caches}
+    logits = {k: [] for k in caches}
+    moved = dict.fromkeys(caches, 0)
+    for _ in range(rounds):
+        for k, cache in caches.items():
+            m0 = cache.placement.stats.moved_bytes
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                logits[k].append(model.forward(tok, cache, last_only=True))
+            ms[k].append((time.perf_counter() - t0) * 1000 / steps)
+            moved[k] += cache.placement.stats.moved_bytes - m0
+    rows = []
+    for (kv_dtype, tier), cache in caches.items():
+        med = statistics.median(ms[kv_dtype, tier])
+        rows.append({"context": ctx, "kv": kv_dtype + (" tiered" if tier else ""), "bytes_per_token": cache.bytes_per_token,
+                     "cache_bytes": cache.nbytes(), "ms_per_token": med, "ms_rounds": ms[kv_dtype, tier],
+                     "moved_bytes_per_token": moved[kv_dtype, tier] / (steps * rounds),
+                     "tier_ratio": med / statistics.median(ms[kv_dtype, False]) if tier else None,
+                     "logits_equal": bool(torch.equal(torch.cat(logits[kv_dtype, tier]),
+                                                      torch.cat(logits[kv_dtype, False]))) if tier else None})
     return rows
 
 
-def kld(model, tokens: int, seed: int = 5) -> dict:
+def windows(model, conv: Path, tokens: int) -> dict[str, torch.Tensor]:
+    """Three held-out stdlib text windows (never trained on) and one of random ids."""
+    from kconvert.source.tokenizer import load_kimi_tokenizer
+    from kconvert.verify.prompts import HELD_OUT_FILES, stdlib_text
+
+    ids = load_kimi_tokenizer(conv).encode(stdlib_text(HELD_OUT_FILES), disallowed_special=())
+    out = {f"text{i}": torch.tensor([ids[o:o + tokens]]) for i, o in enumerate((0, 3000, 6000))}
+    out["random"] = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(5))
+    return out
+
+
+def _kld(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return (p.exp() * (p - q)).sum(-1).flatten()
+
+
+def kld(model, wins: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Per format: mean KLD vs the fp32 cache and vs the bf16 cache, per window."""
     from engine.cache import KVOptions
 
-    ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
-    base = model.forward(ids, model.new_cache(1, tokens)).log_softmax(-1)
-    out = {}
-    for d in ("bf16", "fp8"):
-        lp = model.forward(ids, model.new_cache(1, tokens, kv=KVOptions(d))).log_softmax(-1)
-        k = (base.exp() * (base - lp)).sum(-1)
-        out[d] = {"mean_kld": float(k.mean()), "p99_kld": float(k.flatten().quantile(0.99))}
+    out = {f: {"vs_fp32": {}, "vs_bf16": {}, "p99_vs_bf16": {}} for f in KLD_FORMATS}
+    for w, ids in wins.items():
+        n = ids.shape[1]
+        base = model.forward(ids, model.new_cache(1, n)).log_softmax(-1)
+        runs = {f: model.forward(ids, model.new_cache(1, n, kv=KVOptions(d, index_dtype=i))).log_softmax(-1)
+                for f, (d, i) in KLD_FORMATS.items()}
+        for f, lp in runs.items():
+            added = _kld(runs["bf16"], lp)
+            out[f]["vs_fp32"][w] = float(_kld(base, lp).mean())
+            out[f]["vs_bf16"][w] = float(added.mean())
+            out[f]["p99_vs_bf16"][w] = float(added.quantile(0.99))
+    return out
+
+
+def breakdown(model, wins: dict[str, torch.Tensor]) -> list[tuple[str, dict]]:
+    """Added KLD (vs the bf16 cache) of 8-bit latent or 8-bit indexer keys in one layer at a time, everything
+    else bf16: rows are quantized and dequantized on the way into a fp32 cache (the same code as the 8-bit rows)."""
+    from engine.kv_format import dequantize, quantize_fp8, quantize_int8
+
+    def fake(code):
+        q = quantize_fp8 if code == "fp8" else quantize_int8
+        return lambda x: dequantize(*q(x, 128), 128).to(x.dtype) if code != "bf16" else x.to(torch.bfloat16).to(x.dtype)
+
+    def run(ids, lat, key, layer=None):
+        cache = model.new_cache(1, ids.shape[1])
+        for i, L in enumerate(cache.layers):
+            lq, kq = (fake(lat), fake(key)) if layer in (None, i) else (fake("bf16"), fake("bf16"))
+            w, wi = L.write, L.write_index
+            L.write = lambda step, x, r, w=w, lq=lq: w(step, lq(x), fake("bf16")(r))
+            L.write_index = lambda step, k, wi=wi, kq=kq: wi(step, kq(k))
+        return model.forward(ids, cache).log_softmax(-1)
+
+    out = []
+    for code in ("fp8", "int8"):
+        for layer in range(model.cfg.num_layers):
+            for part, lat, key in (("latent", code, "bf16"), ("indexer keys", "bf16", code)):
+                r = {w: float(_kld(run(ids, "bf16", "bf16"), run(ids, lat, key, layer)).mean()) for w, ids in wins.items()}
+                out.append((f"{code} {part}, layer {layer}", r))
     return out
 
 
 def granularity(model, tokens: int = 256) -> list[dict]:
-    """fp8 latent relative error and bytes per layer-token at several scale tiles (real latent rows)."""
-    from engine.kv_format import RowFormat
+    """8-bit latent relative RMS error (real latent rows of every layer) per scale tile and scale rule:
+    amax, or the per-tile scale among 0.5..1 x amax that minimises the tile's squared error."""
+    from engine.kv_format import dequantize, quantize_fp8, quantize_int8
 
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(9))
     cache = model.new_cache(1, tokens)
     model.forward(ids, cache)
-    rows = cache.layers[0].read(torch.arange(tokens)[None], torch.float32)[0][0]
+    rows = torch.cat([L.read(torch.arange(tokens)[None], torch.float32)[0][0] for L in cache.layers])
+    r = rows.shape[-1]
     out = []
-    for group in (32, 64, 128, rows.shape[-1]):
-        fmt = RowFormat(rows.shape[-1], model.cfg.qk_rope_head_dim, "fp8", torch.float32, group)
-        back = fmt.decode(fmt.encode(rows, torch.zeros(tokens, model.cfg.qk_rope_head_dim)), torch.float32)[0]
-        out.append({"group": group, "row_bytes": fmt.row_bytes,
-                    "rel_rms_error": float((back - rows).norm() / rows.norm())})
+    for code, quant in (("fp8", quantize_fp8), ("int8", quantize_int8)):
+        for group in sorted({32, 64, 128, r}):
+            err = {}
+            for rule, shrinks in (("amax", (1.0,)), ("searched", (1.0, 0.9, 0.8, 0.7, 0.6, 0.5))):
+                best = None
+                for f in shrinks:  # quantize x / f with amax scales = x with the scale f * amax
+                    q, s = quant(rows / f, group)
+                    back = dequantize(q, s * f, group)
+                    e = (back - rows).unflatten(-1, (-1, group)).pow(2).sum(-1)
+                    best = e if best is None else torch.minimum(best, e)
+                err[rule] = float(best.sum().sqrt() / rows.norm())
+            out.append({"code": code, "group": group, "row_bytes": r + 4 * -(-r // group),
+                        "amax": err["amax"], "searched": err["searched"]})
     return out
+
+
+def _row(name: str, vals: dict) -> str:
+    text = [vals[w] for w in vals if w.startswith("text")]
+    return f"  {name:26s} text {sum(text) / len(text):.2e}  random {vals['random']:.2e}  ({', '.join(f'{v:.1e}' for v in text)})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny-k3")
+    ap.add_argument("--preset", default="tiny-k3-trained")
     ap.add_argument("--contexts", default="1k,4k,16k,32k")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--kld-tokens", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per format per round")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; ms/token is their median")
+    ap.add_argument("--kld-tokens", type=int, default=256)
     ap.add_argument("--kld-only", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="added KLD of each layer's latent / indexer keys")
     ap.add_argument("--work", default=None, help="fixture/conversion directory (kept between runs)")
     a = ap.parse_args()
     work = Path(a.work or tempfile.gettempdir()) / "kv_bench"
     work.mkdir(parents=True, exist_ok=True)
-    model = load(a.preset, work)
-    print(f"{a.preset}: {model.cfg.num_layers} layers, kv_lora_rank {model.cfg.kv_lora_rank}, "
-          f"rope {model.cfg.qk_rope_head_dim}, index_head_dim {model.cfg.index_head_dim}, topk {model.cfg.index_topk}")
-    print("fp8 scale granularity (layer 0 latent):")
+    model, conv = load(a.preset, work)
+    c = model.cfg
+    print(f"{a.preset}: {c.num_layers} layers, kv_lora_rank {c.kv_lora_rank}, rope {c.qk_rope_head_dim}, "
+          f"index_head_dim {c.index_head_dim}, topk {c.index_topk}; load average {os.getloadavg()[0]:.1f}")
+    print("8-bit latent: relative RMS error by scale tile (all layers' latent rows; searched: best of 0.5..1 x amax)")
     for g in granularity(model):
-        print(f"  group {g['group']:4d}: {g['row_bytes']} B/row, relative RMS error {g['rel_rms_error']:.4f}")
-    k = kld(model, a.kld_tokens)
-    print(f"KV KLD vs fp32 cache ({a.kld_tokens} tokens): " +
-          ", ".join(f"{d} mean {v['mean_kld']:.2e} p99 {v['p99_kld']:.2e}" for d, v in k.items()))
+        print(f"  {g['code']:4s} tile {g['group']:4d}: {g['row_bytes']} B/latent  amax {g['amax']:.4f}  searched {g['searched']:.4f}")
+    wins = windows(model, conv, a.kld_tokens)
+    k = kld(model, wins)
+    print(f"KV KLD, mean over positions ({a.kld_tokens} tokens; text = mean of 3 held-out windows):")
+    print(" vs the fp32 cache:")
+    for f, v in k.items():
+        print(_row(f, v["vs_fp32"]))
+    print(" added = KLD(bf16-cache run || this run):")
+    for f, v in k.items():
+        if f != "bf16":
+            print(_row(f, v["vs_bf16"]) + f"  p99 text {max(x for w, x in v['p99_vs_bf16'].items() if w != 'random'):.1e}")
+    if a.breakdown:
+        print(" added by one layer's 8-bit part (the rest bf16):")
+        for name, r in breakdown(model, wins):
+            print(_row(name, r))
+    sys.stdout.flush()
     if a.kld_only:
         return
-    print(f"{'context':>8} {'kv':>12} {'B/token':>8} {'cache MiB':>10} {'ms/token':>9} {'moved B/tok':>12} equal")
+    print(f"{'context':>8} {'kv':>12} {'B/token':>8} {'cache MiB':>10} {'ms/token':>9} {'tier/flat':>9} "
+          f"{'moved B/tok':>12} equal  rounds (ms)")
     for ctx in map(parse_ctx, a.contexts.split(",")):
-        for r in bench_context(model, ctx, a.steps):
+        for r in bench_context(model, ctx, a.steps, a.rounds):
+            ratio = "" if r["tier_ratio"] is None else f"{r['tier_ratio']:.2f}x"
             print(f"{r['context']:>8} {r['kv']:>12} {r['bytes_per_token']:>8} {r['cache_bytes'] / 2 ** 20:>10.2f} "
-                  f"{r['ms_per_token']:>9.2f} {r['moved_bytes_per_token']:>12.0f} "
-                  f"{'' if r['logits_equal'] is None else r['logits_equal']}")
+                  f"{r['ms_per_token']:>9.2f} {ratio:>9} {r['moved_bytes_per_token']:>12.0f} "
+                  f"{'' if r['logits_equal'] is None else str(r['logits_equal']):5s}  "
+                  + " ".join(f"{x:.0f}" for x in r["ms_rounds"]))
             sys.stdout.flush()
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (1 min), {os.getloadavg()[1]:.1f} (5 min)")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ def _rank0() -> bool:
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--tp", type=int, required=True, help="Tensor-parallel degree (number of ranks).")
 @click.option("--ep", type=int, help="Expert groups (default = tp: whole experts per rank; 1: split every expert).")
+@click.option("--pp", type=int, default=1, show_default=True,
+              help="Pipeline stages: contiguous layers per stage, balanced by bytes per rank; tp x pp ranks in all.")
+@click.option("--pp-layers", metavar="A-B,C-D,...",
+              help="The decoder layers of each stage instead of the balanced split, e.g. 0-14,15-30,31-60.")
 @click.option("--quant", type=click.Choice(SCHEMES), default="none", show_default=True,
               help="Target weight format for quantizable tensors.")
 @click.option("--scale-format", type=click.Choice(SCALE_FORMATS), default="fp32", show_default=True,
@@ -44,7 +48,7 @@ def _rank0() -> bool:
 @click.option("--compress", metavar="zstd[:LEVEL]",
               help="Write compressed shards (lossless zstd, byte-grouped; the loader reads them transparently).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of tables.")
-def shard(src, out, tp, ep, quant, scale_format, group_size, int4_scales, keep, force, requantize, keep_mtp, workers,
+def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4_scales, keep, force, requantize, keep_mtp, workers,
           overwrite, compress, as_json):
     """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8, INT8 or INT4 on the way
     (int4: routed experts, symmetric, one scale per --group-size inputs, two values per byte).
@@ -59,11 +63,12 @@ def shard(src, out, tp, ep, quant, scale_format, group_size, int4_scales, keep, 
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-fp8 --tp 2 --quant fp8
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-int4 --tp 2 --quant int4 --group-size 32
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-z --tp 2 --compress zstd
+      kconvert shard ./tiny-k3 ./tiny-k3-tp2-pp2 --tp 2 --pp 2          # 4 ranks: 2 stages of 2
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
     """
     job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, keep_mtp, workers,
-                   overwrite, compress, group_size, int4_scales)
-    with byte_progress(f"shard tp={tp} {quant}", enabled=not as_json and _rank0()) as cb:
+                   overwrite, compress, group_size, int4_scales, pp, pp_layers)
+    with byte_progress(f"shard tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" {quant}", enabled=not as_json and _rank0()) as cb:
         r = _shard(job, progress=cb)
     if not _rank0():
         return

@@ -26,7 +26,7 @@ from kconvert.converted.units import GLOBALS, load_order, unit_layer
 from kconvert.convert.layout import Layout
 from kconvert.convert.output_dir import check_paths, copy_side_files, prepare_out
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
-from kconvert.convert.shard_plan import WorkItem, plan_items
+from kconvert.convert.shard_plan import Pipeline, WorkItem, plan_items, plan_pipeline
 from kconvert.convert.shard_unit import run_unit
 
 
@@ -47,10 +47,13 @@ class ShardJob:
     compress: str | None = None  # "zstd[:LEVEL]": compressed shards (a storage form, not part of identity())
     group_size: int = 32  # int4: values per scale
     int4_scales: str = "mse"  # int4: clipping search ("mse") or plain amax scales
+    pp: int = 1  # pipeline stages
+    pp_layers: str | None = None  # "0-14,15-30,...": the stages' layers (None: balanced by bytes)
 
-    def identity(self, fingerprint: str, layout: Layout) -> dict:
-        """What must match for two runs to write into the same directory."""
+    def identity(self, fingerprint: str, layout: Layout, pipe: Pipeline | None = None) -> dict:
+        """What must match for two runs to write into the same directory (the pipeline split included)."""
         return {"source_fingerprint": fingerprint, "tp": layout.tp, "ep": layout.ep, "quant": self.quant,
+                "pp": self.pp, "pp_layers": pipe.split.spec if pipe else None,
                 "scale_format": self.scale_format, "keep": list(self.keep), "force": list(self.force),
                 "requantize": self.requantize, "keep_mtp": self.keep_mtp, "format_version": FORMAT_VERSION,
                 **({"group_size": self.group_size, "int4_scales": self.int4_scales} if self.quant == "int4" else {})}
@@ -107,8 +110,11 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
     check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
     policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales)
-    items = plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp)
-    identity = job.identity(ck.fingerprint(), layout)
+    pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp),
+                         layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
+                         tied=bool(ck.model.text_config.get("tie_word_embeddings")))
+    items = pipe.items
+    identity = job.identity(ck.fingerprint(), layout, pipe)
     result = ShardResult(str(out))
     level = None
     if job.compress:
@@ -151,7 +157,7 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
                     progress("file", path=w.file)
     dist.barrier()
     if dist.rank == 0:
-        _finish(ck, out, items, identity, layout, policy, job)
+        _finish(ck, out, pipe, identity, layout, policy, job)
     dist.barrier()
     cat = Catalog.read(out)
     for rec in cat.files.values():
@@ -172,8 +178,9 @@ def _journalled(out: Path) -> dict[str, dict]:
     return read_done(sorted((out / JOURNAL_DIR).glob("done-*.jsonl")), out, Catalog.stored_bytes)
 
 
-def _finish(ck: Checkpoint, out: Path, items: list[WorkItem], identity: dict, layout: Layout, policy: QuantPolicy,
+def _finish(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, layout: Layout, policy: QuantPolicy,
             job: ShardJob) -> None:
+    items = pipe.items
     done = _journalled(out)
     missing = [w.file for w in items if w.file not in done]
     if missing:
@@ -184,7 +191,8 @@ def _finish(ck: Checkpoint, out: Path, items: list[WorkItem], identity: dict, la
     for w in items:
         rec = done[w.file]
         layer = unit_layer(w.unit)
-        files[w.file] = {"rank": w.rank, "unit": w.unit, "layer": layer, "bytes": rec["bytes"], "crc32": rec["crc32"]}
+        files[w.file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": layer,
+                         "bytes": rec["bytes"], "crc32": rec["crc32"]}
         if rec.get("stored"):
             files[w.file]["stored"] = rec["stored"]
         for o in w.outputs:
@@ -201,8 +209,9 @@ def _finish(ck: Checkpoint, out: Path, items: list[WorkItem], identity: dict, la
         "job": identity,
         "source": {"path": str(ck.source), "fingerprint": identity["source_fingerprint"], "family": ck.family},
         "config": ck.config,
-        "layout": {"tp": layout.tp, "ep": layout.ep, "world_size": layout.tp,
-                   "experts": "whole" if layout.expert_tp == 1 else "split", "units": units},
+        "layout": {"tp": layout.tp, "ep": layout.ep, "pp": job.pp, "world_size": layout.tp * job.pp,
+                   "experts": "whole" if layout.expert_tp == 1 else "split", "units": units,
+                   "stages": [{"units": u} for u in pipe.stage_units]},
         "quantization": {"scheme": policy.scheme, "block_size": [FP8_BLOCK, FP8_BLOCK] if policy.scheme == "fp8" else None,
                          "scale_format": policy.scale_format, "keep": list(policy.keep), "quantize": list(policy.force),
                          "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped",

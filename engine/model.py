@@ -94,6 +94,9 @@ class Model:
         conv = probe if rank == 0 else open_converted(path, rank=rank)
         return cls(conv.config, conv.family, par, device, dtype, stages), conv
 
+    def stage_of_layer(self, L: int) -> int:
+        return next(s for s, layers in enumerate(self.stages) if L in layers)
+
     def take_unit(self, unit: str, t: dict) -> None:
         t = dict(t)
         par = self.par

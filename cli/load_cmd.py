@@ -16,8 +16,10 @@ from .units import fmt_bytes
 
 @click.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
-@click.option("--rank", type=int, default=0, show_default=True, help="Which tensor-parallel rank to load.")
-@click.option("--world-size", type=int, help="Check the conversion was made for this many ranks.")
+@click.option("--rank", type=int, help="Which rank to load: the global rank, stage x tp + tp rank (default 0).")
+@click.option("--stage", type=int, help="Pipeline stage to load (with --tp-rank; a tp x pp conversion).")
+@click.option("--tp-rank", type=int, help="Tensor-parallel rank within --stage.")
+@click.option("--world-size", type=int, help="Check the conversion was made for this many ranks (tp x pp).")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda[:i], musa[:i] or auto.")
 @click.option("--verify/--no-verify", default=False, show_default=True,
               help="Check each file's CRC-32 against kconvert.json before its tensors are used.")
@@ -30,15 +32,17 @@ from .units import fmt_bytes
 @click.option("--kv-budget", help="Bytes the --warmup KV cache may take (8GiB) or a fraction of free memory.")
 @click.option("--kv-device-budget", help="Bytes of KV latent on the device; older pages go to host memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the phase table as JSON.")
-def load(out, rank, world_size, device, verify, prefetch, threads, warmup, kv_dtype, kv_budget, kv_device_budget,
+def load(out, rank, stage, tp_rank, world_size, device, verify, prefetch, threads, warmup, kv_dtype, kv_budget, kv_device_budget,
          as_json):
-    """Load rank RANK of converted checkpoint OUT onto DEVICE, layer by layer, and time it.
+    """Load rank RANK of converted checkpoint OUT onto DEVICE, layer by layer, and time it. On a tp x pp
+    conversion a rank holds only its stage's units; name it globally (--rank) or by --stage and --tp-rank.
 
     Prints the phases (open, read, verify, copy), bytes/s and peak host/device memory.
 
     \b
     Example:
       kconvert load ./tiny-k3-tp2-fp8 --rank 1 --device cpu --verify
+      kconvert load ./tiny-k3-tp2-pp2 --stage 1 --tp-rank 0 --device cpu   # = --rank 2
       kconvert load ./tiny-k3-tp2-fp8 --warmup 2      # every rank, rank 0 reports
       kconvert load ./tiny-k3-tp2-fp8 --warmup 2 --kv-dtype fp8 --kv-budget 1GiB
     """
@@ -61,10 +65,12 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, kv_dt
 
         par = Group.from_env(dev)
         rank, world_size = par.rank, par.world
-    conv = open_converted(out, rank=rank, world_size=world_size)
-    if warmup and conv.tp != par.world:
-        raise UsageError(f"--warmup runs the model: launch all {conv.tp} ranks "
-                         f"(torchrun --nproc-per-node {conv.tp} -m cli.main load ... --warmup {warmup})", file=str(out))
+    conv = open_converted(out, rank=rank, world_size=world_size, stage=stage, tp_rank=tp_rank)
+    rank = conv.rank
+    if warmup and conv.world_size != par.world:
+        raise UsageError(f"--warmup runs the model: launch all {conv.world_size} ranks "
+                         f"(torchrun --nproc-per-node {conv.world_size} -m cli.main load ... --warmup {warmup})",
+                         file=str(out))
     t_open = time.perf_counter() - t0
     held = {}
     model = None
@@ -106,7 +112,7 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, kv_dt
         par.close()
     s = conv.stats
     report = {
-        "out": str(out), "rank": rank, "device": str(dev), "files": s.files, "bytes": s.bytes,
+        "out": str(out), "rank": rank, "stage": conv.stage, "tp_rank": conv.tp_rank, "device": str(dev), "files": s.files, "bytes": s.bytes,
         "tensors": sum(len(t) for t in held.values()),
         "seconds": {"open": t_open, "load": t_load, "read": s.read_seconds, "verify": s.verify_seconds,
                     "copy": s.copy_seconds, "warmup": t_warm, "ready": t_open + t_load + t_warm},
@@ -120,7 +126,8 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, kv_dt
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"rank {rank} of {conv.tp} → {dev}: {s.files} files, {fmt_bytes(s.bytes)}, {report['tensors']} tensors")
+    where = f" (stage {conv.stage}, tp rank {conv.tp_rank})" if conv.pp > 1 else ""
+    click.echo(f"rank {rank} of {conv.world_size}{where} → {dev}: {s.files} files, {fmt_bytes(s.bytes)}, {report['tensors']} tensors")
     t = Table()
     t.add_column("phase")
     t.add_column("seconds", justify="right")
@@ -137,8 +144,6 @@ def load(out, rank, world_size, device, verify, prefetch, threads, warmup, kv_dt
 def _launched_ranks(out, device) -> bool:
     """--warmup runs the model, so on a tp-N conversion without --rank (and not under torchrun) start the
     N ranks here (engine.launch): this process becomes rank 0 and runs this command again as that rank."""
-    from click.core import ParameterSource
-
     from engine import launch
     from kconvert.errors import UsageError
     from kconvert import devices
@@ -147,10 +152,10 @@ def _launched_ranks(out, device) -> bool:
     ctx = click.get_current_context()
     if launch.under_launcher():
         return False
-    tp = open_converted(out).tp
+    tp = open_converted(out).world_size  # every rank of every stage
     if tp == 1:
         return False
-    if ctx.get_parameter_source("rank") != ParameterSource.DEFAULT:
+    if any(ctx.params[k] is not None for k in ("rank", "stage", "tp_rank")):
         raise UsageError(f"--warmup runs the model, which needs all {tp} ranks: drop --rank and they start here "
                          "(or run every rank under torchrun)", file=str(out))
     dev = str(devices.resolve(device))

@@ -65,6 +65,11 @@ def _tries(p) -> str:
 @click.argument("src")
 @click.option("--tp", type=int, required=True, help="Tensor-parallel degree (ranks).")
 @click.option("--ep", type=int, help="Expert groups (default: = tp, whole experts per rank; 1: every expert split).")
+@click.option("--pp", type=int, default=1, show_default=True,
+              help="Pipeline stages (layers split as `shard --pp` splits them; KV per stage: its layers only).")
+@click.option("--pp-layers", metavar="A-B,C-D,...", help="Decoder layers of each stage instead of the balanced split.")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True,
+              help="Devices per node, for the node count of a tp x pp layout.")
 @click.option("--quant", default="none", show_default=True, help="Weight scheme after conversion: none, fp8 or int8.")
 @click.option("--device", default="H200", show_default=True,
               help="Device preset (manifests/devices.toml): H200, H100, H20, B200, A100, S5000, S4000.")
@@ -81,7 +86,7 @@ def _tries(p) -> str:
               help="Host memory per rank for the KV host tier (the 'with host tier' context).")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_text: str | None, batch: int,
+def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus_per_node: int, quant: str, device: str, context_text: str | None, batch: int,
          kv_dtype: str, reserve_gb: float | None, mem_fraction: float, host_gb: float, revision: str | None,
          as_json: bool) -> None:
     """Plan a conversion of SRC: weights per rank by component, KV cache per token, and whether it fits.
@@ -93,10 +98,12 @@ def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_tex
     \b
     Example:
       kconvert plan kimi-k3-3t --tp 8 --quant fp8 --device H200 --context 1M
+      kconvert plan kimi-k3-3t --tp 8 --pp 3 --quant fp8 --device H200 --context 128k
       kconvert plan ./tiny-k3 --tp 4 --quant fp8 --kv-cache-dtype fp8 --json
     """
     context = parse_tokens(context_text) if context_text is not None else None
-    p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision, host_gb)
+    p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision, host_gb,
+                  pp=pp, pp_layers=pp_layers, gpus_per_node=gpus_per_node)
     if as_json:
         click.echo(json.dumps(p.to_json(), indent=2))
         return
@@ -112,7 +119,8 @@ def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_tex
     con.print(f"layout tp {lay['tp']}, ep {lay['ep']} ({per}); "
               f"--quant {p.quant}: {gib(p.converted_bytes)} converted in all")
 
-    t = Table(title=f"Weights on rank {p.rank['index']} (the largest of {lay['tp']})")
+    whole = ", all stages together; per stage below" if p.pipeline else ""
+    t = Table(title=f"Weights on tp rank {p.rank['index']} (the largest of {lay['tp']}{whole})")
     for col in ("component", "bytes", "share"):
         t.add_column(col, justify="left" if col == "component" else "right")
     for comp, n in p.rank["bytes"].items():
@@ -120,20 +128,23 @@ def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_tex
     t.add_row("[bold]total[/]", f"[bold]{gib(p.rank['total'])}[/]", "")
     con.print(t)
 
+    if p.pipeline:
+        _stage_table(con, p.pipeline)
     kv = p.kv_cache
     con.print(f"KV cache ({kv['dtype']}) per token per rank: {kv['layers']} layers x ({kv['latent_bytes']} B MLA latent "
               f"+ {kv['indexer_bytes']} B indexer key) = {kv['bytes_per_token']:,} B; replicated on every tp rank "
-              "(the latent has no heads to split)")
+              "(the latent has no heads to split)" + ("; a pipeline stage keeps only its own layers'" if p.pipeline else ""))
     ctx = f"{fmt_tokens(mem['context'])} tokens x batch {mem['batch']}"
     con.print(f"{mem['device_name']}: {gib(mem['device_bytes'])} x {mem['mem_fraction']} = {gib(mem['usable_bytes'])} "
               f"usable; weights {gib(mem['weights_bytes'])} + reserve {gib(mem['reserve_bytes'])}"
               f"{'' if mem['reserve_default'] else ' (--reserve-gb)'} + KV {gib(mem['kv_bytes'])} at {ctx}")
     verdict = "[green]fits[/]" if mem["fits"] else "[red]does not fit[/]"
+    at = f" (stage {mem['stage']}, the least headroom)" if p.pipeline else ""
     if mem["weights_bytes"] + mem["reserve_bytes"] > mem["usable_bytes"]:
-        con.print(f"verdict: {verdict} ({_room(mem['headroom_bytes'])} headroom): weights + reserve alone exceed "
+        con.print(f"verdict{at}: {verdict} ({_room(mem['headroom_bytes'])} headroom): weights + reserve alone exceed "
                   "the usable memory, at any context")
     else:
-        con.print(f"verdict: {verdict} ({_room(mem['headroom_bytes'])} headroom); largest context that fits at "
+        con.print(f"verdict{at}: {verdict} ({_room(mem['headroom_bytes'])} headroom); largest context that fits at "
                   f"batch {mem['batch']}: {fmt_tokens(mem['max_context'])} tokens")
     smallest = next((r["tp"] for r in p.tp_table if r["fits"]), None)
     if not mem["fits"]:
@@ -151,7 +162,8 @@ def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_tex
                   f"{o['bytes_per_token']:,}", fmt_tokens(o["max_context"]), fmt_tokens(o["tiered_max_context"]))
     con.print(k)
 
-    d = Table(title=f"Devices (tp {lay['tp']}, {ctx})")
+    stages = f" x pp {p.pipeline['pp']}" if p.pipeline else ""
+    d = Table(title=f"Devices (tp {lay['tp']}{stages}, {ctx})")
     for col in ("device", "memory", "usable", "fp8", "fits", "headroom", "max context"):
         d.add_column(col, justify="left" if col == "device" else "right")
     for r in p.devices:
@@ -174,5 +186,42 @@ def plan(src: str, tp: int, ep: int | None, quant: str, device: str, context_tex
     con.print(tt)
     if unaligned:
         con.print("* fp8: some per-rank slices are not 128-aligned at this degree (plan it with --tp to see which)")
+    _search_table(con, p.pp_search, ctx)
     for w in p.warnings:
         con.print(f"[yellow]warning:[/] {w}")
+
+
+def _stage_table(con: Console, pipe: dict) -> None:
+    t = Table(title=f"Stages: tp {pipe['tp']} x pp {pipe['pp']} = {pipe['world_size']} ranks "
+                    f"({pipe['nodes']} node(s) of {pipe['gpus_per_node']}); --pp-layers {pipe['pp_layers']}")
+    for col in ("stage", "layers", "weights/rank", "KV/rank", "fits", "headroom", "max context"):
+        t.add_column(col, justify="right")
+    for f in pipe["stages"]:
+        a, b = f["layers"]
+        t.add_row(str(f["stage"]), f"{a}-{b} ({f['layer_count']})", gib(f["weights_bytes"]), gib(f["kv_bytes"]),
+                  "[green]yes[/]" if f["fits"] else "[red]no[/]", _room(f["headroom_bytes"]), fmt_tokens(f["max_context"]))
+    con.print(t)
+    con.print(f"weights per rank across stages: {gib(pipe['min_weights_per_rank'])} to {gib(pipe['weights_per_rank'])} "
+              f"(imbalance {100 * pipe['imbalance']:.1f} %: the heaviest stage over the lightest); embeddings and "
+              "vision on stage 0, final norm and head on the last")
+
+
+def _search_table(con: Console, search: dict, ctx: str) -> None:
+    t = Table(title=f"tp x pp on {search['device']} ({ctx}): the smallest pp that fits, per tp")
+    for col in ("tp", "pp", "ranks", f"nodes of {search['gpus_per_node']}", "weights/rank", "imbalance", "headroom",
+                "max context"):
+        t.add_column(col, justify="right")
+    for r in search["rows"]:
+        if not r["fits"]:
+            t.add_row(str(r["tp"]), "-", "-", "-", f"[dim]{r['reason']}[/]", "-", "-", "-")
+            continue
+        t.add_row(str(r["tp"]), str(r["pp"]), str(r["world_size"]), str(r["nodes"]), gib(r["weights_per_rank"]),
+                  f"{100 * r['imbalance']:.1f} %", _room(r["headroom_bytes"]), fmt_tokens(r["max_context"]))
+    con.print(t)
+    b = search["best"]
+    if b is None:
+        con.print(f"no tp x pp with up to {search['max_pp']} stages fits {search['device']} at {ctx}")
+        return
+    con.print(f"smallest tp x pp that fits on {search['device']} at {ctx}: [bold]--tp {b['tp']} --pp {b['pp']}[/] = "
+              f"{b['world_size']} devices, {b['nodes']} node(s) of {search['gpus_per_node']} (--pp-layers "
+              f"{b['pp_layers']}; imbalance {100 * b['imbalance']:.1f} %)")

@@ -1,6 +1,6 @@
 """Stream one rank of a converted checkpoint (docs/FORMAT.md) onto cpu / cuda / musa, layer by layer.
 
-    conv = open_converted("out/", rank=0, world_size=2)
+    conv = open_converted("out/", rank=0, world_size=2)   # or stage=S, tp_rank=R on a tp x pp conversion
     for unit, tensors in conv.stream(device="cuda:0", prefetch=2, verify=True):
         model.load_unit(unit, tensors)        # "globals", "vision", "layer-0000", ...
 
@@ -34,6 +34,7 @@ from kconvert import devices
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import check_size
 from kconvert.converted.journal import check_not_mid_pack
+from kconvert.converted.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.pread import pread_into
@@ -59,6 +60,10 @@ class ConvertedCheckpoint:
         self.zero_copy = zero_copy
         self.config: dict = catalog.config
         self.tp: int = catalog.tp
+        self.pp: int = catalog.pp
+        self.world_size: int = catalog.world_size
+        self.stage: int = catalog.stage_of(rank)  # pipeline stage: its ranks hold only their stage's units
+        self.tp_rank: int = catalog.tp_rank_of(rank)
         self.family: str = catalog.family
         self.quant: str = catalog.scheme
         self.files: dict[str, dict] = catalog.rank_files(rank)
@@ -159,7 +164,8 @@ class ConvertedCheckpoint:
         order = list(units or self.units)
         for u in order:
             if u not in self._file_of:
-                raise UsageError(f"rank {self.rank} has no unit {u!r} (units: {', '.join(self.units)})", file=str(self.root))
+                raise UsageError(f"rank {self.rank}{f' (stage {self.stage})' if self.pp > 1 else ''} has no unit {u!r} "
+                                 f"(units: {', '.join(self.units)})", file=str(self.root))
         if dev.type == "cpu":
             yield from self._stream_cpu(order, prefetch, verify, threads)
         else:
@@ -265,21 +271,17 @@ def _map_file(path: Path, size: int) -> torch.Tensor:
     return buf
 
 
-def open_converted(path: str | Path, rank: int = 0, world_size: int | None = None, *,
-                   zero_copy: bool = True) -> ConvertedCheckpoint:
-    """Open and validate a converted directory for one rank (and, if given, the world size it will run at).
+def open_converted(path: str | Path, rank: int | None = None, world_size: int | None = None, *,
+                   stage: int | None = None, tp_rank: int | None = None, zero_copy: bool = True) -> ConvertedCheckpoint:
+    """Open and validate a converted directory for one rank (and, if given, the world size it will run at:
+    tp x pp). The rank is global (stage * tp + tp rank; default 0), or given as `stage` and `tp_rank`; only
+    that rank's files are ever opened, so a stage never reads another stage's units.
 
     zero_copy (CPU only): tensors are copy-on-write views of the mapped shard files, as safetensors'
     safe_open does; pass False to read into private memory when the files may change while in use."""
     root = Path(path)
     cat = Catalog.read(root)
-    tp = cat.tp
-    where = str(root / "kconvert.json")
-    if world_size is not None and world_size != tp:
-        raise LoaderError(f"converted for tp {tp} but the world size is {world_size}: launch {tp} ranks "
-                          f"(torchrun --nproc-per-node {tp}) or convert again with --tp {world_size}", file=where)
-    if not 0 <= rank < tp:
-        raise LoaderError(f"rank {rank} does not exist: converted for tp {tp} (ranks 0..{tp - 1})", file=where)
+    rank = resolve_rank(cat, root, rank, stage=stage, tp_rank=tp_rank, world_size=world_size)
     check_not_mid_pack(root)
     conv = ConvertedCheckpoint(root, cat, rank, zero_copy)
     for rel, rec in conv.files.items():  # cheap existence/size checks before anything is read

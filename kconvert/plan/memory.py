@@ -32,40 +32,13 @@ from pathlib import Path
 from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
 from kconvert.errors import CheckpointError, UsageError
 from kconvert.plan.device_presets import GIB, DevicePreset, devices, find_device
-from kconvert.plan.kv_bytes import KVBytes, kv_bytes, kv_options
-from kconvert.plan.rank_bytes import COMPONENTS, TensorGroup, checkpoint_groups, config_groups, fp8_misaligned, rank_bytes
+from kconvert.plan.fit import MEM_FRACTION, Sizing, default_reserve, fit  # noqa: F401 (default_reserve, fit: API)
+from kconvert.plan.kv_bytes import kv_bytes, kv_options
+from kconvert.plan.pipeline import GPUS_PER_NODE, pipeline_fit, search, stage_inputs
+from kconvert.plan.rank_bytes import COMPONENTS, checkpoint_groups, config_groups
 from kconvert.convert.layout import TP_DEGREES, Layout, check, layout_problem
 from kconvert.family.manifest import ModelMap, manifests_dir
 from kconvert.convert.quant_policy import QuantPolicy
-
-MEM_FRACTION = 0.92
-RUNTIME_RESERVE = 2 * GIB
-PREFILL_CHUNK = 8192
-ACTIVATION_BUFFERS = 24
-
-
-def default_reserve(hidden_size: int) -> int:
-    """Activation/workspace reserve per rank (see the module docstring)."""
-    return RUNTIME_RESERVE + PREFILL_CHUNK * hidden_size * 2 * ACTIVATION_BUFFERS
-
-
-def fit(device: DevicePreset, weights: int, reserve: int, kv: KVBytes, context: int, batch: int,
-        mem_fraction: float) -> dict:
-    usable = int(device.memory_bytes * mem_fraction)
-    need_kv = batch * context * kv.per_token
-    free = usable - weights - reserve
-    return {
-        "device": device.key,
-        "device_name": device.name,
-        "device_bytes": device.memory_bytes,
-        "usable_bytes": usable,
-        "weights_bytes": weights,
-        "reserve_bytes": reserve,
-        "kv_bytes": need_kv,
-        "fits": weights + reserve + need_kv <= usable,
-        "headroom_bytes": free - need_kv,  # negative: the shortfall
-        "max_context": max(free, 0) // (batch * kv.per_token) if kv.per_token else None,
-    }
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -87,6 +60,8 @@ class Plan:
     devices: list[dict]  # the same rank on every preset
     tp_table: list[dict]
     kv_options: list[dict] = field(default_factory=list)  # bf16 / fp8 / host tier on the chosen device
+    pipeline: dict | None = None  # --pp > 1: every stage on the chosen device (pipeline.pipeline_fit)
+    pp_search: dict | None = None  # the smallest pp per tp degree that fits the chosen device (pipeline.search)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -114,30 +89,7 @@ def _open(src: str, revision: str | None):
     return "checkpoint", ck.model, tuple(checkpoint_groups(ck))
 
 
-@dataclass(frozen=True)
-class _Sizing:
-    """Everything but the layout and the device: the model's tensors, the scheme, the workload."""
-
-    groups: tuple[TensorGroup, ...]
-    policy: QuantPolicy
-    n_experts: int
-    kv: KVBytes
-    reserve: int
-    context: int
-    batch: int
-    mem_fraction: float
-
-    def per_rank(self, layout: Layout) -> list[dict[str, int]]:
-        return rank_bytes(self.groups, layout, self.policy, self.n_experts)
-
-    def fit(self, device: DevicePreset, weights: int) -> dict:
-        return fit(device, weights, self.reserve, self.kv, self.context, self.batch, self.mem_fraction)
-
-    def misaligned(self, layout: Layout) -> str | None:
-        return fp8_misaligned(self.groups, layout, self.policy, self.n_experts)
-
-
-def _tp_table(sz: _Sizing, model: ModelMap, layout: Layout, dev: DevicePreset) -> list[dict]:
+def _tp_table(sz: Sizing, model: ModelMap, layout: Layout, dev: DevicePreset) -> list[dict]:
     """Each degree of TP_DEGREES in the same expert mode (ep = tp, or the same ep): does it divide, fit?"""
     table = []
     for t in TP_DEGREES:
@@ -159,7 +111,7 @@ def _tp_table(sz: _Sizing, model: ModelMap, layout: Layout, dev: DevicePreset) -
     return table
 
 
-def _warnings(sz: _Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> list[str]:
+def _warnings(sz: Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> list[str]:
     out = []
     if max_pos and sz.context > max_pos:
         out.append(f"--context {sz.context} is beyond the model's max_position_embeddings ({max_pos}): "
@@ -177,10 +129,16 @@ def _warnings(sz: _Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> l
     return out
 
 
+def _binding(pipe: dict) -> dict:
+    return pipe["stages"][pipe["binding_stage"]]
+
+
 def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", device: str = "H200",
               context: int | None = None, batch: int = 1, kv_dtype: str = "bf16", reserve_gb: float | None = None,
-              mem_fraction: float = MEM_FRACTION, revision: str | None = None, host_gb: float = 256.0) -> Plan:
-    """Plan SRC converted for `--tp tp --ep ep --quant quant` on `device` (see the module docstring)."""
+              mem_fraction: float = MEM_FRACTION, revision: str | None = None, host_gb: float = 256.0,
+              pp: int = 1, pp_layers: str | None = None, gpus_per_node: int = GPUS_PER_NODE) -> Plan:
+    """Plan SRC converted for `--tp tp --ep ep --pp pp --quant quant` on `device` (see the module docstring;
+    stages and the (tp, pp) search: pipeline.py)."""
     policy = QuantPolicy(quant)
     dev = find_device(device)
     layout = Layout.make(tp, ep)
@@ -188,12 +146,14 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         raise UsageError("--batch and --context must be at least 1")
     if not 0 < mem_fraction <= 1:
         raise UsageError(f"--mem-fraction {mem_fraction} must be in (0, 1]")
+    if gpus_per_node < 1:
+        raise UsageError(f"--gpus-per-node {gpus_per_node} must be at least 1")
     kind, model, groups = _open(src, revision)
     tc = model.text_config
     check(model, layout)  # the one-line error naming the tp degrees that work
     max_pos = int(tc.get("max_position_embeddings") or 0)
     reserve = int(reserve_gb * GIB) if reserve_gb is not None else default_reserve(int(tc["hidden_size"]))
-    sz = _Sizing(groups, policy, model.text.expert_count, kv_bytes(tc, kv_dtype), reserve,
+    sz = Sizing(groups, policy, model.text.expert_count, kv_bytes(tc, kv_dtype), reserve,
                  context or max_pos or 4096, batch, mem_fraction)
 
     per_rank = sz.per_rank(layout)
@@ -204,7 +164,16 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         params[g.info.component] += g.numel
     stored = [(g, policy.stored_bytes(g.info, g.shape, g.itemsize) * g.count) for g in groups]
     vision = next((p for p in model.parts if p.group == "vision"), None)
+    pipe = None
     mem = sz.fit(dev, totals[top])
+    dev_fits = [sz.fit(d, totals[top]) for d in devices().values()]
+    kv_layers = model.text.layer_count
+    if pp > 1 or pp_layers is not None:  # per device, the stage with the least headroom decides
+        inputs = stage_inputs(sz, model, layout)
+        pipe = pipeline_fit(sz, inputs, layout, pp, dev, pp_layers, gpus_per_node)
+        mem = _binding(pipe)
+        kv_layers = mem["layer_count"]
+        dev_fits = [_binding(pipeline_fit(sz, inputs, layout, pp, d, pp_layers)) for d in devices().values()]
     kv_free = mem["headroom_bytes"] + mem["kv_bytes"]  # usable - weights - reserve
     return Plan(
         source=src, source_kind=kind, family=model.name,
@@ -220,10 +189,12 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         replicated_bytes=sum(b for g, b in stored if g.info.split == "replicate"),
         rank={"index": top, "bytes": per_rank[top], "total": totals[top], "min_total": min(totals)},
         kv_cache=sz.kv.to_json(),
-        memory={**sz.fit(dev, totals[top]), "context": sz.context, "batch": batch, "mem_fraction": mem_fraction,
+        memory={**mem, "context": sz.context, "batch": batch, "mem_fraction": mem_fraction,
                 "reserve_default": reserve_gb is None},
-        devices=[{**sz.fit(d, totals[top]), "fp8": d.fp8, "backend": d.backend, "bandwidth_tbs": d.bandwidth_tbs}
-                 for d in devices().values()],
-        tp_table=_tp_table(sz, model, layout, dev), kv_options=kv_options(tc, kv_free, batch, int(host_gb * GIB)),
+        devices=[{**f, "fp8": d.fp8, "backend": d.backend, "bandwidth_tbs": d.bandwidth_tbs}
+                 for f, d in zip(dev_fits, devices().values())],
+        tp_table=_tp_table(sz, model, layout, dev),
+        kv_options=kv_options({**tc, "num_hidden_layers": kv_layers}, kv_free, batch, int(host_gb * GIB)),
+        pipeline=pipe, pp_search=search(sz, model, layout, dev, gpus_per_node),
         warnings=_warnings(sz, layout, dev, max_pos),
     )

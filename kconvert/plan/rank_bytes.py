@@ -30,6 +30,7 @@ class TensorGroup:
     itemsize: int  # source bytes per element: what an unquantized tensor keeps (2, or 4 for fp32)
     experts: tuple[int, ...] = ()
     copies: int = 1
+    layers: tuple[int | None, ...] = ()  # the layer of every copy (None: not in a layer)
 
     @property
     def count(self) -> int:
@@ -59,8 +60,8 @@ def _collapse(items) -> list[TensorGroup]:
     for info, shape, itemsize, experts in per_layer.values():
         key = (info.rule.pattern, shape, itemsize, tuple(sorted(experts)))
         g = merged.get(key)
-        merged[key] = TensorGroup(info, shape, itemsize, key[3]) if g is None else \
-            TensorGroup(g.info, shape, itemsize, key[3], g.copies + 1)
+        merged[key] = TensorGroup(info, shape, itemsize, key[3], 1, (info.layer,)) if g is None else \
+            TensorGroup(g.info, shape, itemsize, key[3], g.copies + 1, g.layers + (info.layer,))
     return list(merged.values())
 
 
@@ -86,28 +87,35 @@ def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
                      for name, t in ck.logical.items())
 
 
+def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[int]:
+    """Converted bytes of one copy of group `g` (one layer's tensor, every expert it stands for) on every rank."""
+    out = [0] * layout.tp
+    ps = pieces(g.info, g.shape, layout, n_experts)
+    memo: dict[tuple, int] = {}
+    sizes = []
+    for p in ps:
+        shape = g.shape if p.dim is None else g.shape[:p.dim] + (p.stop - p.start,) + g.shape[p.dim + 1:]
+        if shape not in memo:
+            memo[shape] = policy.stored_bytes(g.info, shape, g.itemsize)
+        sizes.append(memo[shape])
+    if not g.experts:
+        for p, b in zip(ps, sizes):
+            out[p.rank] += b
+        return out
+    # the pieces of one expert: ranks i of its group; every expert of group k lands on group k's ranks
+    per_group = n_experts // layout.ep
+    for k, c in Counter(e // per_group for e in g.experts).items():
+        for i, b in enumerate(sizes):
+            out[k * layout.expert_tp + i] += c * b
+    return out
+
+
 def rank_bytes(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[dict[str, int]]:
     """Converted bytes on every rank, by component. The layout must have passed `layout.check`."""
     ranks: list[defaultdict] = [defaultdict(int) for _ in range(layout.tp)]
-    per_group = n_experts // layout.ep if n_experts else 1
     for g in groups:
-        comp = g.info.component
-        ps = pieces(g.info, g.shape, layout, n_experts)
-        memo: dict[tuple, int] = {}
-        sizes = []
-        for p in ps:
-            shape = g.shape if p.dim is None else g.shape[:p.dim] + (p.stop - p.start,) + g.shape[p.dim + 1:]
-            if shape not in memo:
-                memo[shape] = policy.stored_bytes(g.info, shape, g.itemsize)
-            sizes.append(memo[shape] * g.copies)
-        if not g.experts:
-            for p, b in zip(ps, sizes):
-                ranks[p.rank][comp] += b
-            continue
-        # the pieces of one expert: ranks i of its group; every expert of group k lands on group k's ranks
-        for k, c in Counter(e // per_group for e in g.experts).items():
-            for i, b in enumerate(sizes):
-                ranks[k * layout.expert_tp + i][comp] += c * b
+        for r, b in enumerate(copy_bytes(g, layout, policy, n_experts)):
+            ranks[r][g.info.component] += b * g.copies
     return [{c: r[c] for c in COMPONENTS if r.get(c)} for r in ranks]
 
 

@@ -1,0 +1,64 @@
+"""Whether a rank's weights, reserve and KV cache fit a device (the memory model is in memory.py's
+docstring), and `Sizing`: everything a fit depends on but the layout and the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kconvert.convert.layout import Layout
+from kconvert.convert.quant_policy import QuantPolicy
+from kconvert.plan.device_presets import GIB, DevicePreset
+from kconvert.plan.kv_bytes import KVBytes
+from kconvert.plan.rank_bytes import TensorGroup, fp8_misaligned, rank_bytes
+
+MEM_FRACTION = 0.92
+RUNTIME_RESERVE = 2 * GIB
+PREFILL_CHUNK = 8192
+ACTIVATION_BUFFERS = 24
+
+
+def default_reserve(hidden_size: int) -> int:
+    """Activation/workspace reserve per rank (see memory.py's docstring)."""
+    return RUNTIME_RESERVE + PREFILL_CHUNK * hidden_size * 2 * ACTIVATION_BUFFERS
+
+
+def fit(device: DevicePreset, weights: int, reserve: int, kv: KVBytes, context: int, batch: int,
+        mem_fraction: float) -> dict:
+    usable = int(device.memory_bytes * mem_fraction)
+    need_kv = batch * context * kv.per_token
+    free = usable - weights - reserve
+    return {
+        "device": device.key,
+        "device_name": device.name,
+        "device_bytes": device.memory_bytes,
+        "usable_bytes": usable,
+        "weights_bytes": weights,
+        "reserve_bytes": reserve,
+        "kv_bytes": need_kv,
+        "fits": weights + reserve + need_kv <= usable,
+        "headroom_bytes": free - need_kv,  # negative: the shortfall
+        "max_context": max(free, 0) // (batch * kv.per_token) if kv.per_token else None,
+    }
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Everything but the layout and the device: the model's tensors, the scheme, the workload."""
+
+    groups: tuple[TensorGroup, ...]
+    policy: QuantPolicy
+    n_experts: int
+    kv: KVBytes
+    reserve: int
+    context: int
+    batch: int
+    mem_fraction: float
+
+    def per_rank(self, layout: Layout) -> list[dict[str, int]]:
+        return rank_bytes(self.groups, layout, self.policy, self.n_experts)
+
+    def fit(self, device: DevicePreset, weights: int) -> dict:
+        return fit(device, weights, self.reserve, self.kv, self.context, self.batch, self.mem_fraction)
+
+    def misaligned(self, layout: Layout) -> str | None:
+        return fp8_misaligned(self.groups, layout, self.policy, self.n_experts)

@@ -4,12 +4,13 @@
     python -m engine.chat OUT --prompt "Describe it" --image cat.png --max-new-tokens 64
     python -m engine.chat OUT --device cuda                     one GPU per rank (nccl; mccl on musa)
     torchrun --nproc-per-node 2 -m engine.chat OUT              also works (torchrun starts the ranks)
-    torchrun --nnodes 2 --node-rank I --master-addr HOST --master-port 29500 --nproc-per-node 8 -m engine.chat OUT
-                                                                a tp 8 x pp 2 conversion across two machines
+    torchrun --nnodes 2 --node-rank I --master-addr HOST --master-port 29500 --nproc-per-node 8 \\
+        -m engine.chat OUT --device cuda                        tp 8 x pp 2 across two machines (README "Multi-node")
 
 A checkpoint converted with --tp T --pp P runs as T x P processes (stage by stage: global rank = stage x T
 + tp rank): this command starts them itself (one per rank on cpu, one per device on cuda/musa); this
-process is rank 0 and owns the terminal, the others follow its input. --nproc overrides the count. Ctrl-C or an error in any rank ends every rank with one line.
+process is rank 0 and owns the terminal, the others follow its input. --nproc overrides the count.
+Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
 The KV cache grows with the conversation in pages of 64 tokens, up to --context tokens (default: the
 model's maximum) and --kv-budget bytes; --kv-dtype fp8 halves it; --kv-device-budget keeps older pages in

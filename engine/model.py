@@ -83,13 +83,14 @@ class Model:
         """(model holding no weights yet, this rank's loader): checks the launched world against the layout."""
         probe = open_converted(path)
         cat = probe.catalog
+        where = str(probe.root / "kconvert.json")
         if stages is None:
-            par = par.layout(cat.tp, cat.pp)
+            par = par.layout(cat.tp, cat.pp, where)
             stages, rank = [cat.stage_layers(s) for s in range(cat.pp)], par.rank
         else:
             if cat.pp != 1:
                 raise UsageError(f"explicit stages need a pp = 1 conversion; this one has pp {cat.pp}", file=str(path))
-            par = par.layout(cat.tp, len(stages))
+            par = par.layout(cat.tp, len(stages), where)
             rank = par.tp_rank
         conv = probe if rank == 0 else open_converted(path, rank=rank)
         return cls(conv.config, conv.family, par, device, dtype, stages), conv

@@ -34,8 +34,8 @@ def launch_line(tp: int, pp: int) -> str:
     world = tp * pp
     if world == 1:
         return "run it without torchrun"
-    return (f"launch {world} ranks (python -m engine.chat does it itself; under torchrun: --nproc-per-node {world}, "
-            f"or across N nodes: --nnodes N --nproc-per-node {world}/N)")
+    return (f"launch {world} ranks (python -m engine.chat does it itself; torchrun: --nproc-per-node {world} on one "
+            f"machine, or --nnodes N --nproc-per-node {world}/N on each of N)")
 
 
 @dataclass
@@ -67,14 +67,14 @@ class Group:
         return cls(dist.get_rank(), dist.get_world_size())
 
     # ---- topology -------------------------------------------------------------------------------
-    def layout(self, tp: int, pp: int = 1) -> "Group":
-        """This group seen as tp x pp (a converted checkpoint's layout): checks the launched world, and makes
-        every stage's tensor-parallel group (every rank makes all of them, in the same order, as
-        torch.distributed requires; once per process)."""
+    def layout(self, tp: int, pp: int = 1, file: str | None = None) -> "Group":
+        """This group seen as tp x pp (a converted checkpoint's layout, described by `file`): checks the
+        launched world, and makes every stage's tensor-parallel group (every rank makes all of them, in
+        the same order, as torch.distributed requires; once per process)."""
         if tp * pp != self.world:
-            got = f"{self.world} process(es) are running"
-            raise EngineError(f"checkpoint was converted for tp {tp}" + (f" x pp {pp}" if pp > 1 else "")
-                              + f" = {tp * pp} rank(s) but {got}: {launch_line(tp, pp)}")
+            layout = f"tp {tp} x pp {pp} = {tp * pp} ranks" if pp > 1 else f"tp {tp}"
+            raise EngineError(f"checkpoint was converted for {layout} but {self.world} process(es) are running: "
+                              f"{launch_line(tp, pp)}", file=file)
         group = None
         if 1 < tp < self.world:
             import torch.distributed as dist

@@ -142,7 +142,7 @@ def test_a_world_that_does_not_match_the_layout_is_one_line(conv):
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     line, = [l for l in p.stderr.splitlines() if l.strip()]
-    assert "tp 2 x pp 2 = 4 rank(s) but 1" in line and "--nproc-per-node 4" in line, line
+    assert "kconvert.json" in line and "tp 2 x pp 2 = 4 ranks but 1" in line and "--nproc-per-node 4" in line, line
 
 
 def test_a_stage_builds_only_its_layers_and_their_cache(conv):

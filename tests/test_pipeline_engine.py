@@ -233,6 +233,9 @@ def test_verify_runs_tp1_pp4_per_layer(conv, ref_file):
     assert rep["verdict"] == "PASS" and rep["cost"]["overall"]["mean_kld"] < 1e-5
     curve = rep["cost"]["per_layer"]
     assert len(curve) == 5 and max(c["rel_error"] for c in curve) < 1e-4, curve
+    # --kv-dtype reaches the spawned ranks (an argument now, not an environment variable): fp8 KV adds error
+    fp8 = json.loads(run_cli("verify", conv("tp1-pp4"), "--reference", ref_file, "--kv-dtype", "fp8", "--json").stdout)
+    assert fp8["cost"]["overall"]["mean_kld"] > 10 * max(rep["cost"]["overall"]["mean_kld"], 1e-9), fp8["cost"]
 
 
 def test_verify_locates_damage_on_the_last_stage(conv, ref_file, tmp_path):

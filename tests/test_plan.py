@@ -160,3 +160,15 @@ def test_cli_json_and_errors(checkpoint, capsys):
         assert err.startswith("kconvert: error: ") and "\n" not in err, err
     assert main(["plan", str(checkpoint("tiny-k3")), "--tp", "4", "--context", "8k"]) == 0
     assert "warning:" in capsys.readouterr().out  # 8K > the fixture's 4096 positions: a warning, not an error
+
+
+def test_pp_1_plans_as_before_and_stages_share_the_weights():
+    """--pp 1 (the default) is the tp-only plan; with --pp the stages' layers cover the model once and no
+    stage's rank holds more than the tp-only rank (it holds a part of the same layers)."""
+    p1 = make_plan(K3, 16, quant="fp8")
+    assert p1.pipeline is None
+    p4 = make_plan(K3, 16, quant="fp8", pp=4)
+    assert sum(s["layer_count"] for s in p4.pipeline["stages"]) == p4.model["layers"]
+    assert all(s["weights_bytes"] < p1.rank["total"] for s in p4.pipeline["stages"])
+    assert p4.pipeline["world_size"] == 64 and p4.pipeline["nodes"] == 8
+    assert p1.pp_search["best"] == make_plan(K3, 8, quant="fp8").pp_search["best"]  # the search ignores --tp

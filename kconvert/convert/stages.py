@@ -128,8 +128,8 @@ def partition(layer_bytes: list[list[int]], pp: int, first: list[int] | None = N
         for j in range(i + 1, n + 1):
             seg[i][j] = max(p[j] - p[i] + (f if i == 0 else 0) + (z if j == n else 0)
                             for p, (_, f, z) in zip(pre, cols))
-    worst = _best(seg, n, pp, lambda acc, s: max(acc, s), min, 0)[0][pp][n]
-    _, choice = _best(seg, n, pp, lambda acc, s: min(acc, s) if s <= worst else -1, max, float("inf"))
+    worst = _least_largest(seg, n, pp)
+    choice = _most_smallest(seg, n, pp, worst)
     bounds, j = [], n
     for k in range(pp, 0, -1):
         i = choice[k][j]
@@ -139,24 +139,44 @@ def partition(layer_bytes: list[list[int]], pp: int, first: list[int] | None = N
     return StageSplit(ranges, tuple(seg[a][b] for a, b in ranges))
 
 
-def _best(seg, n, pp, combine, pick, start):
-    """dp[k][j]: the best value of splitting layers 0..j-1 into k stages, combining stage costs with
-    `combine` and choosing among split points with `pick` (min for minimax, max for maximin)."""
-    none = float("inf") if pick is min else -1
-    dp = [[none] * (n + 1) for _ in range(pp + 1)]
-    choice = [[0] * (n + 1) for _ in range(pp + 1)]
-    dp[0][0] = start
+def _least_largest(seg, n, pp) -> int:
+    """min over splits of layers 0..n-1 into pp stages of the largest stage (dp[k][j]: layers 0..j-1 in k
+    stages). seg[i][j] grows as i falls, so the scan over the last stage's start stops once it is no better."""
+    inf = float("inf")
+    dp = [0] + [inf] * n
     for k in range(1, pp + 1):
+        nxt = [inf] * (n + 1)
         for j in range(k, n - (pp - k) + 1):
-            best, arg = none, k - 1
-            for i in range(k - 1, j):
-                if dp[k - 1][i] == none:
-                    continue
-                v = combine(dp[k - 1][i], seg[i][j])
-                if v != none and (best == none or pick(v, best) == v and v != best):
+            best = inf
+            for i in range(j - 1, k - 2, -1):
+                if seg[i][j] >= best:
+                    break
+                v = max(dp[i], seg[i][j])
+                if v < best:
+                    best = v
+            nxt[j] = best
+        dp = nxt
+    return dp[n]
+
+
+def _most_smallest(seg, n, pp, cap):
+    """Among splits whose every stage is <= cap, one that maximises the smallest stage: choice[k][j] is the
+    start of stage k when layers 0..j-1 form k stages."""
+    dp = [float("inf")] + [-1] * n
+    choice = [[0] * (n + 1) for _ in range(pp + 1)]
+    for k in range(1, pp + 1):
+        nxt = [-1] * (n + 1)
+        for j in range(k, n - (pp - k) + 1):
+            best, arg = -1, k - 1
+            for i in range(j - 1, k - 2, -1):
+                if seg[i][j] > cap:
+                    break
+                v = min(dp[i], seg[i][j]) if dp[i] != -1 else -1
+                if v > best:
                     best, arg = v, i
-            dp[k][j], choice[k][j] = best, arg
-    return dp, choice
+            nxt[j], choice[k][j] = best, arg
+        dp = nxt
+    return choice
 
 
 def split_layers(layer_bytes: list[list[int]], pp: int, first: list[int] | None = None,

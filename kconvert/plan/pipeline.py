@@ -85,7 +85,11 @@ def search(sz: Sizing, model: ModelMap, layout: Layout, dev: DevicePreset, gpus_
         if row["reason"]:
             continue
         inputs = stage_inputs(sz, model, lay)
+        usable = int(dev.memory_bytes * sz.mem_fraction)
+        total = max(sum(row[r] for row in inputs.layer_bytes) + inputs.first[r] + inputs.last[r] for r in range(t))
         for pp in range(1, min(max_pp, len(inputs.layer_bytes)) + 1):
+            if -(-total // pp) + sz.reserve > usable:  # even a perfect split leaves a stage too big: skip it
+                continue
             r = pipeline_fit(sz, inputs, lay, pp, dev, gpus_per_node=gpus_per_node)
             if r["fits"]:
                 row.update({k: v for k, v in r.items() if k != "stages"})

@@ -82,7 +82,9 @@ def load(out, rank, stage, tp_rank, world_size, device, verify, prefetch, thread
         from engine.kv_budget import kv_options
 
         kv = kv_options(kv_dtype, kv_budget, kv_device_budget, dev)
-        model = Model(conv.config, conv.family, par, dev, torch.bfloat16)  # holds no weights until units arrive
+        cat = conv.catalog  # this rank's stage of the tp x pp layout; holds no weights until units arrive
+        model = Model(conv.config, conv.family, par.layout(cat.tp, cat.pp), dev, torch.bfloat16,
+                      stages=[cat.stage_layers(s) for s in range(cat.pp)])
         model.kv = kv
     t1 = time.perf_counter()
     with byte_progress(f"load rank {rank} → {dev}", enabled=not as_json and os.environ.get("RANK", "0") == "0") as cb:

@@ -91,12 +91,6 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
     from kconvert.errors import VerifyFailed
     from kconvert.verify.verdict import CHECKED, run_verify
 
-    if kv_dtype:  # read by kconvert.verify.run.run_rank, in this process and in the ranks it spawns
-        import os
-
-        from kconvert.verify.run import KV_DTYPE_ENV
-
-        os.environ[KV_DTYPE_ENV] = kv_dtype
     if plot_file:  # before minutes of verification, not after
         from kconvert.deps import require
 
@@ -120,7 +114,8 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
             limits = {**bounds, **limits}
             force = force or reference_matches(made_from, reference_file, against)
         rep = run_verify(target, reference=reference_file, faithful_reference=faithful_file, against=against,
-                         per_layer=per_layer, device=device, force=force, limits=limits, progress=cb)
+                         per_layer=per_layer, device=device, force=force, limits=limits, progress=cb,
+                         kv_dtype=kv_dtype)
         rep.out = out
     if plot_file:
         from .verify_plot import plot

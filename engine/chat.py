@@ -4,10 +4,13 @@
     python -m engine.chat OUT --prompt "Describe it" --image cat.png --max-new-tokens 64
     python -m engine.chat OUT --device cuda                     one GPU per rank (nccl; mccl on musa)
     torchrun --nproc-per-node 2 -m engine.chat OUT              also works (torchrun starts the ranks)
+    torchrun --nnodes 2 --node-rank I --master-addr HOST --master-port 29500 --nproc-per-node 8 \\
+        -m engine.chat OUT --device cuda                        tp 8 x pp 2 across two machines (README "Multi-node")
 
-A checkpoint converted with --tp N runs as N processes: this command starts them itself (one per rank on
-cpu, one per device on cuda/musa); this process is rank 0 and owns the terminal, the others follow its
-input. --nproc overrides the count. Ctrl-C or an error in any rank ends every rank with one line.
+A checkpoint converted with --tp T --pp P runs as T x P processes (stage by stage: global rank = stage x T
++ tp rank): this command starts them itself (one per rank on cpu, one per device on cuda/musa); this
+process is rank 0 and owns the terminal, the others follow its input. --nproc overrides the count.
+Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
 The KV cache grows with the conversation in pages of 64 tokens, up to --context tokens (default: the
 model's maximum) and --kv-budget bytes; --kv-dtype fp8 halves it; --kv-device-budget keeps older pages in
@@ -53,13 +56,13 @@ class Session:
         content = text
         new_images = []
         if image_path:
-            if self.model.vision is None:
+            if not self.model.has_vision:
                 raise UsageError("this checkpoint has no vision tower: images are not available")
-            new_images.append(preprocess(load_image(image_path)))  # large images are shrunk, never rejected
+            new_images.append(_on_rank0(self.model.par, lambda: preprocess(load_image(image_path))))
             content = [{"type": "image"}, {"type": "text", "text": text}]
         messages = self.messages + [{"role": "user", "content": content}]
         images = self.images + new_images
-        counts = [self.model.vision.tokens_per_image(g) for _, g in images]
+        counts = [self.model.tokens_per_image(g) for _, g in images]
         prompt = self.tok.encode(text) if self.complete else self.tok.chat_ids(messages, counts)
         if not prompt:
             raise UsageError("--prompt is empty")
@@ -99,12 +102,27 @@ class Session:
             if seen >= before:
                 todo.append((patches, grid))
             seen += n
-        if not todo:
+        if not todo or self.model.vision is None:  # the tower is on the first stage: only it needs features
             return None
         if before and before not in {sum(counts[:i]) for i in range(len(counts) + 1)}:
             raise EngineError("cache boundary inside an image")
         pix = torch.cat([p for p, _ in todo]).to(self.model.device, self.model.dtype)
         return self.model.vision(pix, [g for _, g in todo])
+
+
+def _on_rank0(par: Group, load):
+    """The image as rank 0 reads it (large images are shrunk, never rejected), given to every rank: under
+    torchrun across nodes the file may exist on rank 0's machine only. An error is raised on every rank."""
+    res = None
+    if par.rank == 0:
+        try:
+            res = load()
+        except KConvertError as e:
+            res = e
+    res = par.broadcast_object(res, src=0)
+    if isinstance(res, KConvertError):
+        raise res
+    return res
 
 
 def _parse(argv):
@@ -134,7 +152,7 @@ def _parse(argv):
     ap.add_argument("--device", default="cpu", help="cpu, cuda or musa (each rank takes device LOCAL_RANK)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--nproc", type=int, default=None,
-                    help="processes to start when not under torchrun (default: the conversion's tp degree)")
+                    help="processes to start when not under torchrun (default: the conversion's tp x pp)")
     return ap.parse_args(argv)
 
 
@@ -149,7 +167,7 @@ def main(argv=None) -> int:
     try:
         from kconvert.load.loader import open_converted
 
-        world = launch.world_for(open_converted(a.path).tp, a.nproc, a.device)
+        world = launch.world_for(open_converted(a.path).catalog.world_size, a.nproc, a.device)
     except KConvertError as e:
         return _fail(e)
     return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
@@ -219,7 +237,7 @@ def _run(a) -> int:
 def _interactive(session: Session, model: Model, par: Group, out) -> None:
     err = sys.stderr
     if out:
-        print(f"{model.mc.family} · tp {par.world} · {model.device} · /image PATH, /clear, /exit", file=out)
+        print(f"{model.mc.family} · tp {model.par.tp} x pp {model.par.pp} · {model.device} · /image PATH, /clear, /exit", file=out)
     pending_image = None
     while True:
         line = None
@@ -240,9 +258,9 @@ def _interactive(session: Session, model: Model, par: Group, out) -> None:
         if line.startswith("/image"):
             path = line[len("/image"):].strip()
             try:
-                if model.vision is None:
+                if not model.has_vision:
                     raise UsageError("this checkpoint has no vision tower")
-                load_image(path)
+                _on_rank0(par, lambda: load_image(path).size)
                 pending_image = path
                 if out:
                     print(f"[image {path} attached to the next turn]", file=out)

@@ -64,13 +64,16 @@ def generate(model, prompt: list[int], p: Sampling, cache=None, image_embeds=Non
     cache.ensure(min(cache.max_len, len(prompt) + p.max_new_tokens))
     gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
     t0 = time.perf_counter()
-    logits = model.forward(torch.tensor([prompt[start:]]), cache, image_embeds=image_embeds, last_only=True)
+    # the last stage samples (it alone has the logits under pp) and tells every rank the token
+    sampler = model.par.last_rank
+    logits = model.forward(torch.tensor([prompt[start:]]), cache, image_embeds=image_embeds, last_only=True,
+                           everywhere=False)
     tokens, reason = [], "length"
     ttft = 0.0
     budget = min(p.max_new_tokens, cache.max_len - cache.length + 1)
     for i in range(budget):
-        tok = sample(logits[0, -1].cpu(), p, gen)
-        tok = model.par.broadcast_object(tok)  # sampling on rank 0 decides for everyone
+        tok = sample(logits[0, -1].cpu(), p, gen) if model.par.rank == sampler else None
+        tok = model.par.broadcast_object(tok, src=sampler)
         if i == 0:
             ttft = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -81,5 +84,5 @@ def generate(model, prompt: list[int], p: Sampling, cache=None, image_embeds=Non
             reason = "stop"
             break
         if i + 1 < budget:
-            logits = model.forward(torch.tensor([[tok]]), cache, last_only=True)
+            logits = model.forward(torch.tensor([[tok]]), cache, last_only=True, everywhere=False)
     return Result(tokens, reason, ttft, time.perf_counter() - t1 if tokens else 0.0)

@@ -1,7 +1,7 @@
-"""Start the ranks of a multi-process run from one command, so `python -m engine.chat OUT` on a tp-N
-conversion needs no torchrun.
+"""Start the ranks of a multi-process run from one command, so `python -m engine.chat OUT` on a tp x pp
+conversion needs no torchrun (on one machine; across machines torchrun starts them: README "Multi-node").
 
-This process becomes rank 0 and keeps the terminal (stdin, stdout, Ctrl-C); ranks 1..N-1 are the same
+This process becomes rank 0 and keeps the terminal (stdin, stdout, Ctrl-C); ranks 1..N-1 (N = tp x pp) are the same
 command started again with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, as torchrun would, in
 their own session (Ctrl-C reaches rank 0 only), stdin closed, stderr kept for error reports. One process
 per rank on CPU (gloo), one per device on an accelerator (nccl / mccl, device LOCAL_RANK).
@@ -53,10 +53,10 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def world_for(tp: int, nproc: int | None, device: str) -> int:
-    """How many ranks to run: the conversion's tp degree unless --nproc overrides it; checked against
-    the devices when they are accelerators (one device per rank)."""
-    world = tp if nproc is None else nproc
+def world_for(ranks: int, nproc: int | None, device: str) -> int:
+    """How many ranks to run: the conversion's world size (tp x pp, `Catalog.world_size`) unless --nproc
+    overrides it; checked against the devices when they are accelerators (one device per rank)."""
+    world = ranks if nproc is None else nproc
     if world < 1:
         raise UsageError(f"--nproc must be at least 1, got {world}")
     kind = device.split(":")[0]

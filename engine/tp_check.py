@@ -1,6 +1,10 @@
 """Run one forward pass (prefill + a few decode steps) under torchrun and save rank 0's logits.
 
     torchrun --nproc-per-node 2 -m engine.tp_check OUT --seed 7 --length 40 --save logits.pt
+    torchrun --nproc-per-node 4 -m engine.tp_check OUT_TP2_PP2 --save logits.pt       # tp 2 x pp 2
+    torchrun --nproc-per-node 2 -m engine.tp_check OUT_TP1 --stages 0,1-2 --save x.pt  # a tp-1 conversion as 2 stages
+
+--chunk sets the prefill micro-batch (tokens) under pp > 1 (0: the whole prompt at once).
 """
 
 from __future__ import annotations
@@ -15,9 +19,23 @@ from kconvert.distributed import Group
 from kconvert.errors import KConvertError
 
 
-def run(path, seed: int, length: int, decode: int, device: str = "cpu") -> torch.Tensor:
+def parse_stages(text: str | None) -> list[list[int]] | None:
+    """"0,1-2" -> [[0], [1, 2]] (the layers of each stage)."""
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.append(list(range(int(lo), int(hi or lo) + 1)))
+    return out
+
+
+def run(path, seed: int, length: int, decode: int, device: str = "cpu", stages=None,
+        chunk: int | None = None) -> torch.Tensor:
     par = Group.from_env(device)
-    model = Model.from_converted(path, device=device, dtype=torch.float32, par=par)
+    model = Model.from_converted(path, device=device, dtype=torch.float32, par=par, stages=stages)
+    if chunk is not None:
+        model.prefill_chunk = chunk
     ids = torch.randint(0, min(768, model.cfg.vocab_size), (1, length + decode), generator=torch.Generator().manual_seed(seed))
     cache = model.new_cache(1, length + decode)
     out = [model.forward(ids[:, :length], cache)]
@@ -33,10 +51,12 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=40)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--stages", help="run a pp = 1 conversion as these stages of layers, e.g. 0,1-2")
+    ap.add_argument("--chunk", type=int, help="prefill micro-batch in tokens under pp > 1 (0: no split)")
     ap.add_argument("--save", required=True)
     a = ap.parse_args(argv)
     try:
-        logits = run(a.path, a.seed, a.length, a.decode, a.device)
+        logits = run(a.path, a.seed, a.length, a.decode, a.device, parse_stages(a.stages), a.chunk)
     except KConvertError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2
@@ -44,6 +64,7 @@ def main(argv=None) -> int:
 
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(logits, a.save)
+    Group.from_env(a.device).close()  # leave together: a rank that exits while a peer still talks to it aborts it
     return 0
 
 

@@ -1,14 +1,18 @@
 """The process group of a multi-process run (RANK / WORLD_SIZE in the environment, set by torchrun or by
-`engine.launch`), used by conversion (barriers only) and by the engine (tensor-parallel collectives).
+`engine.launch`), used by conversion (barriers only) and by the engine: tensor parallelism inside a
+pipeline stage, point-to-point hidden states between stages.
 
-A single process needs no group at all: every collective is then the identity.
+Topology (tp x pp; the converted checkpoint's layout): global rank = stage * tp + tp_rank. The ranks of
+one stage form its tensor-parallel group (all_reduce, all_gather_last); a stage passes its hidden states
+to the same tp rank of the next stage (send/recv); the last stage's results (a sampled token, logits)
+are broadcast to every rank. A single process needs no group at all: every collective is the identity.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from kconvert import devices
 from kconvert.errors import EngineError
@@ -17,20 +21,39 @@ from kconvert.errors import EngineError
 # writes its share of a terabyte, and chat's ranks wait in a broadcast while the user types.
 TIMEOUT = datetime.timedelta(hours=48)
 
+_TP_GROUPS: dict[tuple[int, int], list] = {}  # (tp, pp) -> every stage's tp group, made once per process
+
 
 def world_from_env() -> int:
     """The world size a launcher (torchrun, engine.launch) set for this process; 1 when none did."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launch_line(tp: int, pp: int) -> str:
+    """How to start a tp x pp run, for error messages."""
+    world = tp * pp
+    if world == 1:
+        return "run it without torchrun"
+    return (f"launch {world} ranks (python -m engine.chat does it itself; torchrun: --nproc-per-node {world} on one "
+            f"machine, or --nnodes N --nproc-per-node {world}/N on each of N)")
+
+
 @dataclass
 class Group:
-    rank: int = 0
-    world: int = 1
+    rank: int = 0  # global rank
+    world: int = 1  # global world size
+    tp: int = 0  # tensor-parallel degree (0: not laid out yet, i.e. the whole world)
+    pp: int = 1  # pipeline stages
+    _tp_group: object = field(default=None, repr=False, compare=False)  # None: the default (whole world) group
+
+    def __post_init__(self):
+        if not self.tp:
+            self.tp = self.world
 
     @classmethod
     def from_env(cls, device="cpu") -> "Group":
-        """Join the launcher's group (or run alone). On an accelerator each process takes device LOCAL_RANK."""
+        """Join the launcher's group (or run alone). On an accelerator each process takes device LOCAL_RANK.
+        The whole world is one tensor-parallel group until `layout(tp, pp)` says otherwise."""
         if world_from_env() <= 1:
             return cls()
         import torch
@@ -43,14 +66,53 @@ class Group:
             dist.init_process_group(devices.collective_backend(dev), timeout=TIMEOUT)
         return cls(dist.get_rank(), dist.get_world_size())
 
-    def check_tp(self, tp: int) -> None:
-        if tp != self.world:
-            raise EngineError(
-                f"checkpoint was converted for tp={tp} but {self.world} process(es) are running: "
-                f"launch {tp} (python -m engine.chat does it itself; under torchrun: --nproc-per-node {tp})"
-                if tp > 1 else
-                f"checkpoint was converted for tp=1 but {self.world} processes are running: run it without torchrun")
+    # ---- topology -------------------------------------------------------------------------------
+    def layout(self, tp: int, pp: int = 1, file: str | None = None) -> "Group":
+        """This group seen as tp x pp (a converted checkpoint's layout, described by `file`): checks the
+        launched world, and makes every stage's tensor-parallel group (every rank makes all of them, in
+        the same order, as torch.distributed requires; once per process)."""
+        if tp * pp != self.world:
+            layout = f"tp {tp} x pp {pp} = {tp * pp} ranks" if pp > 1 else f"tp {tp}"
+            raise EngineError(f"checkpoint was converted for {layout} but {self.world} process(es) are running: "
+                              f"{launch_line(tp, pp)}", file=file)
+        group = None
+        if 1 < tp < self.world:
+            import torch.distributed as dist
 
+            if (tp, pp) not in _TP_GROUPS:
+                _TP_GROUPS[(tp, pp)] = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+            group = _TP_GROUPS[(tp, pp)][self.rank // tp]
+        return replace(self, tp=tp, pp=pp, _tp_group=group)
+
+    def check_tp(self, tp: int) -> None:
+        """The world is one tensor-parallel group of `tp` ranks (no pipeline)."""
+        self.layout(tp, 1)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def last_rank(self) -> int:
+        """The rank that speaks for the last stage (its tp rank 0): it samples and sends results."""
+        return (self.pp - 1) * self.tp
+
+    def rank_of(self, stage: int, tp_rank: int | None = None) -> int:
+        return stage * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+
+    # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Leave the group together: a rank that exits while another still talks to it can abort the other."""
         if self.world > 1:
@@ -59,6 +121,7 @@ class Group:
             if dist.is_initialized():
                 dist.barrier()
                 dist.destroy_process_group()
+                _TP_GROUPS.clear()
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -66,23 +129,59 @@ class Group:
 
             dist.barrier()
 
+    # ---- tensor parallel (this stage's ranks) ---------------------------------------------------
     def all_reduce(self, x):
-        if self.world > 1:
+        if self.tp > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self._tp_group)
         return x
 
     def all_gather_last(self, x):
-        """Concatenate every rank's x along the last dim (vocab-parallel logits)."""
-        if self.world == 1:
+        """Concatenate this stage's ranks' x along the last dim (vocab-parallel logits)."""
+        if self.tp == 1:
             return x
         import torch
         import torch.distributed as dist
 
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous())
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self._tp_group)
         return torch.cat(parts, dim=-1)
+
+    # ---- pipeline (point to point, whole world) -------------------------------------------------
+    def send(self, x, dst: int, wait: bool = True):
+        """Send x to rank dst; with wait=False the returned handle's wait() must come before x is reused."""
+        import torch.distributed as dist
+
+        work = dist.isend(x.contiguous(), dst)
+        if wait:
+            work.wait()
+            return None
+        return work
+
+    def recv(self, shape, dtype, device, src: int):
+        import torch
+        import torch.distributed as dist
+
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src)
+        return x
+
+    def send_next(self, x, wait: bool = True):
+        """To the same tp rank of the next stage."""
+        return self.send(x, self.rank + self.tp, wait)
+
+    def recv_prev(self, shape, dtype, device):
+        """From the same tp rank of the previous stage."""
+        return self.recv(shape, dtype, device, self.rank - self.tp)
+
+    def broadcast(self, x, src: int):
+        """Every rank gets src's x; the others pass a buffer of the same shape and dtype."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src)
+        return x
 
     def broadcast_object(self, obj, src: int = 0):
         if self.world == 1:

@@ -12,7 +12,7 @@ from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.units import layer_unit
 from kconvert.load.loader import open_converted
 from kconvert.verify.fake_quant import expected_tensor
-from kconvert.verify.forward import engine_inputs, hidden_states
+from kconvert.verify.forward import engine_inputs, stage_states
 
 
 def _exact(meta_tensors: list[dict], ck: Checkpoint, name: str, quantization: dict) -> torch.Tensor | None:
@@ -27,10 +27,20 @@ def _exact(meta_tensors: list[dict], ck: Checkpoint, name: str, quantization: di
     return None
 
 
-def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) -> list[dict]:
+def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) -> list[dict] | None:
+    """The ranking, on the ranks of the pipeline stage holding the layer (None on the others, which only
+    pass the prompts' hidden states along). Every rank of the run calls this."""
     from engine.model import Layer
 
     L = per_layer["attribute_layer"]
+    inputs = []
+    for p, tk in zip(prompts, tokens):
+        ids, img = engine_inputs(p, tk, model, model.mc.raw)
+        states = stage_states(model, ids, img)
+        if L in model.slot:
+            inputs.append(states[L].unsqueeze(0))
+    if L not in model.slot:
+        return None
     conv = open_converted(out_dir, rank=rank, world_size=model.par.world)
     ck = Checkpoint.open(per_layer["source"])
     unit = layer_unit(L)
@@ -51,17 +61,12 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
                 t.pop(n + suffix, None)
         return t
 
-    inputs = []
-    for p, tk in zip(prompts, tokens):
-        ids, img = engine_inputs(p, tk, model, model.mc.raw)
-        inputs.append(hidden_states(model, ids, img)[L].unsqueeze(0))
-
     def run(layer) -> list[torch.Tensor]:
         outs = []
         for x in inputs:
             cache = model.new_cache(1, x.shape[1])
             cos, sin = model.rotary(torch.arange(x.shape[1]), model.dtype)
-            outs.append(layer.forward(x.clone(), 0, cache.layers[L], cos[None], sin[None], model.par)[0])
+            outs.append(layer.forward(x.clone(), 0, cache.layers[model.slot[L]], cos[None], sin[None], model.par)[0])
         return outs
 
     exact = run(Layer(model.mc, L, with_exact(set(everyone)), prefix, model.par))

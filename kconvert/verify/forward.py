@@ -1,5 +1,8 @@
 """The engine's side of one reference prompt: its inputs, and the hidden states after every layer
-(the positions transformers' output_hidden_states reports). Shared by verify runs and attribution."""
+(the positions transformers' output_hidden_states reports). Shared by verify runs and attribution.
+
+Under pipeline parallelism (tp x pp) each stage computes the states of its own layers; `hidden_states`
+brings every stage's states, and the last stage's logits, to one writer rank."""
 
 from __future__ import annotations
 
@@ -10,25 +13,63 @@ from kconvert.verify.prompts import prompt_patches
 
 
 def engine_inputs(prompt: dict, tokens: torch.Tensor, model, config: dict):
-    """(ids [1, T], image features or None) for one reference prompt."""
+    """(ids [1, T], image features or None) for one reference prompt. The features are computed where the
+    vision tower is (the first pipeline stage); the other stages get None and do not need them."""
     ids = tokens[None].to(torch.int64)
-    if not prompt.get("image"):
+    if not prompt.get("image") or model.vision is None:
         return ids, None
     patches, grid, _ = prompt_patches(prompt, config)
     return ids, model.vision(patches.to(model.dtype), [grid])
 
 
-def hidden_states(model, ids: torch.Tensor, image_embeds) -> list[torch.Tensor]:
-    """[embeddings, after layer 0, ..., after layer N-2, final-norm(after layer N-1)]: the same
-    positions transformers' output_hidden_states reports."""
-    cache = model.new_cache(1, ids.shape[1])
-    x = model.embed_tokens(ids)
-    if image_embeds is not None:
-        x = model.scatter_images(ids, x, image_embeds)
-    cos, sin = model.rotary(torch.arange(ids.shape[1]), model.dtype)
-    out = [x[0].float()]
-    for i, layer in enumerate(model.layers):
-        x = layer.forward(x, 0, cache.layers[i], cos[None], sin[None], model.par)
-        out.append(x[0].float())
-    out[-1] = rms_norm(x, model.norm, model.cfg.rms_norm_eps)[0].float()
+def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tensor]:
+    """This stage's states by reported position k (k = 0: embeddings; k = L + 1: after layer L; the last
+    position is the final norm of the last layer's output). A stage's entries include the input of each
+    of its layers (the first one received from the previous stage). Every rank of the run calls this."""
+    par = model.par
+    T = ids.shape[1]
+    cache = model.new_cache(1, T)
+    cos, sin = model.rotary(torch.arange(T), model.dtype)
+    if par.first:
+        x = model.stage_input(ids.to(model.device), image_embeds)
+    else:
+        x = par.recv_prev((1, T, model.cfg.hidden_size), model.dtype, model.device)
+    out = {model.stage_layers[0]: x[0].float()}
+    for L in model.stage_layers:
+        x = model.layers[L].forward(x, 0, cache.layers[model.slot[L]], cos[None], sin[None], par)
+        out[L + 1] = x[0].float()
+    if par.last:
+        out[model.cfg.num_layers] = rms_norm(x, model.norm, model.cfg.rms_norm_eps)[0].float()
+    else:
+        par.send_next(x)
     return out
+
+
+def hidden_states(model, ids: torch.Tensor, image_embeds, writer: int = 0):
+    """(states, logits [1,T,V]) on rank `writer`, (None, None) elsewhere. states: [embeddings, after layer 0,
+    ..., after layer N-2, final-norm(after layer N-1)], the positions transformers' output_hidden_states
+    reports. Every rank of the run calls this."""
+    par = model.par
+    mine = stage_states(model, ids, image_embeds)
+    logits = None
+    if par.last:  # one pass gives both: the logits are the head of the last (final-norm) state
+        logits = par.all_gather_last(model.head(mine[model.cfg.num_layers][None].to(model.dtype))).float()
+    if par.pp == 1:
+        return (list(mine.values()), logits) if par.rank == writer else (None, None)
+    T, H, V = ids.shape[1], model.cfg.hidden_size, model.cfg.vocab_size
+    if par.rank == writer:
+        got = dict(mine)
+        for s, layers in enumerate(model.stages):  # each stage's tp rank 0 sends what it computed, in order
+            src = par.rank_of(s, 0)
+            if src != writer:
+                for L in layers:
+                    got[L + 1] = par.recv((T, H), torch.float32, model.device, src)
+        if logits is None:
+            logits = par.recv((1, T, V), torch.float32, model.device, par.last_rank)
+        return [got[k] for k in range(model.cfg.num_layers + 1)], logits
+    if par.tp_rank == 0:
+        for L in model.stage_layers:
+            par.send(mine[L + 1], writer)
+        if par.last:
+            par.send(logits, writer)
+    return None, None

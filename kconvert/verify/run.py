@@ -1,8 +1,9 @@
 """The engine side of `kconvert verify`: run every prompt through the converted model on this rank
 and (with per_layer) each layer's hidden states, then attribute the first layer's error to tensors.
 
-Runs once per tensor-parallel rank: in-process when the world is 1 or under torchrun, else in
-processes `verify.py` spawns (gloo on cpu). Rank 0 writes its results to a safetensors file.
+Runs once per rank of the conversion's tp x pp layout: in-process when the world is 1 or under torchrun,
+else in processes `run_all_ranks` spawns (gloo on cpu). Rank 0 (the first stage) writes the results to
+a safetensors file; the last stage's logits and the other stages' hidden states are sent to it.
 """
 
 from __future__ import annotations
@@ -16,27 +17,26 @@ import torch
 from kconvert.verify.forward import engine_inputs, hidden_states
 
 
-KV_DTYPE_ENV = "KCONVERT_KV_DTYPE"  # verify --kv-dtype: read here so spawned ranks see it too
-
-
 def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
              per_layer: dict | None = None, device: str = "cpu", kv_dtype: str | None = None) -> None:
     """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
     per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking.
-    kv_dtype (default: $KCONVERT_KV_DTYPE, else the compute dtype) is the KV cache format every
-    model.new_cache takes, so the KLD includes what KV quantization adds."""
+    kv_dtype (default: the compute dtype) is the KV cache format every model.new_cache takes, so the
+    KLD includes what KV quantization adds."""
+    from engine.cache import KVOptions
     from engine.model import Model
     from kconvert.distributed import Group
 
     par = Group.from_env(device)
     model = Model.from_converted(out_dir, device=device, dtype=torch.float32, par=par)
-    from engine.cache import KVOptions
-
-    model.kv = KVOptions(kv_dtype or os.environ.get(KV_DTYPE_ENV) or None)
+    par = model.par  # laid out as the conversion's tp x pp
+    model.kv = KVOptions(kv_dtype)
     if per_layer is not None and per_layer.get("attribute_layer") is not None:
         from kconvert.verify.attribution import attribute
 
         ranking = attribute(model, out_dir, par.rank, prompts, tokens, per_layer)
+        owner = par.rank_of(model.stage_of_layer(per_layer["attribute_layer"]), 0)
+        ranking = par.broadcast_object(ranking, src=owner)  # the layer's stage ranked it; rank 0 writes
         if par.rank == 0:
             Path(result_path + ".attribution.json").write_text(json.dumps(ranking))
         return
@@ -45,15 +45,15 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
         for i, (p, tk) in enumerate(zip(prompts, tokens)):
             ids, img = engine_inputs(p, tk, model, model.mc.raw)
             if per_layer is None:
-                logits = model.forward(ids, image_embeds=img)
-            else:  # one pass gives both: the logits are the head of the last (final-norm) state
-                states = hidden_states(model, ids, img)
-                logits = model.par.all_gather_last(model.head(states[-1][None].to(model.dtype))).float()
-                for L, h in enumerate(states):
+                logits = model.forward(ids, image_embeds=img)  # every rank gets the last stage's logits
+            else:
+                states, logits = hidden_states(model, ids, img)
+                for L, h in enumerate(states or []):
                     result[f"prompt.{i}.hidden.{L}"] = h.contiguous()
                 if img is not None:
                     result[f"prompt.{i}.vision"] = img.float().contiguous()
-            result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
+            if par.rank == 0:
+                result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
     if par.rank == 0:
         from safetensors.torch import save_file
 
@@ -81,15 +81,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_all_ranks(out_dir: str, tp: int, prompts, tokens, result_path: str, per_layer=None, device="cpu") -> None:
-    """Run the converted model's tp ranks (spawned unless already under torchrun) to result_path."""
-    if tp == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        run_rank(out_dir, prompts, tokens, result_path, per_layer, device)
+def run_all_ranks(out_dir: str, world: int, prompts, tokens, result_path: str, per_layer=None, device="cpu",
+                  kv_dtype: str | None = None) -> None:
+    """Run the converted model's `world` (tp x pp) ranks (spawned unless already under torchrun) to result_path."""
+    args = (out_dir, prompts, tokens, result_path, per_layer, device, kv_dtype)
+    if world == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run_rank(*args)
         return
     import torch.multiprocessing as mp
 
-    mp.spawn(spawn_main, args=(tp, free_port(), (out_dir, prompts, tokens, result_path, per_layer, device)),
-             nprocs=tp, join=True)
+    mp.spawn(spawn_main, args=(world, free_port(), args), nprocs=world, join=True)
 
 
 def load_result(path: str | Path) -> dict[str, torch.Tensor]:

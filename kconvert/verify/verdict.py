@@ -126,7 +126,7 @@ def compare(prompts: list[dict], refs: list, got: dict, limits: dict, reference:
 
 def run_verify(out: str, *, reference: str | None = None, faithful_reference: str | None = None,
                against: str | None = None, per_layer: bool = False, device: str = "cpu", force: bool = False,
-               limits: dict | None = None, progress=None) -> VerifyReport:
+               limits: dict | None = None, progress=None, kv_dtype: str | None = None) -> VerifyReport:
     import time
 
     t0 = time.perf_counter()
@@ -155,7 +155,8 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         tokens = [r.tokens for r in refs]
         source = against or meta["source"]["path"]
         layer_opts = {"source": source, "attribute_layer": None} if per_layer else None
-        run_all_ranks(out, meta["layout"]["tp"], ref_meta["prompts"], tokens, result_path, layer_opts, device)
+        world = meta["layout"]["tp"] * meta["layout"].get("pp", 1)  # every rank of the tp x pp layout
+        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv_dtype)
         got = load_result(result_path)
         report = _report(out, meta, ref_meta, refs, got, fq, limits)
         if per_layer:
@@ -171,7 +172,7 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
             if report.first_fault_layer is not None and 0 <= report.first_fault_layer < n_layers:
                 phase(f"attribution (layer {report.first_fault_layer})")
                 layer_opts["attribute_layer"] = report.first_fault_layer
-                run_all_ranks(out, meta["layout"]["tp"], ref_meta["prompts"], tokens, result_path, layer_opts, device)
+                run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv_dtype)
                 report.attribution = json.loads(Path(result_path + ".attribution.json").read_text())
     report.seconds = time.perf_counter() - t0
     return report

@@ -143,7 +143,7 @@ def _print_report(rep) -> None:
         if check.verdict == "SKIPPED":
             con.print(f"faithfulness: [yellow]SKIPPED[/] ({check.reference})")
             continue
-        t = Table(title=f"{rep.out}: {rep.scheme}, tp {rep.tp}; {title}")
+        t = Table(title=f"{rep.out}: {rep.scheme}, tp {rep.tp}{f' x pp {rep.pp}' if rep.pp > 1 else ''}; {title}")
         t.add_column("prompts")
         for head, _, _ in cols:
             t.add_column(head, justify="right")

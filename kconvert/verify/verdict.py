@@ -81,6 +81,7 @@ class VerifyReport:
     faithfulness: Check
     cost: Check
     failures: list[str] = field(default_factory=list)
+    pp: int = 1
     first_fault_layer: int | None = None  # first decoder layer whose output departs from the faithful reference
     fault_at: str | None = None  # "embeddings", "layer N", "vision tower" or None
     largest_error_step_layer: int | None = None  # the layer that adds the most error vs the unquantized reference
@@ -230,8 +231,8 @@ def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None) -
     cost = compare(prompts, refs, got, budget, "the unquantized source", per_kind_limits=True)
     failures = ([f"{WRONG}: " + "; ".join(faith.failures)] if faith.failures else []) + \
         ([f"{LOSSY} ({scheme} budget): " + "; ".join(cost.failures)] if cost.failures else [])
-    return VerifyReport(out=str(out), scheme=scheme, tp=meta["layout"]["tp"], verdict="FAIL" if failures else "PASS",
-                        faithfulness=faith, cost=cost, failures=failures)
+    return VerifyReport(out=str(out), scheme=scheme, tp=meta["layout"]["tp"], pp=meta["layout"].get("pp", 1),
+                        verdict="FAIL" if failures else "PASS", faithfulness=faith, cost=cost, failures=failures)
 
 
 def layer_curve(ref_meta, ref_tensors, got) -> list[dict]:

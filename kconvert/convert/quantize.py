@@ -54,28 +54,35 @@ def _row_chunks(rows: int, cols: int, unit: int = 1):
     return ((r, min(rows, r + step)) for r in range(0, rows, step))
 
 
-def _fold_max(a: torch.Tensor, dim: int, block: int) -> torch.Tensor:
-    """amax over consecutive runs of `block` along `dim` (a shorter last run counts on its own)."""
+def _fold_max(a: torch.Tensor, dim: int, block: int, signed: bool = False) -> torch.Tensor:
+    """amax (of |a| when `signed`) over consecutive runs of `block` along `dim` (a shorter last run
+    counts on its own). |a| comes from amax and amin: two reads and no |a| temporary."""
+    def absmax(v: torch.Tensor, d: int, keepdim: bool = False) -> torch.Tensor:
+        hi = v.amax(d, keepdim=keepdim)
+        return torch.maximum(hi, v.amin(d, keepdim=keepdim).neg_()) if signed else hi
+
     n = a.shape[dim]
     full = n - n % block
     parts = []
     if full:
-        parts.append(a.narrow(dim, 0, full).unflatten(dim, (full // block, block)).amax(dim + 1))
+        parts.append(absmax(a.narrow(dim, 0, full).unflatten(dim, (full // block, block)), dim + 1))
     if n > full:
-        parts.append(a.narrow(dim, full, n - full).amax(dim, keepdim=True))
+        parts.append(absmax(a.narrow(dim, full, n - full), dim, keepdim=True))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tensor, limit: float) -> None:
-    """out = clamp(x / s[r // block, c // block], ±limit), the scale broadcast over each block."""
+def _divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    """out = e4m3(x / s[r // block, c // block]), the scale broadcast over each block. No clamp to ±448
+    is needed: s >= amax / 448 up to one rounding, so |x / s| <= 448 (1 + 2^-22), which e4m3's
+    round-to-nearest-even maps to ±448 exactly as the clamped value (tests/test_export.py checks)."""
     r, c = x.shape
     s_rows = s.repeat_interleave(block, 0)[:r]  # [r, blocks across]: small
     full = c - c % block
     if full:
         y = x[:, :full].unflatten(1, (full // block, block)) / s_rows[:, : full // block, None]
-        out[:, :full].unflatten(1, (full // block, block)).copy_(y.clamp_(-limit, limit))
+        out[:, :full].unflatten(1, (full // block, block)).copy_(y)
     if c > full:
-        out[:, full:].copy_((x[:, full:] / s_rows[:, -1:]).clamp_(-limit, limit))
+        out[:, full:].copy_(x[:, full:] / s_rows[:, -1:])
 
 
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, scale_format: str = "fp32",
@@ -88,11 +95,11 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, scale_format: st
         return q, scale
     for r0, r1 in _row_chunks(rows, cols, block):
         x = w[r0:r1].to(torch.float32)  # w itself when already float32: only read below
-        s = (_fold_max(_fold_max(x.abs(), 1, block), 0, block) / FP8_MAX).clamp_min_(TINY)
+        s = (_fold_max(_fold_max(x, 1, block, signed=True), 0, block) / FP8_MAX).clamp_min_(TINY)
         if scale_format == "ue8m0":
             s = torch.exp2(torch.ceil(torch.log2(s)))
         scale[r0 // block: r0 // block + s.shape[0]] = s
-        _divide_blocks(x, s, block, q[r0:r1], FP8_MAX)
+        _divide_blocks(x, s, block, q[r0:r1])
     _check_scales(scale, w, name)
     return q, scale
 
@@ -105,10 +112,10 @@ def _quantize_rows(w: torch.Tensor, limit: float, dtype: torch.dtype, rounded: b
         return q, scale
     for r0, r1 in _row_chunks(rows, cols):
         x = w[r0:r1].to(torch.float32)
-        s = (x.abs().amax(dim=1, keepdim=True) / limit).clamp_min_(TINY)
+        s = (_fold_max(x, 1, cols, signed=True) / limit).clamp_min_(TINY)
         scale[r0:r1] = s
-        y = x / s
-        q[r0:r1].copy_((y.round_() if rounded else y).clamp_(-limit, limit))
+        y = x / s  # |y| <= limit (1 + 2^-22): see _divide_blocks; int8 rounds it to ±127 all the same
+        q[r0:r1].copy_(y.round_() if rounded else y)
     _check_scales(scale, w, name)
     return q, scale
 

@@ -94,7 +94,8 @@ def _slice(ck: Checkpoint, o: Output, x):
         w, s = x
         return (w.narrow(p.dim, p.start, p.stop - p.start).contiguous(),
                 s.narrow(p.dim, p.start // b, -(-p.stop // b) - p.start // b).contiguous())
-    return x.narrow(p.dim, p.start, p.stop - p.start).contiguous()
+    piece = x.narrow(p.dim, p.start, p.stop - p.start)
+    return piece if o.transform in ("fp8", "int8", "int4") else piece.contiguous()  # quantizers read views
 
 
 def _produce(o: Output, x):

@@ -37,5 +37,5 @@ def quantize_int4_packed(w: torch.Tensor, group: int = 32, name: str = "") -> tu
     rows, cols = w.shape
     if cols % group or cols % 8:
         raise CheckpointError(f"in_features {cols} is not a multiple of the group size {group} (and of 8)", tensor=name)
-    codes, scale = int4_group_codes(w, group, INT4_HALF_RANGE, "amax", torch.bfloat16, name)
+    codes, scale = int4_group_codes(w, group, INT4_HALF_RANGE, "amax", torch.bfloat16, name, floor_zeros_only=True)
     return pack_int32(codes), scale

@@ -135,12 +135,14 @@ INT4_CLIP_STEPS, INT4_CLIP_STEP = 16, 0.02
 
 
 def int4_group_codes(w: torch.Tensor, group: int, half_range: float = 7.0, search: str = "amax",
-                     scale_dtype: torch.dtype = torch.float32, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                     scale_dtype: torch.dtype = torch.float32, name: str = "",
+                     floor_zeros_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float (C a multiple of `group`) -> (int8 codes -8..7 [R, C], scale [R, C/group] in scale_dtype).
 
-    s_k = max(scale_dtype(amax (1 - 0.02 k) / half_range), 1e-12), q_k = clamp(round(w / s_k), -8, 7),
-    computed with the scale as stored (a bf16 scale is rounded first: what a reader multiplies by);
-    `search="mse"` keeps the k in 0..15 with the least squared error of the group (first on ties)."""
+    s_k = scale_dtype(amax (1 - 0.02 k) / half_range) raised to 1e-12 (`floor_zeros_only`: only a zero
+    scale is, as compressed-tensors' rule), q_k = clamp(round(w / s_k), -8, 7), computed with the
+    scale as stored (a bf16 scale is rounded first: what a reader multiplies by); `search="mse"` keeps
+    the k in 0..15 with the least squared error of the group (first on ties)."""
     rows, cols = w.shape
     codes = torch.empty(rows, cols, dtype=torch.int8)
     scale = torch.empty(rows, cols // group, dtype=scale_dtype)
@@ -149,7 +151,8 @@ def int4_group_codes(w: torch.Tensor, group: int, half_range: float = 7.0, searc
         amax = g.abs().amax(dim=-1, keepdim=True)
         best_q = best_s = best_err = None
         for k in range(INT4_CLIP_STEPS if search == "mse" else 1):
-            s = (amax * (1 - INT4_CLIP_STEP * k) / half_range).to(scale_dtype).clamp_min_(TINY).to(torch.float32)
+            s = (amax * (1 - INT4_CLIP_STEP * k) / half_range).to(scale_dtype)
+            s = (torch.where(s > 0, s, torch.full_like(s, TINY)) if floor_zeros_only else s.clamp_min_(TINY)).float()
             q = torch.round(g / s).clamp_(-8, 7)
             if search != "mse":
                 best_q, best_s = q, s

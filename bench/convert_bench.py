@@ -3,10 +3,14 @@
 Per source size (a generated `scale` checkpoint, page cache warm): DeepSeek's convert.py + `sync` (when
 --deepseek names a checkout of its `inference/` directory; never copied here), `kconvert shard --tp 8`
 unquantized and fp8, and `kconvert export --format fp8-block`, each with its defaults and followed by
-`sync`, each in its own process (peak RSS from wait4). Prints speed ratios to convert.py, fp8 vs
-unquantized, export vs shard fp8, and peak RSS flatness across sizes. Note the machine's load: it is shared.
+`sync`, each in its own process (peak RSS and CPU seconds from wait4). A disk floor runs with them:
+`dd` of as many bytes as `shard` unquantized writes, from /dev/zero, + `sync` (no reading, no CPU work:
+what the disk alone takes). The contenders run round-robin --repeat times (interleaved, so a burst of
+load from other jobs hits all of them) and the MEDIAN of each is reported, with the load average at
+every run. Prints speed ratios to convert.py, fp8 vs unquantized, export vs shard, and the peak RSS
+flatness across sizes.
 
-    .venv/bin/python bench/convert_bench.py --sizes 1GB,3GB --deepseek /path/to/DeepSeek-V3/inference
+    .venv/bin/python bench/convert_bench.py --sizes 1GB,3GB --deepseek /path/to/DeepSeek-V3.2-Exp/inference
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -27,9 +32,10 @@ from cli.units import fmt_bytes, parse_size  # noqa: E402
 
 
 def timed(cmd: list[str], out: Path) -> dict:
-    """Wall time (command + sync) and peak RSS of one command in its own process."""
+    """Wall time (command + sync), CPU seconds and peak RSS of one command in its own process."""
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
+    load = os.getloadavg()[0]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -37,8 +43,16 @@ def timed(cmd: list[str], out: Path) -> dict:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-2000:]}")
     subprocess.run(["sync"], check=True)
     wall = time.perf_counter() - t
+    written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.exists() else 0
     shutil.rmtree(out, ignore_errors=True)
-    return {"seconds": wall, "peak_rss": usage.ru_maxrss * 1024}
+    return {"seconds": wall, "cpu": usage.ru_utime + usage.ru_stime, "peak_rss": usage.ru_maxrss * 1024,
+            "written": written, "load": load}
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {"seconds": statistics.median(r["seconds"] for r in runs), "cpu": statistics.median(r["cpu"] for r in runs),
+            "peak_rss": statistics.median(r["peak_rss"] for r in runs), "written": runs[-1]["written"],
+            "all_seconds": [round(r["seconds"], 2) for r in runs], "loads": [round(r["load"], 1) for r in runs]}
 
 
 def main() -> None:
@@ -46,7 +60,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1GB,3GB")
     ap.add_argument("--workdir", default="/tmp/kbench")
     ap.add_argument("--deepseek", help="DeepSeek-V3 inference/ directory (holds convert.py); skipped when absent")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per command (the best is reported)")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (the median is reported)")
+    ap.add_argument("--only", help="comma-separated contenders to run (default: all)")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -74,25 +89,37 @@ def main() -> None:
         if convert_py:
             cmds = {"convert.py": [sys.executable, str(convert_py), "--hf-ckpt-path", str(src), "--save-path", str(out),
                                    "--n-experts", str(experts), "--model-parallel", "8"], **cmds}
-        row = results.setdefault(size_text, {})
-        for name, cmd in cmds.items():
-            runs = [timed(cmd, out) for _ in range(args.repeat)]
-            row[name] = min(runs, key=lambda r: r["seconds"]) | {"all_seconds": [round(r["seconds"], 2) for r in runs]}
-            print(json.dumps({"size": size_text, "cmd": name, "load": os.getloadavg()[0], **row[name]}), flush=True)
-    print(f"\nload average now {os.getloadavg()}; {os.cpu_count()} cores")
+        if args.only:
+            cmds = {k: v for k, v in cmds.items() if k in args.only.split(",")}
+        runs: dict[str, list[dict]] = {name: [] for name in [*cmds, "dd floor"]}
+        for _ in range(args.repeat):
+            for name, cmd in cmds.items():
+                runs[name].append(timed(cmd, out))
+                print(json.dumps({"size": size_text, "cmd": name, **runs[name][-1]}), flush=True)
+            floor_bytes = next((r[-1]["written"] for n, r in runs.items() if n == "shard none" and r), 0)
+            if floor_bytes:
+                dd = ["bash", "-c", f"mkdir -p '{out}' && dd if=/dev/zero of='{out / 'floor'}' bs=64M "
+                                    f"count={-(-floor_bytes // (64 << 20))} status=none"]
+                runs["dd floor"].append(timed(dd, out) | {"written": floor_bytes})
+        results[size_text] = {name: median_of(r) for name, r in runs.items() if r}
+    print(f"\nload average now {os.getloadavg()}; {os.cpu_count()} cores; medians of {args.repeat} interleaved rounds")
     for size_text, row in results.items():
         base = row.get("convert.py")
-        print(f"\n{size_text}: {'command':<18} {'seconds':>8} {'peak RSS':>10} {'x convert.py':>12} {'RSS / conv':>10}")
+        print(f"\n{size_text}: {'command':<18} {'seconds':>8} {'CPU s':>7} {'peak RSS':>10} {'written':>9} "
+              f"{'x convert.py':>12} {'RSS / conv':>10}  runs (load)")
         for name, r in row.items():
             speed = f"{base['seconds'] / r['seconds']:12.2f}" if base else f"{'-':>12}"
             rss = f"{r['peak_rss'] / base['peak_rss']:10.2f}" if base else f"{'-':>10}"
-            print(f"{'':>{len(size_text) + 1}} {name:<18} {r['seconds']:8.2f} {fmt_bytes(r['peak_rss']):>10} {speed} {rss}")
-        print(f"  fp8 / unquantized speed: {row['shard none']['seconds'] / row['shard fp8']['seconds']:.2f}; "
-              f"export / shard (fp8) time: {row['export fp8-block']['seconds'] / row['shard fp8']['seconds']:.2f}")
+            print(f"{'':>{len(size_text) + 1}} {name:<18} {r['seconds']:8.2f} {r['cpu']:7.2f} {fmt_bytes(r['peak_rss']):>10} "
+                  f"{fmt_bytes(r['written']):>9} {speed} {rss}  {r['all_seconds']} ({r['loads']})")
+        if "shard none" in row and "shard fp8" in row:
+            print(f"  fp8 / unquantized speed: {row['shard none']['seconds'] / row['shard fp8']['seconds']:.2f}")
+        if "export fp8-block" in row and "shard fp8" in row:
+            print(f"  export / shard (fp8) time: {row['export fp8-block']['seconds'] / row['shard fp8']['seconds']:.2f}")
     sizes = list(results)
     if len(sizes) > 1:
         for name in results[sizes[0]]:
-            if name != "convert.py":
+            if name not in ("convert.py", "dd floor") and name in results[sizes[-1]]:
                 print(f"peak RSS {sizes[-1]} / {sizes[0]}, {name}: "
                       f"{results[sizes[-1]][name]['peak_rss'] / results[sizes[0]][name]['peak_rss']:.2f}")
 

@@ -204,3 +204,60 @@ def test_nan_in_source_is_one_line_naming_the_tensor(checkpoint, copy_checkpoint
     proc = run_cli("export", src, tmp_path / "o", "--format", "w4a16")
     assert_one_line_error(proc, name)
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+def _by_the_doc(fmt: str, w: torch.Tensor, scale_fmt: str = "fp32", group: int = 32):
+    """docs/EXPORT.md's formulas on the whole tensor at once (scales expanded to the weight's shape,
+    explicit clamps): the reference for the chunked, broadcasting quantizers."""
+    x = w.float()
+    r, c = x.shape
+    if fmt == "fp8-block":
+        br, bc = -(-r // 128), -(-c // 128)
+        padded = torch.zeros(br * 128, bc * 128)
+        padded[:r, :c] = x.abs()
+        s = (padded.view(br, 128, bc, 128).amax(dim=(1, 3)) / 448).clamp_min(1e-12)
+        if scale_fmt == "ue8m0":
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        full = s.repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
+        return (x / full).clamp(-448, 448).to(torch.float8_e4m3fn), s
+    if fmt in ("w8a8-int8", "fp8-channel"):
+        top = 127 if fmt == "w8a8-int8" else 448
+        s = (x.abs().amax(dim=1, keepdim=True) / top).clamp_min(1e-12)
+        y = (x / s).round() if fmt == "w8a8-int8" else x / s
+        return y.clamp(-top, top).to(torch.int8 if fmt == "w8a8-int8" else torch.float8_e4m3fn), s
+    s = (x.view(r, c // group, group).abs().amax(-1) / 7.5).to(torch.bfloat16)
+    s = torch.where(s > 0, s, torch.full_like(s, 1e-12))
+    q = (x.view(r, c // group, group) / s.float()[..., None]).round().clamp(-8, 7).to(torch.int64) + 8
+    words = (q.view(r, c // 8, 8) << (torch.arange(8) * 4)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), s
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 4096])  # the default, and chunks far smaller than a 128-row block band
+def test_quantizers_equal_the_documented_formulas(chunk, monkeypatch):
+    """The quantizers work in row chunks with broadcast scales and no clamp (|x / s| cannot pass the
+    limit by more than rounding); the stored bytes must equal the formulas applied to the whole tensor.
+    Inputs where many entries equal their block's amax put x / s at or just above the limit."""
+    from kconvert.convert import quantize
+    from kconvert.convert.int4_pack import quantize_int4_packed
+
+    monkeypatch.setattr(quantize, "CHUNK_ELEMS", chunk)
+    g = torch.Generator().manual_seed(7)
+    for shape in [(130, 260), (384, 256), (5, 96), (257, 1056)]:
+        for mag in (1e-30, 1e-3, 1.0, 3e4, 1e36):
+            w = torch.randn(*shape, generator=g) * mag
+            at_max = torch.rand(*shape, generator=g) < 0.3
+            w[at_max] = w.abs().max() * torch.where(torch.rand(*shape, generator=g) < 0.5, -1.0, 1.0)[at_max]
+            w[1, :] = 0.0  # all-zero rows and blocks
+            for dtype in (torch.float32, torch.bfloat16):
+                x = w.to(dtype)
+                pairs = {"fp8-block": quantize.quantize_fp8_block(x, 128, "fp32"),
+                         "w8a8-int8": quantize.quantize_int8_channel(x),
+                         "fp8-channel": quantize.quantize_fp8_channel(x),
+                         **({"w4a16": quantize_int4_packed(x, 32)} if shape[1] % 32 == 0 else {})}
+                ue8m0 = quantize.quantize_fp8_block(x, 128, "ue8m0")
+                for fmt, (q, s) in [*pairs.items(), ("ue8m0", ue8m0)]:
+                    want_q, want_s = _by_the_doc("fp8-block" if fmt == "ue8m0" else fmt, x,
+                                                 "ue8m0" if fmt == "ue8m0" else "fp32")
+                    assert q.dtype == want_q.dtype and torch.equal(q.view(torch.uint8) if q.element_size() == 1 else q,
+                                                                   want_q.view(torch.uint8) if q.element_size() == 1 else want_q), (fmt, shape, mag, dtype)
+                    assert torch.equal(s, want_s.to(s.dtype)), (fmt, shape, mag, dtype)

@@ -29,7 +29,7 @@ from kconvert.converted.journal import JOURNAL_DIR, JournalLog, read_done
 from kconvert.convert.export_formats import (FORMATS, Exported, ignore_list, load, plan_tensor, produce,
                                              quantization_config, source_scale_fmt)
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files, prepare_out
-from kconvert.convert.shard import default_workers
+from kconvert.convert.shard import default_workers, worker_runtime
 
 EXPORT_VERSION = 1
 # Beyond shard's side files: what a serving engine or `trust_remote_code` needs from the release.
@@ -128,7 +128,7 @@ def export(job: ExportJob, progress=None) -> ExportResult:
     result.workers = job.workers or default_workers(largest, quantized=result.quantized > 0)
     if progress:
         progress("start", total=sum(e.bytes_in for _, f in todo for e in f))
-    with JournalLog(out / JOURNAL_DIR / "done-0000.jsonl") as log:
+    with JournalLog(out / JOURNAL_DIR / "done-0000.jsonl") as log, worker_runtime(result.workers):
         for name, rec in _write_files(ck, out, todo, scale_fmt, result.workers, progress):
             log.add({"file": name, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
             result.files_written += 1

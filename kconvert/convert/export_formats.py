@@ -25,7 +25,7 @@ from kconvert.io.safetensors_read import read_tensor
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
 from kconvert.convert.int4_pack import quantize_int4_packed
-from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_fp8_channel, quantize_int8_channel
+from kconvert.convert.quantize import quantize_fp8_block, quantize_fp8_channel, quantize_int8_channel
 
 FORMATS = ("fp8-block", "w4a16", "w8a8-int8", "fp8-channel")
 FORMAT_TRANSFORM = {"fp8-block": "fp8_block", "w4a16": "int4", "w8a8-int8": "int8_channel",
@@ -119,15 +119,15 @@ def produce(e: Exported, x, scale_fmt: str = "fp32") -> list[torch.Tensor]:
         return list(x)
     if e.transform in ("copy", "bf16"):
         return [(x.to(torch.bfloat16) if e.transform == "bf16" else x).contiguous()]
-    check_finite(x, e.src)
+    # each quantizer refuses NaN/Inf (found from its scales, no extra pass)
     if e.transform == "fp8_block":
-        return list(quantize_fp8_block(x, FP8_BLOCK, scale_fmt))
+        return list(quantize_fp8_block(x, FP8_BLOCK, scale_fmt, e.src))
     if e.transform == "int4":
         packed, scale = quantize_int4_packed(x, e.group, e.src)
         return [packed, scale, torch.tensor(list(e.shape), dtype=torch.int32)]
     if e.transform == "int8_channel":
-        return list(quantize_int8_channel(x))
-    return list(quantize_fp8_channel(x))
+        return list(quantize_int8_channel(x, e.src))
+    return list(quantize_fp8_channel(x, e.src))
 
 
 # --------------------------------------------------------------------------- config.json

@@ -1,6 +1,8 @@
 """One unit of `kconvert shard` (a layer, globals or vision), every rank's file of it in one pass over
 the source: each source tensor is read once (a reader thread fetches the next while the current one is
-sliced, quantized and written: two in flight at most), and each rank's slice goes to that rank's file."""
+sliced, quantized and written: two in flight at most), and each rank's slice goes to that rank's file.
+`write_unit` leaves the files finished but not yet durable (the caller commits a unit's files together,
+off the worker: safetensors_write.commit_all); `run_unit` also commits them (and compresses them)."""
 
 from __future__ import annotations
 
@@ -11,20 +13,32 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import KConvertError
-from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile
+from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import read_checked
 from kconvert.convert.quant_policy import FP8_BLOCK
-from kconvert.convert.quantize import check_finite, quantize_fp8_block, quantize_int4_group, quantize_int8_channel
+from kconvert.convert.quantize import quantize_fp8_block, quantize_int4_group, quantize_int8_channel
 from kconvert.convert.shard_plan import Output, WorkItem
 
 
 def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
-              level: int | None = None) -> list[tuple[WrittenFile, dict | None]]:
+             level: int | None = None) -> list[tuple[WrittenFile, dict | None]]:
+    """write_unit, then commit the unit's files. With a zstd `level`, each committed file is then
+    compressed in place (temp + fsync + rename) before the caller journals it."""
+    written = commit_all(write_unit(ck, batch, out, progress))
+    if level is None:
+        return [(rec, None) for rec in written]
+    from kconvert.io.compress_file import compress_file
+
+    return [(rec, compress_file(rec.path, rec.path, level=level, threads=min(8, os.cpu_count() or 1),
+                                expect_crc32=rec.crc32).record()) for rec in written]
+
+
+def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> list[SafetensorsWriter]:
     """Write every rank's file of one unit (a layer, globals or vision) in one pass over the source:
     each source tensor is read once, and each rank's slice of it goes to that rank's file. Memory:
-    the tensor being written plus the one read ahead. With a zstd `level`, each committed file is
-    then compressed in place (temp + fsync + rename) before the caller journals it."""
+    the tensor being written plus the one read ahead. Returns the finished writers (bytes written,
+    writeback started, not yet durable: commit_all them before journalling)."""
     writers = []
     try:
         for w in batch:
@@ -54,17 +68,13 @@ def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
                     if progress:
                         progress("advance", n=o.bytes_in)
                 del x
-        written = [wr.commit() for wr in writers]
+        for wr in writers:
+            wr.finish()
     except BaseException:
         for wr in writers:
             wr.abort()
         raise
-    if level is None:
-        return [(rec, None) for rec in written]
-    from kconvert.io.compress_file import compress_file
-
-    return [(rec, compress_file(rec.path, rec.path, level=level, threads=min(8, os.cpu_count() or 1),
-                                expect_crc32=rec.crc32).record()) for rec in written]
+    return writers
 
 
 def _load(ck: Checkpoint, o: Output):
@@ -84,7 +94,8 @@ def _slice(ck: Checkpoint, o: Output, x):
         w, s = x
         return (w.narrow(p.dim, p.start, p.stop - p.start).contiguous(),
                 s.narrow(p.dim, p.start // b, -(-p.stop // b) - p.start // b).contiguous())
-    return x.narrow(p.dim, p.start, p.stop - p.start).contiguous()
+    piece = x.narrow(p.dim, p.start, p.stop - p.start)
+    return piece if o.transform in ("fp8", "int8", "int4") else piece.contiguous()  # quantizers read views
 
 
 def _produce(o: Output, x):
@@ -92,18 +103,17 @@ def _produce(o: Output, x):
         yield o.src, x[0]
         yield o.src + "_scale_inv", x[1].to(torch.float32)
         return
-    if o.transform in ("fp8", "int8", "int4"):
-        check_finite(x, o.src)
+    if o.transform in ("fp8", "int8", "int4"):  # each refuses NaN/Inf (found from its scales)
         if o.transform == "int4":
-            q, s = quantize_int4_group(x, o.group_size, o.int4_scales)
+            q, s = quantize_int4_group(x, o.group_size, o.int4_scales, o.src)
             yield o.src + "_packed", q
             yield o.src + "_scale", s
         elif o.transform == "fp8":
-            q, s = quantize_fp8_block(x, FP8_BLOCK, o.scale_format)
+            q, s = quantize_fp8_block(x, FP8_BLOCK, o.scale_format, o.src)
             yield o.src, q
             yield o.src + "_scale_inv", s
         else:
-            q, s = quantize_int8_channel(x)
+            q, s = quantize_int8_channel(x, o.src)
             yield o.src, q
             yield o.src + "_scale", s
         return

@@ -44,7 +44,11 @@ class JournalLog:
         self._f = open(path, "a")
 
     def add(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        self.add_all([record])
+
+    def add_all(self, records: list[dict]) -> None:
+        """Several records (files made durable together) with one fsync."""
+        self._f.write("".join(json.dumps(r) + "\n" for r in records))
         self._f.flush()
         os.fsync(self._f.fileno())
 

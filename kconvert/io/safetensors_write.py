@@ -3,7 +3,14 @@
 The header is computed up front from the planned (name, dtype, shape) list, so tensors can be
 produced and written one at a time (memory: one tensor). Bytes go to a hidden temporary name,
 are fsynced, then renamed into place (and the directory fsynced): a file under its final name is
-always complete. CRC-32 of the whole file and of each tensor's bytes are computed as they pass.
+always complete. Each tensor's bytes are written straight from the tensor's memory (no copy) and
+passed over once for its CRC-32; the file's CRC-32 is combined from those (io/crc.py).
+
+Durability in batches: `finish()` ends a file without waiting for the disk (it only starts the
+writeback), and `commit_all()` later fsyncs a group of finished files, renames them into place and
+fsyncs their directory once, so a worker never waits for the disk and a caller can make a whole unit
+durable before it journals it. `commit()` is both for one file. After the fsync the file's pages are
+dropped from the page cache (they are clean then): a conversion does not push the page cache out.
 """
 
 from __future__ import annotations
@@ -18,7 +25,11 @@ from pathlib import Path
 import torch
 
 from kconvert.io.atomic import fsync_dir, write_error
+from kconvert.io.crc import crc32_combine
 from kconvert.io.dtypes import ITEMSIZE, TAGS
+
+
+WRITEBACK_STEP = 64 << 20  # start writing a growing file back every this many bytes
 
 
 @dataclass
@@ -54,16 +65,25 @@ class SafetensorsWriter:
         self._tensor_crc: dict[str, str] = {}
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.tmp, "wb")
+        self._fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._finished = False
+        self._written = self._kicked = 0
         self._write(self._head)
+        self._crc = zlib.crc32(self._head)
 
     def _write(self, data) -> None:
+        view = memoryview(data).cast("B")
         try:
-            self._f.write(data)
+            while len(view):
+                n = os.write(self._fd, view)
+                view = view[n:]
+                self._written += n
         except OSError as e:
             self.abort()
             raise write_error(e, self.path) from None
-        self._crc = zlib.crc32(data, self._crc)
+        if self._written - self._kicked >= WRITEBACK_STEP:  # a big file: keep the disk busy while it grows
+            _advise(self._fd, "POSIX_FADV_DONTNEED", self._kicked, self._written - self._kicked)
+            self._kicked = self._written
 
     def write(self, name: str, t: torch.Tensor) -> None:
         want_name, tag, shape = self.specs[self._next]
@@ -71,27 +91,77 @@ class SafetensorsWriter:
             self.abort()
             raise RuntimeError(f"writer expected {want_name} {tag}{list(shape)}, got {name} {t.dtype}{list(t.shape)}")
         data = tensor_bytes(t)
+        crc = zlib.crc32(data)
         self._write(data)
-        self._tensor_crc[name] = f"{zlib.crc32(data):08x}"
+        self._crc = crc32_combine(self._crc, crc, len(data))
+        self._tensor_crc[name] = f"{crc:08x}"
         self._next += 1
 
-    def commit(self) -> WrittenFile:
+    def finish(self) -> None:
+        """Every planned tensor is written: start writing the file back, do not wait for it."""
         if self._next != len(self.specs):
             self.abort()
             raise RuntimeError(f"{self.path}: {len(self.specs) - self._next} planned tensors never written")
+        _advise(self._fd, "POSIX_FADV_DONTNEED")  # on dirty pages: starts their writeback, returns at once
+        self._finished = True
+
+    def commit(self) -> WrittenFile:
+        """finish() and make the file durable under its final name."""
+        return commit_all([self])[0]
+
+    def _sync(self) -> None:
+        """fsync the temporary, then let the page cache drop its (now clean) pages, and close it."""
+        fd, self._fd = self._fd, None
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-            os.replace(self.tmp, self.path)
-            fsync_dir(self.path.parent)
-        except OSError as e:
-            self.abort()
-            raise write_error(e, self.path) from None
+            os.fsync(fd)
+            _advise(fd, "POSIX_FADV_DONTNEED")
+        finally:
+            os.close(fd)
+
+    def record(self) -> WrittenFile:
         return WrittenFile(self.path, self.total, f"{self._crc:08x}", self._tensor_crc)
 
     def abort(self) -> None:
+        fd, self._fd = self._fd, None
         try:
-            self._f.close()
+            if fd is not None:
+                os.close(fd)
         finally:
             self.tmp.unlink(missing_ok=True)
+
+
+def commit_all(writers: list[SafetensorsWriter]) -> list[WrittenFile]:
+    """Make finished files durable together: fsync each, rename each into place, fsync each directory
+    once. Until this returns, none of them may be journalled; on an error every one not yet renamed
+    is removed (a renamed one is complete: its bytes were fsynced before the rename)."""
+    pending = list(writers)
+    try:
+        for w in writers:
+            if not w._finished:
+                w.finish()
+        for w in writers:
+            w._sync()
+        while pending:
+            os.replace(pending[0].tmp, pending[0].path)
+            pending.pop(0)
+        for d in dict.fromkeys(w.path.parent for w in writers):
+            fsync_dir(d)
+    except OSError as e:
+        bad = pending[0].path if pending else writers[-1].path
+        for w in pending:
+            w.abort()
+        raise write_error(e, bad) from None
+    except BaseException:
+        for w in pending:
+            w.abort()
+        raise
+    return [w.record() for w in writers]
+
+
+def _advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
+    """posix_fadvise where the platform has it. DONTNEED on dirty pages starts their writeback (Linux)."""
+    if hasattr(os, "posix_fadvise") and hasattr(os, advice):
+        try:
+            os.posix_fadvise(fd, offset, length, getattr(os, advice))
+        except OSError:
+            pass  # advice only

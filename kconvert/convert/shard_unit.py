@@ -58,16 +58,24 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> li
             for i, src in enumerate(order):
                 x = ahead.result()
                 ahead = reader.submit(_load, ck, by_src[order[i + 1]][0][1]) if i + 1 < len(order) else None
+                made: dict[tuple, list] = {}  # a replicated tensor is transformed once, not once per rank
                 for writer, o in by_src[src]:
                     try:
-                        for name, tensor in _produce(o, _slice(ck, o, x)):
+                        if o.piece.dim is None:
+                            key = (o.transform, o.scale_format, o.group_size, o.int4_scales)
+                            if key not in made:
+                                made[key] = list(_produce(o, x))
+                            produced = made[key]
+                        else:
+                            produced = _produce(o, _slice(ck, o, x))
+                        for name, tensor in produced:
                             writer.write(name, tensor)
                     except KConvertError as e:
                         e.file = e.file or str(ck.logical[o.src].main.file)
                         raise
                     if progress:
                         progress("advance", n=o.bytes_in)
-                del x
+                del x, made
         for wr in writers:
             wr.finish()
     except BaseException:

@@ -290,7 +290,8 @@ def main() -> None:
         if f != "bf16":
             print(_row(f, v["vs_bf16"]) + f"  p99 text {max(x for w, x in v['p99_vs_bf16'].items() if w != 'random'):.1e}")
     ke = key_errors(model)
-    print(" indexer keys, relative RMS error: " + "  ".join(f"{c} {ke[c]:.4f}" for c in ("bf16", "int8", "fp8", "fp8-hadamard"))
+    codes = ("bf16", "int8", "fp8", "fp8-hadamard")
+    print(" indexer keys, relative RMS error: " + "  ".join(f"{c} {ke[c]:.4f}" for c in codes)
           + f"; median amax/RMS per key {ke['amax/rms']:.2f}, rotated {ke['amax/rms rotated']:.2f}")
     print(" simulated (rows round-tripped into a fp32 cache), added vs the simulated bf16 cache:")
     for f, v in simulated(model, wins).items():

@@ -4,6 +4,7 @@ scale granularity.
 
     .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained --contexts 1k,32k --steps 16 --rounds 5
     .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained --kld-only --kld-tokens 256 --breakdown
+    .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained-wide --kld-only --kld-tokens 1024 --breakdown
 
 Decode cost depends on what the cache holds, not on how it got there, so each context is filled with
 synthetic rows (random latent / indexer keys written through the cache's own write path), then every
@@ -13,6 +14,8 @@ load hits all of them alike); ms/token is the median over `--rounds`. "tiered" r
 KLD: real prefill of `--kld-tokens` tokens (3 held-out stdlib windows, the trained fixtures' prompt text,
 and one window of random ids), mean over positions, of each format against the fp32 cache and against the
 bf16 cache ("added": KLD(bf16-cache run || 8-bit-cache run)). Compute is fp32, weights dequantized once.
+"simulated": rows round-tripped through a code on their way into a fp32 cache, which also tries a
+Hadamard rotation of the indexer keys before fp8 (DeepSeek-V3.2's inference code rotates q and k).
 """
 
 from __future__ import annotations
@@ -143,27 +146,84 @@ def kld(model, wins: dict[str, torch.Tensor]) -> dict[str, dict]:
 def breakdown(model, wins: dict[str, torch.Tensor]) -> list[tuple[str, dict]]:
     """Added KLD (vs the bf16 cache) of 8-bit latent or 8-bit indexer keys in one layer at a time, everything
     else bf16: rows are quantized and dequantized on the way into a fp32 cache (the same code as the 8-bit rows)."""
-    from engine.kv_format import dequantize, quantize_fp8, quantize_int8
-
-    def fake(code):
-        q = quantize_fp8 if code == "fp8" else quantize_int8
-        return lambda x: dequantize(*q(x, 128), 128).to(x.dtype) if code != "bf16" else x.to(torch.bfloat16).to(x.dtype)
-
-    def run(ids, lat, key, layer=None):
-        cache = model.new_cache(1, ids.shape[1])
-        for i, L in enumerate(cache.layers):
-            lq, kq = (fake(lat), fake(key)) if layer in (None, i) else (fake("bf16"), fake("bf16"))
-            w, wi = L.write, L.write_index
-            L.write = lambda step, x, r, w=w, lq=lq: w(step, lq(x), fake("bf16")(r))
-            L.write_index = lambda step, k, wi=wi, kq=kq: wi(step, kq(k))
-        return model.forward(ids, cache).log_softmax(-1)
-
     out = []
-    for code in ("fp8", "int8"):
+    for code in ("fp8", "int8", "fp8-hadamard"):
         for layer in range(model.cfg.num_layers):
             for part, lat, key in (("latent", code, "bf16"), ("indexer keys", "bf16", code)):
-                r = {w: float(_kld(run(ids, "bf16", "bf16"), run(ids, lat, key, layer)).mean()) for w, ids in wins.items()}
+                if code == "fp8-hadamard" and part == "latent":
+                    continue
+                r = {w: float(_kld(fake_run(model, ids, "bf16", "bf16"), fake_run(model, ids, lat, key, layer)).mean())
+                     for w, ids in wins.items()}
                 out.append((f"{code} {part}, layer {layer}", r))
+    return out
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix of order n (a power of 2); symmetric, so H @ H = I."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n ** 0.5
+
+
+def fake(code: str):
+    """Round trip of a row through an 8-bit code (the engine's own quantize / dequantize). "fp8-hadamard":
+    rotate by H, fp8, rotate back, as DeepSeek-V3.2's inference code does with its indexer q and k (H is
+    orthogonal, so scoring H q against the stored H k equals scoring q against this round trip)."""
+    from engine.kv_format import dequantize, quantize_fp8, quantize_int8
+
+    if code == "bf16":
+        return lambda x: x.to(torch.bfloat16).to(x.dtype)
+    if code == "fp8-hadamard":
+        def rot(x):
+            h = hadamard(x.shape[-1]).to(x.dtype)
+            return (dequantize(*quantize_fp8(x @ h, 128), 128).to(x.dtype)) @ h
+        return rot
+    q = quantize_fp8 if code == "fp8" else quantize_int8
+    return lambda x: dequantize(*q(x, 128), 128).to(x.dtype)
+
+
+def fake_run(model, ids, lat: str, key: str, layer: int | None = None) -> torch.Tensor:
+    """Log-probs with rows quantized and dequantized on the way into a fp32 cache (`layer`: only there,
+    bf16 elsewhere)."""
+    cache = model.new_cache(1, ids.shape[1])
+    for i, L in enumerate(cache.layers):
+        lq, kq = (fake(lat), fake(key)) if layer in (None, i) else (fake("bf16"), fake("bf16"))
+        w, wi = L.write, L.write_index
+        L.write = lambda step, x, r, w=w, lq=lq: w(step, lq(x), fake("bf16")(r))
+        L.write_index = lambda step, k, wi=wi, kq=kq: wi(step, kq(k))
+    return model.forward(ids, cache).log_softmax(-1)
+
+
+# label -> (latent code, indexer key code) of the simulated runs (fake_run): the fp8 row checks that the
+# simulation reproduces the engine's fp8 cache; the others rotate the keys before fp8
+SIMULATED = {"fp8 (simulated)": ("fp8", "fp8"), "fp8, Hadamard keys": ("fp8", "fp8-hadamard"),
+             "bf16 latent + Hadamard fp8 keys": ("bf16", "fp8-hadamard")}
+
+
+def simulated(model, wins: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Added KLD (vs the simulated bf16 cache) of each SIMULATED format, per window."""
+    out = {f: {} for f in SIMULATED}
+    for w, ids in wins.items():
+        base = fake_run(model, ids, "bf16", "bf16")
+        for f, (lat, key) in SIMULATED.items():
+            out[f][w] = float(_kld(base, fake_run(model, ids, lat, key)).mean())
+    return out
+
+
+def key_errors(model, tokens: int = 256) -> dict[str, float]:
+    """Relative RMS error of the real indexer keys (all layers) under each key code, and amax / RMS per row
+    (how much an outlier channel widens fp8's scale)."""
+    ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(9))
+    cache, keys = model.new_cache(1, tokens), []
+    for L in cache.layers:
+        wi = L.write_index
+        L.write_index = lambda step, k, wi=wi: (keys.append(k.detach().float()), wi(step, k))[1]
+    model.forward(ids, cache)
+    k = torch.cat([x.reshape(-1, x.shape[-1]) for x in keys])
+    out = {c: float((fake(c)(k) - k).norm() / k.norm()) for c in ("bf16", "int8", "fp8", "fp8-hadamard")}
+    ratio = lambda x: float((x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()).median())
+    out["amax/rms"], out["amax/rms rotated"] = ratio(k), ratio(k @ hadamard(k.shape[-1]))
     return out
 
 
@@ -229,6 +289,13 @@ def main() -> None:
     for f, v in k.items():
         if f != "bf16":
             print(_row(f, v["vs_bf16"]) + f"  p99 text {max(x for w, x in v['p99_vs_bf16'].items() if w != 'random'):.1e}")
+    ke = key_errors(model)
+    codes = ("bf16", "int8", "fp8", "fp8-hadamard")
+    print(" indexer keys, relative RMS error: " + "  ".join(f"{c} {ke[c]:.4f}" for c in codes)
+          + f"; median amax/RMS per key {ke['amax/rms']:.2f}, rotated {ke['amax/rms rotated']:.2f}")
+    print(" simulated (rows round-tripped into a fp32 cache), added vs the simulated bf16 cache:")
+    for f, v in simulated(model, wins).items():
+        print(_row(f, v))
     if a.breakdown:
         print(" added by one layer's 8-bit part (the rest bf16):")
         for name, r in breakdown(model, wins):

@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import assert_one_line_error, cli_here, one_thread, run_cli
 from kconvert.verify import damage
@@ -110,10 +109,11 @@ def few(src, fp8_tp2, tmp_path_factory):
     (d / "prompts.json").write_text(json.dumps(prompts))
     kconvert("shard", src, d / "fp8-tp1", "--tp", 1, "--quant", "fp8")
     kit = {"ref": d / "ref.safetensors"}
-    kconvert("reference", src, "--out", kit["ref"], "--hidden-states", "--prompts", d / "prompts.json")
+    few_refs = ("--hidden-states", "--prompts", d / "prompts.json")
+    kconvert("reference", src, "--out", kit["ref"], *few_refs)
     for tp, conv in ((1, d / "fp8-tp1"), (2, fp8_tp2)):
         kit[tp] = conv, d / f"fq-tp{tp}.safetensors"
-        kconvert("reference", src, "--out", kit[tp][1], "--like", conv, "--hidden-states", "--prompts", d / "prompts.json")
+        kconvert("reference", src, "--out", kit[tp][1], "--like", conv, *few_refs)
     return kit
 
 

@@ -88,7 +88,7 @@ class Damage:
     apply: Callable[[Path], None]
     layer: int  # the first faulty layer verify --per-layer must name
     tensor: str | None  # the tensor attribution must rank first (None: not a single tensor's fault)
-    min_tp: int = 1
+    min_tp: int = 1  # the fewest ranks the case needs
 
 
 EXPERT = f"{P}2.mlp.experts.0.up_proj.weight"  # an expert the held-out prompts route to (layer 2 uses few)

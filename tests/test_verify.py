@@ -23,8 +23,7 @@ def src(checkpoint):
 
 def kconvert(*args) -> None:
     """A command that makes a test's inputs, run in this process (the CLI's own entry point)."""
-    with one_thread():
-        r = cli_here(*args)
+    r = cli_here(*args)
     assert r.returncode == 0, r.stderr
 
 

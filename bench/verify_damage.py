@@ -1,9 +1,10 @@
 """Damaged fp8 conversions of the trained tiny-k3 must FAIL verify's faithfulness check; clean
 conversions of every scheme must not, for any seed of the trained fixture.
 
-Damage (consistent checksums, wrong numbers; the same rewrite as tests/test_verify.py): one expert's
-up_proj scales x30 (expert 0 of layer 2: the trained fixture's layer 2 routes every token to 4 experts), one layer's o_proj scales x8, rank 0's and rank 1's experts of layer 1 swapped,
-one output row of one q_b_proj slice with its sign flipped.
+Damage (consistent checksums, wrong numbers): kconvert/verify/damage.py's CASES, the ones tests/test_verify.py
+runs on three prompts (here on the full held-out set, at tp 2): one expert's up_proj scales x30 (expert 0
+of layer 2: the trained fixture's layer 2 routes every token to 4 experts), one layer's o_proj scales x8,
+rank 0's and rank 1's experts of layer 1 swapped, one output row of one q_b_proj slice with its sign flipped.
 
     .venv/bin/python bench/verify_damage.py --workdir /tmp/kdamage                 # damage table, seed 0
     .venv/bin/python bench/verify_damage.py --seeds 20 --no-damage                 # false FAILs over 20 seeds
@@ -14,61 +15,34 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-from helpers import run_cli  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from test_verify import P, _rewrite  # noqa: E402
+from kconvert.verify.damage import CASES  # noqa: E402
 
 CLEAN = {"none": [], "fp8": ["--quant", "fp8"], "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"],
          "int8": ["--quant", "int8"], "int4": ["--quant", "int4"]}
 
 
+def run_cli(*args, check: bool = False) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr}")
+    return r
+
+
 def damage(clean: Path, work: Path) -> dict[str, Path]:
-    def fresh(name: str) -> Path:
-        d = work / name
+    """A fresh copy of `clean` per case, damaged."""
+    cases = {}
+    for name, case in CASES.items():
+        d = cases[name] = work / name.replace(" ", "-").replace("'", "")
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(clean, d)
-        return d
-
-    cases = {}
-    d = cases["one expert x30"] = fresh("expert")
-    n = f"{P}2.mlp.experts.0.up_proj.weight_scale_inv"
-    _rewrite(d, "rank-000/layer-0002.safetensors", lambda t: t.__setitem__(n, t[n] * 30))
-    d = cases["one layer's scales x8"] = fresh("scales")
-    n = f"{P}1.self_attn.o_proj.weight_scale_inv"
-    for r in (0, 1):
-        _rewrite(d, f"rank-00{r}/layer-0001.safetensors", lambda t: t.__setitem__(n, t[n] * 8))
-    d = cases["experts swapped between ranks"] = fresh("swap")
-    r0, r1 = (load_file(d / f"rank-00{r}/layer-0001.safetensors") for r in (0, 1))
-
-    def renumber(tensors: dict, shift: int) -> dict:
-        out = {}
-        for k, v in tensors.items():
-            if ".mlp.experts." in k:
-                head, rest = k.split(".mlp.experts.")
-                e, tail = rest.split(".", 1)
-                out[f"{head}.mlp.experts.{int(e) + shift}.{tail}"] = v
-        return out
-
-    into0, into1 = renumber(r1, -8), renumber(r0, 8)
-    _rewrite(d, "rank-000/layer-0001.safetensors", lambda t: t.update(into0))
-    _rewrite(d, "rank-001/layer-0001.safetensors", lambda t: t.update(into1))
-    d = cases["one row sign-flipped"] = fresh("flip")
-    n = f"{P}1.self_attn.q_b_proj.weight"
-
-    def flip(t):
-        w = t[n].float()
-        w[5] = -w[5]
-        t[n] = w.to(torch.float8_e4m3fn)
-
-    _rewrite(d, "rank-001/layer-0001.safetensors", flip)
+        case.apply(d)
     return cases
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import subprocess
@@ -23,6 +24,33 @@ def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: i
     if check and proc.returncode != 0:
         raise AssertionError(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+def cli_here(*args: str) -> subprocess.CompletedProcess:
+    """`kconvert ARGS` through the CLI's own entry point (cli.main.main: the one place that turns errors into
+    exit codes and one-line messages) inside this process: no interpreter start or torch import per call,
+    and the session's in-process caches (the trained fixture's training) apply. For commands that fail
+    fast on bad input or reuse a cache; `run_cli` stays the way to test what a separate process does."""
+    import io
+
+    from cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(["kconvert", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread while an engine or a reference runs in this process, as each spawned rank of a
+    2-core machine runs (kconvert.verify.run.spawn_main): no OpenMP threads spin-waiting on a loaded machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

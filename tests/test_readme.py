@@ -1,14 +1,16 @@
 """The README's Commands section, run as written, so it cannot drift from the CLI.
 
 Every command line of its ```bash block runs in order, in one temporary directory (each line may use what
-an earlier one made, as a reader following along would), with `kconvert` = this checkout's CLI, `torchrun`
-= torch.distributed.run and `python` = this interpreter. What a line needs and a reader would already have
-is made first (PRECONDITIONS); a line that cannot run here is skipped only by a rule in SKIP, with its
-reason; a flag that needs an uninstalled optional package is dropped by a rule in DROP. Every `kconvert`
-command named in the section's table must exist, and every option the table names must be in its --help."""
+an earlier one made, as a reader following along would), with `kconvert` = this checkout's CLI (its entry
+point, in this process: run_line), `torchrun` = torch.distributed.run and `python` = this interpreter.
+What a line needs and a reader would already have is made first (PRECONDITIONS); a line that cannot run
+here is skipped only by a rule in SKIP, with its reason; a flag that needs an uninstalled optional package
+is dropped by a rule in DROP. Every `kconvert` command named in the section's table must exist, and every
+option the table names must be in its --help."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -17,7 +19,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, cli_here, one_thread
 
 # line pattern -> why it cannot run in this test (keep short: each one is a line nobody checks)
 SKIP = {
@@ -28,6 +30,9 @@ SKIP = {
 # flag pattern -> (module it needs, why it is dropped when that module is missing)
 DROP = {r"--plot \S+": ("matplotlib", "matplotlib is the `plot` extra, not installed by `make test`")}
 
+
+PROGRAMS = {"kconvert": [sys.executable, "-m", "cli.main"], "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+            "python": [sys.executable]}
 
 # presets whose `kconvert fixture` line is satisfied from the session's cache (training one takes minutes)
 LINKED_FIXTURES = ("tiny-k3-trained",)
@@ -67,10 +72,28 @@ def prepared(line: str) -> tuple[list[str] | None, str | None]:
     argv = shlex.split(line, comments=True)
     if needs_hub(argv):
         return None, "needs the Hugging Face Hub"
-    program = {"kconvert": [sys.executable, "-m", "cli.main"], "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-               "python": [sys.executable]}
-    assert argv[0] in program, f"README command with an unknown program: {line}"
-    return program[argv[0]] + argv[1:], None
+    assert argv[0] in PROGRAMS, f"README command with an unknown program: {line}"
+    return argv, None
+
+
+# kconvert lines that run as processes: engine.launch makes the process that starts the ranks rank 0 (its
+# environment says so), which this test process must not become
+OWN_PROCESS = (r"\bload\b.*--warmup",)
+
+
+def run_line(argv: list[str], workdir) -> subprocess.CompletedProcess:
+    """A `kconvert` line through the CLI's entry point in this process, in workdir (no interpreter start and
+    torch import per line; ranks a line spawns are still processes), unless OWN_PROCESS names it; the others
+    as processes (this checkout first on the path)."""
+    if argv[0] == "kconvert" and not any(re.search(p, shlex.join(argv)) for p in OWN_PROCESS):
+        env = dict(os.environ)
+        with contextlib.chdir(workdir), one_thread():
+            p = cli_here(*argv[1:])
+        assert dict(os.environ) == env, f"`{shlex.join(argv)}` changed the environment: add it to OWN_PROCESS"
+        return p
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(PROGRAMS[argv[0]] + argv[1:], cwd=workdir, capture_output=True, text=True, timeout=900,
+                          env=env)
 
 
 LINES = command_lines()
@@ -104,8 +127,7 @@ def test_readme_line_runs(line, workdir):
     argv, why = prepared(line)
     if argv is None:
         pytest.skip(why)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=900, env=env)
+    p = run_line(argv, workdir)
     assert p.returncode == 0, f"README line failed ({p.returncode}): {line}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr, p.stderr
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, assert_one_line_error, load_source, run_cli
+from helpers import ROOT, assert_one_line_error, cli_here, load_source, run_cli
 
 
 def rank_tensors(out: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -200,21 +200,22 @@ def test_verify_files_names_damaged_file_and_tensor(checkpoint, tmp_path):
 
 
 def test_bad_inputs(checkpoint, tmp_path, copy_checkpoint):
+    """Through the CLI's entry point in this process (cli_here): no interpreter start per case."""
     src = checkpoint("tiny-k3")
-    assert_one_line_error(run_cli("shard", src, tmp_path / "a", "--tp", 8), "4 attention heads", "1, 2, 4")
+    assert_one_line_error(cli_here("shard", src, tmp_path / "a", "--tp", 8), "4 attention heads", "1, 2, 4")
     assert not (tmp_path / "a").exists()
-    r = run_cli("shard", src, tmp_path / "b", "--tp", 2, "--quant", "int3")
+    r = cli_here("shard", src, tmp_path / "b", "--tp", 2, "--quant", "int3")
     assert r.returncode == 2 and "int3" in r.stderr
-    assert_one_line_error(run_cli("shard", src, src / "out", "--tp", 2), "inside the source")
-    assert_one_line_error(run_cli("shard", src, "/proc/kconvert-out", "--tp", 2), "/proc/kconvert-out")
+    assert_one_line_error(cli_here("shard", src, src / "out", "--tp", 2), "inside the source")
+    assert_one_line_error(cli_here("shard", src, "/proc/kconvert-out", "--tp", 2), "/proc/kconvert-out")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    assert_one_line_error(run_cli("shard", src, other, "--tp", 2), "not empty")
+    assert_one_line_error(cli_here("shard", src, other, "--tp", 2), "not empty")
     done = tmp_path / "done"
-    run_cli("shard", src, done, "--tp", 1, check=True)
-    assert_one_line_error(run_cli("shard", src, done, "--tp", 2), "different conversion", "--overwrite")
-    assert run_cli("shard", src, done, "--tp", 1).returncode == 0  # same job again: already complete
+    assert cli_here("shard", src, done, "--tp", 1).returncode == 0
+    assert_one_line_error(cli_here("shard", src, done, "--tp", 2), "different conversion", "--overwrite")
+    assert cli_here("shard", src, done, "--tp", 1).returncode == 0  # same job again: already complete
 
 
 def test_nan_in_source_refuses_to_quantize(checkpoint, copy_checkpoint, tmp_path):

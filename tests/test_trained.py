@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from helpers import load_source, run_cli
+from helpers import cli_here, load_source
 from kconvert.fixtures import trained
 from kconvert.verify.prompts import HELD_OUT_FILES, heldout_prompts, stdlib_text
 
@@ -43,17 +43,30 @@ def test_heldout_prompts_come_from_unseen_text():
 
 
 def test_training_is_reproducible(monkeypatch):
-    """Same seed, same weights (a 3-step run: the full run is the session fixture above)."""
+    """Same seed, same weights (a 3-step run: the full run is the session fixture above). The uncached
+    function runs twice, so the session's cached training (seed 0) stays for the tests that reuse it."""
     monkeypatch.setattr(trained, "STEPS", 3)
-    trained.trained_text_state.cache_clear()
-    a, la = trained.trained_text_state(5)
-    trained.trained_text_state.cache_clear()
-    b, lb = trained.trained_text_state(5)
-    trained.trained_text_state.cache_clear()
-    assert la == lb and all(torch.equal(a[k], b[k]) for k in a)
+    train = trained.trained_text_state.__wrapped__
+    (a, la), (b, lb) = train(5), train(5)
+    assert len(la) == 3 and la == lb and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_fixture_cli_reports_training(checkpoint, tmp_path):
-    r = run_cli("fixture", "tiny-k3-trained", tmp_path / "x", "--seed", "-1")
-    assert r.returncode == 2 and "seed" in r.stderr
-    assert "tiny-k3-trained" in run_cli("fixture", "--help").stdout
+def test_fixture_cli_writes_the_trained_preset(checkpoint, tmp_path):
+    """`kconvert fixture tiny-k3-trained OUT` through the CLI's entry point, in this process so the training
+    the session already did is reused (trained.trained_text_state caches it in-process; a new process would
+    train again, ~2 minutes): it reports the training and writes the session's checkpoint byte for byte."""
+    built = checkpoint("tiny-k3-trained")
+    out = tmp_path / "tk3"
+    r = cli_here("fixture", "tiny-k3-trained", out)
+    rec = json.loads((built / "kconvert_training.json").read_text())
+    assert r.returncode == 0 and f"trained {rec['steps']} steps: loss {rec['loss_first']:.2f} ->" in r.stdout, r
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in built.iterdir())
+    for f in built.iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    assert [p.name for p in tmp_path.iterdir()] == ["tk3"]  # no partial directory left beside it
+
+
+def test_fixture_cli_reports_training(tmp_path):
+    r = cli_here("fixture", "tiny-k3-trained", tmp_path / "x", "--seed", "-1")
+    assert r.returncode == 2 and "seed" in r.stderr and not (tmp_path / "x").exists()
+    assert "tiny-k3-trained" in cli_here("fixture", "--help").stdout

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from helpers import assert_one_line_error, run_cli, rewrite_catalog
+from helpers import assert_one_line_error, cli_here, one_thread, run_cli
+from kconvert.verify import damage
 
 
 @pytest.fixture(scope="module")
@@ -23,37 +21,52 @@ def src(checkpoint):
     return checkpoint("tiny-k3-trained")
 
 
+def kconvert(*args) -> None:
+    """A command that makes a test's inputs, run in this process (the CLI's own entry point)."""
+    r = cli_here(*args)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.fixture(scope="module")
 def ref(src, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "ref.safetensors"
-    run_cli("reference", src, "--out", out, "--hidden-states", check=True)
+    kconvert("reference", src, "--out", out, "--hidden-states")
     return out
 
 
 @pytest.fixture(scope="module")
 def fp8_tp2(src, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8") / "tp2"
-    run_cli("shard", src, out, "--tp", 2, "--quant", "fp8", check=True)
+    kconvert("shard", src, out, "--tp", 2, "--quant", "fp8")
     return out
 
 
 @pytest.fixture(scope="module")
 def fp8_faithful(src, fp8_tp2, tmp_path_factory):
-    """The faithfulness reference of fp8_tp2; damage keeps kconvert.json's plan, so it serves the damaged copies."""
+    """The faithfulness reference of fp8_tp2."""
     out = tmp_path_factory.mktemp("fq") / "fq.safetensors"
-    run_cli("reference", src, "--out", out, "--like", fp8_tp2, "--hidden-states", check=True)
+    kconvert("reference", src, "--out", out, "--like", fp8_tp2, "--hidden-states")
     return out
 
 
 def verify(out, ref, *extra):
-    r = run_cli("verify", out, "--reference", ref, "--json", *extra)
+    """`kconvert verify OUT --json`: a tp 2 conversion in a separate process that starts its two ranks; a tp 1
+    one in this process (its engine runs in the verify process either way: nothing to start)."""
+    args = ("verify", out, "--reference", ref, "--json", *extra)
+    if json.loads((Path(out) / "kconvert.json").read_text())["layout"]["tp"] == 1:
+        with one_thread():
+            r = cli_here(*args)
+    else:
+        r = run_cli(*args)
     return r, (json.loads(r.stdout) if r.stdout.strip().startswith("{") else None)
 
 
-@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
-def test_clean_conversions_are_faithful(src, ref, tmp_path, quant):
+@pytest.mark.parametrize("quant,tp", [("none", 1), ("int8", 2), ("int4", 2)])
+def test_clean_conversions_are_faithful(src, ref, tmp_path, quant, tp):
+    """int8 and int4 at tp 2 (their scales are sliced with the weights; fp8 tp 2 is below); tp 2 of an
+    unquantized conversion is the engine's tp 2 = tp 1 (tests/test_engine_tp.py)."""
     out = tmp_path / quant
-    run_cli("shard", src, out, "--tp", 2, "--quant", quant, check=True)
+    kconvert("shard", src, out, "--tp", tp, "--quant", quant)
     r, rep = verify(out, ref)
     assert r.returncode == 0 and rep["verdict"] == "PASS", r.stdout + r.stderr
     faith, cost = rep["faithfulness"], rep["cost"]
@@ -76,130 +89,105 @@ def test_fp8_per_layer_reports_both_curves(fp8_tp2, ref, fp8_faithful):
     assert rep["vision_error"] < 1e-4  # the vision tower is kept in bf16
 
 
-def _rewrite(out: Path, rel: str, mutate) -> None:
-    """Change tensors of one converted file and re-record its checksums: damage verify-files cannot see."""
-    tensors = load_file(out / rel)
-    mutate(tensors)
-    save_file(tensors, out / rel, metadata={"format": "pt"})
-    meta = json.loads((out / "kconvert.json").read_text())
-    data = (out / rel).read_bytes()
-    meta["files"][rel].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
-    (n,) = [int.from_bytes(data[:8], "little")]
-    header = json.loads(data[8:8 + n])
-    for t in meta["tensors"]:
-        if t["file"] == rel:
-            lo, hi = header[t["name"]]["data_offsets"]
-            t["crc32"] = f"{zlib.crc32(data[8 + n + lo:8 + n + hi]):08x}"
-    rewrite_catalog(out, meta)
+# The damage cases (kconvert/verify/damage.py: tensors changed, checksums re-recorded) run on three of the
+# nine held-out prompts: the attribution of a faulty layer runs that layer once per tensor (61) over every
+# prompt, so its time follows the token count (350 of 2611 here). Each case FAILs and is located on the
+# three as on all nine, where bench/verify_damage.py runs them (the README's damage table).
+FEW = ("short-1", "chat-1", "image-1")  # every one past 3 x index_topk tokens: sparse attention selects
 
 
-def _copy(src: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "damaged"
-    shutil.copytree(src, dst)
-    return dst
+@pytest.fixture(scope="module")
+def few(src, fp8_tp2, tmp_path_factory):
+    """{"ref": the unquantized reference, tp: (clean fp8 conversion, its faithfulness reference)} on the FEW
+    prompts, for tp 1 (verified in this process: no ranks to start) and tp 2 (the module's fp8_tp2)."""
+    from kconvert.verify.prompts import prompts_for
+
+    d = tmp_path_factory.mktemp("few")
+    prompts = [p for p in prompts_for(json.loads((src / "config.json").read_text())) if p["id"] in FEW]
+    assert len(prompts) == len(FEW)
+    (d / "prompts.json").write_text(json.dumps(prompts))
+    kconvert("shard", src, d / "fp8-tp1", "--tp", 1, "--quant", "fp8")
+    kit = {"ref": d / "ref.safetensors"}
+    few_refs = ("--hidden-states", "--prompts", d / "prompts.json")
+    kconvert("reference", src, "--out", kit["ref"], *few_refs)
+    for tp, conv in ((1, d / "fp8-tp1"), (2, fp8_tp2)):
+        kit[tp] = conv, d / f"fq-tp{tp}.safetensors"
+        kconvert("reference", src, "--out", kit[tp][1], "--like", conv, *few_refs)
+    return kit
 
 
-P = "language_model.model.layers."
+def _damaged(few, tp: int, case: str, tmp_path: Path) -> tuple[Path, Path]:
+    """(a damaged copy of the clean tp conversion, its faithfulness reference)."""
+    clean, fq = few[tp]
+    out = tmp_path / "damaged"
+    shutil.copytree(clean, out)
+    damage.CASES[case].apply(out)
+    assert cli_here("verify-files", out).returncode == 0  # checksums are consistent: only numbers catch it
+    return out, fq
 
 
-def _assert_wrong(r, rep, layer: int):
+def _assert_wrong(r, rep: dict, layer: int):
     assert r.returncode == 1 and rep["verdict"] == "FAIL", r.stdout + r.stderr
-    assert rep["faithfulness"]["verdict"] == "FAIL"
+    assert rep["faithfulness"]["verdict"] == "FAIL" and "the conversion is wrong" in r.stderr
     assert any(f.startswith("the conversion is wrong") for f in rep["failures"]), rep["failures"]
     assert rep["first_fault_layer"] == layer and rep["fault_at"] == f"layer {layer}"
 
 
-def test_perturbed_expert_fails_and_is_located(fp8_tp2, ref, fp8_faithful, tmp_path):
-    out = _copy(fp8_tp2, tmp_path)
-    name = f"{P}2.mlp.experts.0.up_proj.weight"  # an expert the held-out prompts route to (layer 2 uses few)
+@pytest.mark.parametrize("case", [c for c, d in damage.CASES.items() if d.min_tp == 1])
+def test_damage_fails_and_is_located(few, tmp_path, case):
+    """One expert's scales x30, one layer's o_proj scales x8, one q_b_proj row negated (a fault far below
+    fp8's noise): FAIL as "the conversion is wrong", first fault in the damaged layer, damaged tensor blamed."""
+    out, fq = _damaged(few, 1, case, tmp_path)
+    r, rep = verify(out, few["ref"], "--per-layer", "--faithful-reference", fq)
+    want = damage.CASES[case]
+    _assert_wrong(r, rep, want.layer)
+    top = rep["attribution"][1]
+    assert top["tensor"] == want.tensor and top["share"] > 0.5, rep["attribution"][:4]
+    if case == "one row sign-flipped":  # within the fp8 budget: only the faithfulness check sees it
+        assert rep["cost"]["verdict"] == "PASS", rep["cost"]["failures"]
 
-    def perturb(t):  # the expert's output grows 30x: a corrupted expert, not quantization noise
-        t[name + "_scale_inv"] = t[name + "_scale_inv"] * 30
 
-    _rewrite(out, "rank-000/layer-0002.safetensors", perturb)
-    assert run_cli("verify-files", out).returncode == 0  # checksums are consistent: only numbers catch it
-    r, rep = verify(out, ref, "--per-layer", "--faithful-reference", fp8_faithful)
-    _assert_wrong(r, rep, 2)
-    assert rep["attribution"][1]["tensor"] == name, rep["attribution"][:4]
-
-
-def test_wrong_scales_in_one_layer_fail_and_are_located(fp8_tp2, ref, fp8_faithful, tmp_path):
-    out = _copy(fp8_tp2, tmp_path)
-    name = f"{P}1.self_attn.o_proj.weight"
-
-    def scale_up(t):
-        t[name + "_scale_inv"] = t[name + "_scale_inv"] * 8
-
-    for rank in (0, 1):
-        _rewrite(out, f"rank-00{rank}/layer-0001.safetensors", scale_up)
-    r, rep = verify(out, ref, "--per-layer", "--faithful-reference", fp8_faithful)
+def test_experts_swapped_between_ranks_fail(few, tmp_path):
+    """Rank 0's experts (0-7) and rank 1's (8-15) of layer 1 exchanged: what a wrong rank order does. Through
+    the CLI, with the tp 2 ranks it starts. No single tensor explains it (one expert made faithful is still a
+    mix), but the attribution gathered on rank 0 moves with the experts each rank made faithful, and only them."""
+    out, fq = _damaged(few, 2, "experts swapped between ranks", tmp_path)
+    r, rep = verify(out, few["ref"], "--per-layer", "--faithful-reference", fq)
     _assert_wrong(r, rep, 1)
-    assert rep["attribution"][1]["tensor"] == name and rep["attribution"][1]["share"] > 0.5
+    moved = [a["tensor"] for a in rep["attribution"][1:] if abs(a["share"]) > 1e-4]
+    assert moved and all(".mlp.experts." in t for t in moved), rep["attribution"][:6]
+    experts = {int(t.split(".mlp.experts.")[1].split(".")[0]) for t in moved}
+    assert min(experts) < 8 <= max(experts), experts  # experts held by rank 0 and by rank 1
 
 
-def test_one_row_with_its_sign_flipped_fails(fp8_tp2, ref, fp8_faithful, tmp_path):
-    """A fault far smaller than the fp8 noise around it: one output row of one projection negated."""
-    out = _copy(fp8_tp2, tmp_path)
-    name = f"{P}1.self_attn.q_b_proj.weight"
-
-    def flip(t):
-        w = t[name].float()
-        w[5] = -w[5]
-        t[name] = w.to(torch.float8_e4m3fn)
-
-    _rewrite(out, "rank-001/layer-0001.safetensors", flip)
-    r, rep = verify(out, ref, "--per-layer", "--faithful-reference", fp8_faithful)
-    _assert_wrong(r, rep, 1)
-    assert rep["cost"]["verdict"] == "PASS"  # within the fp8 budget: only the faithfulness check sees it
-    assert rep["attribution"][1]["tensor"] == name
-
-
-def test_scheme_over_budget_is_reported_as_too_lossy(fp8_tp2, ref, fp8_faithful):
-    r, rep = verify(fp8_tp2, ref, "--faithful-reference", fp8_faithful, "--threshold", "mean_kld=1e-6")
+def test_scheme_over_budget_is_reported_as_too_lossy(few):
+    clean, fq = few[1]
+    r, rep = verify(clean, few["ref"], "--faithful-reference", fq, "--threshold", "mean_kld=1e-6")
     assert r.returncode == 1 and rep["faithfulness"]["verdict"] == "PASS" and rep["cost"]["verdict"] == "FAIL"
     assert rep["failures"] and all(f.startswith("the scheme is too lossy for this model") for f in rep["failures"])
     assert "too lossy" in r.stderr
 
 
-def test_experts_swapped_between_ranks_fail(fp8_tp2, ref, fp8_faithful, tmp_path):
-    """Rank 0's experts (0-7) and rank 1's (8-15) of layer 1 exchanged: what a wrong rank order does."""
-    out = _copy(fp8_tp2, tmp_path)
-    files = [out / f"rank-00{r}/layer-0001.safetensors" for r in (0, 1)]
-    r0, r1 = load_file(files[0]), load_file(files[1])
-
-    def renumber(src: dict, shift: int) -> dict:
-        moved = {}
-        for k, v in src.items():
-            if ".mlp.experts." in k:
-                head, rest = k.split(".mlp.experts.")
-                e, tail = rest.split(".", 1)
-                moved[f"{head}.mlp.experts.{int(e) + shift}.{tail}"] = v
-        return moved
-
-    into0, into1 = renumber(r1, -8), renumber(r0, 8)
-    _rewrite(out, "rank-000/layer-0001.safetensors", lambda t: t.update(into0))
-    _rewrite(out, "rank-001/layer-0001.safetensors", lambda t: t.update(into1))
-    r, rep = verify(out, ref, "--per-layer", "--faithful-reference", fp8_faithful)
-    _assert_wrong(r, rep, 1)
-
-
 def test_flipped_byte_is_an_integrity_failure_before_any_model_run(fp8_tp2, ref, tmp_path):
-    out = _copy(fp8_tp2, tmp_path)
+    out = tmp_path / "flipped"
+    shutil.copytree(fp8_tp2, out)
     f = out / "rank-001" / "layer-0002.safetensors"
     data = bytearray(f.read_bytes())
     data[len(data) - 100] ^= 0x40
     f.write_bytes(bytes(data))
-    r = run_cli("verify", out, "--reference", ref)
+    r = cli_here("verify", out, "--reference", ref)
     assert r.returncode == 1 and "integrity" in r.stderr and "rank-001/layer-0002.safetensors" in r.stderr
     assert "Traceback" not in r.stderr and "engine" not in r.stdout.lower()
 
 
 def test_bad_inputs(fp8_tp2, ref, fp8_faithful, checkpoint, tmp_path):
-    assert_one_line_error(run_cli("verify", fp8_tp2), "--reference")
-    other = tmp_path / "other.safetensors"
-    run_cli("reference", checkpoint("tiny-dsv32"), "--out", other, "--prompts", "stdlib-heldout", check=True)
-    assert_one_line_error(run_cli("verify", fp8_tp2, "--reference", other), "another source")
-    assert_one_line_error(run_cli("verify", fp8_tp2, "--reference", ref, "--threshold", "foo=1"), "foo")
-    assert_one_line_error(run_cli("verify", fp8_tp2, "--reference", fp8_faithful), "fake-quantized")
-    assert_one_line_error(run_cli("verify", fp8_tp2, "--reference", ref, "--faithful-reference", ref),
+    """Each is refused before any model runs: in this process (cli_here), through the CLI's error handling."""
+    assert_one_line_error(cli_here("verify", fp8_tp2), "--reference")
+    other, one = tmp_path / "other.safetensors", tmp_path / "one.json"
+    one.write_text(json.dumps([{"id": "s", "kind": "short", "text": "def f(x):\n    return x"}]))
+    assert cli_here("reference", checkpoint("tiny-dsv32"), "--out", other, "--prompts", one).returncode == 0
+    assert_one_line_error(cli_here("verify", fp8_tp2, "--reference", other), "another source")
+    assert_one_line_error(cli_here("verify", fp8_tp2, "--reference", ref, "--threshold", "foo=1"), "foo")
+    assert_one_line_error(cli_here("verify", fp8_tp2, "--reference", fp8_faithful), "fake-quantized")
+    assert_one_line_error(cli_here("verify", fp8_tp2, "--reference", ref, "--faithful-reference", ref),
                           "another conversion")

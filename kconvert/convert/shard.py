@@ -164,10 +164,9 @@ def shard(job: ShardJob, progress=None) -> ShardResult:
                 if progress:
                     progress("file", path=w.file)
     dist.barrier()
-    if dist.rank == 0:
-        _finish(ck, out, pipe, identity, layout, policy, job)
+    cat = _finish(ck, out, pipe, identity, layout, policy, job) if dist.rank == 0 else None
     dist.barrier()
-    cat = Catalog.read(out)
+    cat = cat or Catalog.read(out)  # the other ranks read what rank 0 wrote
     for rec in cat.files.values():
         result.per_rank_bytes[rec["rank"]] = result.per_rank_bytes.get(rec["rank"], 0) + Catalog.stored_bytes(rec)
     result.bytes_out = sum(result.per_rank_bytes.values())
@@ -241,7 +240,7 @@ def _journalled(out: Path) -> dict[str, dict]:
 
 
 def _finish(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, layout: Layout, policy: QuantPolicy,
-            job: ShardJob) -> None:
+            job: ShardJob) -> Catalog:
     items = pipe.items
     done = _journalled(out)
     missing = [w.file for w in items if w.file not in done]
@@ -282,5 +281,7 @@ def _finish(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, layout: L
         "files": files,
         "tensors": tensors,
     }
-    Catalog(doc).write(out)
+    cat = Catalog(doc)
+    cat.write(out)
     shutil.rmtree(out / JOURNAL_DIR, ignore_errors=True)
+    return cat

@@ -40,3 +40,15 @@ def copy_checkpoint(tmp_path):
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def image_file(tmp_path_factory):
+    """A small PNG (a yellow disk on blue) for the chat tests with an image."""
+    from PIL import Image, ImageDraw
+
+    im = Image.new("RGB", (120, 90), (30, 60, 200))
+    ImageDraw.Draw(im).ellipse((20, 10, 90, 80), fill=(250, 200, 20))
+    path = tmp_path_factory.mktemp("img") / "disk.png"
+    im.save(path)
+    return path

@@ -20,17 +20,6 @@ def tiny_converted(checkpoint, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def image_file(tmp_path_factory):
-    from PIL import Image, ImageDraw
-
-    im = Image.new("RGB", (120, 90), (30, 60, 200))
-    ImageDraw.Draw(im).ellipse((20, 10, 90, 80), fill=(250, 200, 20))
-    path = tmp_path_factory.mktemp("img") / "disk.png"
-    im.save(path)
-    return path
-
-
 def chat(*args, stdin=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "engine.chat", *map(str, args)], cwd=ROOT, input=stdin,
                           capture_output=True, text=True, timeout=timeout)

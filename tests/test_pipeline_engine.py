@@ -158,17 +158,6 @@ def test_a_stage_builds_only_its_layers_and_their_cache(conv):
     assert len(cache.layers) == 2 and model.slot == {2: 0, 3: 1}
 
 
-@pytest.fixture(scope="module")
-def image_file(tmp_path_factory):
-    from PIL import Image, ImageDraw
-
-    im = Image.new("RGB", (120, 90), (30, 60, 200))
-    ImageDraw.Draw(im).ellipse((20, 10, 90, 80), fill=(250, 200, 20))
-    path = tmp_path_factory.mktemp("img") / "disk.png"
-    im.save(path)
-    return path
-
-
 def test_chat_with_an_image_under_tp2_pp2_answers_as_tp1(conv, image_file):
     """`python -m engine.chat` starts the 4 ranks itself; the image is read by rank 0, the vision tower runs
     on the first stage, tokens are sampled on the last; greedy answers equal tp 1's."""

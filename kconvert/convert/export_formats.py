@@ -20,7 +20,7 @@ import torch
 
 from kconvert.errors import UsageError
 from kconvert.family.manifest import TensorInfo
-from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE
+from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE, specs_bytes
 from kconvert.io.safetensors_read import read_tensor
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
@@ -59,13 +59,7 @@ class Exported:
 
     @property
     def bytes_out(self) -> int:
-        n = 0
-        for _, tag, shape in self.specs():
-            k = ITEMSIZE[tag]
-            for s in shape:
-                k *= s
-            n += k
-        return n
+        return specs_bytes(self.specs())
 
     @property
     def bytes_in(self) -> int:

@@ -17,7 +17,7 @@ from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.stages import FIRST, LAST, StageSplit, edges_of, split_layers
-from kconvert.io.dtypes import ITEMSIZE
+from kconvert.io.dtypes import ITEMSIZE, specs_bytes
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,7 @@ class WorkItem:
     @property
     def bytes_out(self) -> int:
         """The tensor bytes this file will hold (quantized, scales included; header aside)."""
-        total = 0
-        for _, tag, shape in self.specs():
-            n = ITEMSIZE[tag]
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return specs_bytes(self.specs())
 
 
 def unit_of(info: TensorInfo) -> str:

@@ -16,5 +16,16 @@ DTYPES: dict[str, torch.dtype] = {
 TAGS: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {tag: torch.empty(0, dtype=dt).element_size() for tag, dt in DTYPES.items()}
 
+
+def specs_bytes(specs) -> int:
+    """Data bytes of the tensors a writer plans, given as (name, safetensors tag, shape) triples."""
+    total = 0
+    for _, tag, shape in specs:
+        n = ITEMSIZE[tag]
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
 # DeepSeek/Kimi block-FP8: one float32 scale per FP8_BLOCK x FP8_BLOCK block of weights (`weight_scale_inv`).
 FP8_BLOCK = 128

@@ -341,3 +341,31 @@ def test_non_finite_source_values_refused_on_read(checkpoint, copy_checkpoint, p
     with pytest.raises(NonFiniteError) as e:
         ck.read(logical)
     assert e.value.tensor == tensor and e.value.file == str(f)
+
+
+def test_large_tensors_are_mapped_copy_on_write_and_truncation_is_an_error(tmp_path):
+    """Tensors of MAP_AT_LEAST bytes and more are mapped from the page cache (io/pread.py): the values are
+    the stored ones (whole and row ranges), writing to the tensor never reaches the file, and a file that
+    shrank after its header was read is a one-line FormatError, not a crash."""
+    from safetensors.torch import save_file
+
+    from kconvert.errors import FormatError
+    from kconvert.io.pread import MAP_AT_LEAST
+
+    rows = MAP_AT_LEAST // (2 * 512) + 7  # bf16 [rows, 512]: just over the mapping threshold
+    big = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    small = torch.randn(3, 5)
+    f = tmp_path / "m.safetensors"
+    save_file({"a_small": small, "big": big}, str(f))
+    before = f.read_bytes()
+    h = safetensors_file.read_header(f)
+    t = safetensors_file.read_tensor(h.tensors["big"])
+    assert torch.equal(t, big) and torch.equal(safetensors_file.read_tensor(h.tensors["a_small"]), small)
+    assert torch.equal(safetensors_file.read_tensor(h.tensors["big"], (5, rows - 1)), big[5:rows - 1])
+    t.mul_(2)  # private pages: the file keeps its bytes
+    del t
+    assert f.read_bytes() == before
+    os.truncate(f, len(before) - 4096)
+    with pytest.raises(FormatError, match="truncated") as e:
+        safetensors_file.read_tensor(h.tensors["big"])
+    assert e.value.tensor == "big" and e.value.file == str(f)

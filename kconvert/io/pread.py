@@ -1,12 +1,18 @@
-"""Positioned reads: the one loop that reads exactly N bytes at an offset (no mmap, so RSS reflects
-what we hold, and threads can share one descriptor)."""
+"""Reading byte ranges of a file: positioned reads (`pread_*`: exactly N bytes at an offset, into memory
+we own, threads sharing one descriptor) and `map_range` for large ranges (a private mapping of the page
+cache: no zero-filled buffer to fault in and no copy, which is most of the system time of reading a
+checkpoint whose pages are cached; `bench/convert_bench.py`). RSS counts a mapped range only while a
+tensor made from it is alive, as for a buffer we read into."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 from kconvert.errors import FormatError
+
+MAP_AT_LEAST = 1 << 20  # below this a copy costs less than setting up and tearing down a mapping
 
 
 def pread_into(fd: int, view: memoryview, offset: int, path: Path, tensor: str | None = None) -> None:
@@ -33,3 +39,25 @@ def read_bytes(path: Path, begin: int, length: int, *, tensor: str | None = None
         return pread_fd(fd, begin, length, path, tensor)
     finally:
         os.close(fd)
+
+
+def map_range(path: Path, begin: int, length: int, *, tensor: str | None = None) -> memoryview | bytearray:
+    """Bytes [begin, begin + length) of `path`, writable, mapped copy-on-write when the range is large
+    (a write changes our copy, never the file); a plain read when it is small. FormatError if the
+    file is shorter than the range now. The mapping lives as long as the returned view (or a tensor
+    made from it) does."""
+    if length < MAP_AT_LEAST:
+        return read_bytes(path, begin, length, tensor=tensor)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if begin + length > size:
+            raise FormatError(f"file ended at byte {size} while reading: truncated", file=str(path), tensor=tensor)
+        start = begin - begin % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(fd, begin + length - start, flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    finally:
+        os.close(fd)
+    if hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_SEQUENTIAL)  # read ahead of the first touch; pages behind may go
+    return memoryview(mapped)[begin - start:]

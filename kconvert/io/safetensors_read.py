@@ -1,6 +1,6 @@
 """Read safetensors files lazily and defensively: headers are parsed and checked without touching
-tensor data; data is read with positioned reads (no mmap, so RSS reflects what we hold), whole
-tensors or row ranges only.
+tensor data; data is read as whole tensors or row ranges only, large ranges mapped copy-on-write
+from the page cache and small ones read (io/pread.py: RSS counts only the tensors we hold).
 
 Format: 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets}},
 then the data region; offsets are relative to the data region.
@@ -25,7 +25,7 @@ import torch
 from kconvert.errors import FormatError
 from kconvert.io.compressed import ChunkIndex
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
-from kconvert.io.pread import read_bytes
+from kconvert.io.pread import map_range
 
 MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
 
@@ -172,11 +172,11 @@ def read_tensor(entry: TensorEntry, rows: tuple[int, int] | None = None) -> torc
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def read_entry_bytes(entry: TensorEntry, begin: int | None = None, nbytes: int | None = None) -> bytearray:
+def read_entry_bytes(entry: TensorEntry, begin: int | None = None, nbytes: int | None = None) -> bytearray | memoryview:
     """A tensor's bytes (or plain bytes [begin, begin + nbytes) of its file), decompressing only what they
     overlap when the file is a compressed shard."""
     begin = entry.begin if begin is None else begin
     nbytes = entry.nbytes if nbytes is None else nbytes
     if entry.compressed is not None:
         return entry.compressed.read_range(begin, nbytes)
-    return read_bytes(entry.file, begin, nbytes, tensor=entry.name)
+    return map_range(entry.file, begin, nbytes, tensor=entry.name)

@@ -11,8 +11,9 @@ synthetic rows (random latent / indexer keys written through the cache's own wri
 format runs `--steps` real decode steps per round, formats interleaved round by round (the machine's
 load hits all of them alike); ms/token is the median over `--rounds`. "tiered" runs with
 --kv-device-budget = 1/8 of the cache's latent bytes; its logits must equal the untiered run's, step by step.
-KLD: real prefill of `--kld-tokens` tokens (3 held-out stdlib windows, the trained fixtures' prompt text,
-and one window of random ids), mean over positions, of each format against the fp32 cache and against the
+KLD: real prefill of `--kld-tokens` tokens in `--text-windows` held-out stdlib windows (verify's three
+prompt windows, then more held-out stdlib text; the text mean has a 95 % bootstrap interval over windows)
+and in one window of random ids, mean over positions, of each format against the fp32 cache and against the
 bf16 cache ("added": KLD(bf16-cache run || 8-bit-cache run)). Compute is fp32, weights dequantized once.
 "simulated": rows round-tripped through a code on their way into a fp32 cache, which also tries a
 Hadamard rotation of the indexer keys before fp8 (DeepSeek-V3.2's inference code rotates q and k).
@@ -34,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # label -> (--kv-dtype, indexer key code override): the shipped formats first, then the mixes that split
 # the error between the latent and the indexer keys
-KLD_FORMATS = {"bf16": ("bf16", None), "fp8": ("fp8", None), "int8": ("int8", None),
-               "fp8 latent + bf16 keys": ("fp8", "bf16"), "bf16 latent + fp8 keys": ("bf16", "fp8"),
+KLD_FORMATS = {"bf16": ("bf16", None), "fp8 (keys bf16)": ("fp8", None), "int8 (keys bf16)": ("int8", None),
+               "fp8-ds (keys fp8)": ("fp8-ds", None), "bf16 latent + fp8 keys": ("bf16", "fp8"),
                "int8 latent + int8 keys": ("int8", "int8"), "bf16 latent + int8 keys": ("bf16", "int8")}
 
 
@@ -77,7 +78,7 @@ def bench_context(model, ctx: int, steps: int, rounds: int) -> list[dict]:
     from engine.cache import KVOptions
 
     caches = {}
-    for kv_dtype in ("bf16", "fp8", "int8"):
+    for kv_dtype in ("bf16", "fp8", "int8", "fp8-ds"):
         for tier in (False, True):
             probe = model.new_cache(1, 8, kv=KVOptions(kv_dtype))
             budget = ctx * probe.latent_bytes_per_token // 8 if tier else None
@@ -117,8 +118,9 @@ MORE_HELD_OUT = ("argparse.py", "dataclasses.py", "enum.py", "functools.py", "ta
 
 
 def windows(model, conv: Path, tokens: int, count: int = 3) -> dict[str, torch.Tensor]:
-    """`count` non-overlapping held-out stdlib text windows (never trained on), evenly spread over the
-    held-out text (the first three: the prompt files verify uses), and one window of random ids."""
+    """`count` held-out stdlib text windows (never trained on): the three of verify's prompt files (offsets
+    0, 3000, 6000, as always), then `count - 3` non-overlapping ones spread evenly over MORE_HELD_OUT; and
+    one window of random ids."""
     from kconvert.fixtures.trained import CORPUS_FILES
     from kconvert.source.tokenizer import load_kimi_tokenizer
     from kconvert.verify.prompts import HELD_OUT_FILES, stdlib_text
@@ -126,15 +128,25 @@ def windows(model, conv: Path, tokens: int, count: int = 3) -> dict[str, torch.T
     assert not set(MORE_HELD_OUT) & set(CORPUS_FILES)
     enc = load_kimi_tokenizer(conv)
     ids = enc.encode(stdlib_text(HELD_OUT_FILES), disallowed_special=())
+    out = {f"text{i}": torch.tensor([ids[o:o + tokens]]) for i, o in enumerate((0, 3000, 6000)[:count])}
     if count > 3:
-        ids += enc.encode(stdlib_text(MORE_HELD_OUT), disallowed_special=())
-    offsets = (0, 3000, 6000)[:count] if count <= 3 else \
-        [i * ((len(ids) - tokens) // (count - 1)) for i in range(count)]
-    if len(ids) < tokens * count:
-        raise SystemExit(f"{count} windows of {tokens} tokens need {tokens * count} held-out tokens; there are {len(ids)}")
-    out = {f"text{i}": torch.tensor([ids[o:o + tokens]]) for i, o in enumerate(offsets)}
+        more = enc.encode(stdlib_text(MORE_HELD_OUT), disallowed_special=())
+        if len(more) < tokens * (count - 3):
+            raise SystemExit(f"{count - 3} more windows of {tokens} tokens need {tokens * (count - 3)} held-out "
+                             f"tokens; there are {len(more)}")
+        stride = (len(more) - tokens) // max(1, count - 4)
+        out |= {f"text{3 + i}": torch.tensor([more[i * stride:i * stride + tokens]]) for i in range(count - 3)}
     out["random"] = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(5))
     return out
+
+
+def bootstrap_ci(values: list[float], rounds: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of the mean of `values` (windows resampled with replacement): how far the text mean could
+    move with other windows of the same text, since per-position KLD is heavy-tailed."""
+    v = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(0, len(v), (rounds, len(v)), generator=torch.Generator().manual_seed(seed))
+    means = v[idx].mean(1)
+    return float(means.quantile(0.025)), float(means.quantile(0.975))
 
 
 def _kld(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -213,8 +225,8 @@ def fake_run(model, ids, lat: str, key: str, layer: int | None = None) -> torch.
 
 
 # label -> (latent code, indexer key code) of the simulated runs (fake_run): the fp8 row checks that the
-# simulation reproduces the engine's fp8 cache; the others rotate the keys before fp8
-SIMULATED = {"fp8 (simulated)": ("fp8", "fp8"), "fp8, Hadamard keys": ("fp8", "fp8-hadamard"),
+# simulation reproduces the engine's fp8-ds cache; the others rotate the keys before fp8
+SIMULATED = {"fp8-ds (simulated)": ("fp8", "fp8"), "fp8-ds, Hadamard keys": ("fp8", "fp8-hadamard"),
              "bf16 latent + Hadamard fp8 keys": ("bf16", "fp8-hadamard")}
 
 
@@ -283,7 +295,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per format per round")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; ms/token is their median")
     ap.add_argument("--kld-tokens", type=int, default=256)
-    ap.add_argument("--text-windows", type=int, default=3, help="held-out text windows for the KLD (3: verify's prompt files)")
+    ap.add_argument("--text-windows", type=int, default=32, help="held-out text windows for the KLD: verify's 3 prompt windows, then more held-out stdlib text")
     ap.add_argument("--kld-only", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="added KLD of each layer's latent / indexer keys")
     ap.add_argument("--work", default=None, help="fixture/conversion directory (kept between runs)")
@@ -310,7 +322,9 @@ def main() -> None:
             worst = max(v["max_vs_bf16"][w] for w in text)
             rest = (sum(v["vs_bf16"][w] for w in text) * a.kld_tokens - worst) / (len(text) * a.kld_tokens - 1)
             print(_row(f, v["vs_bf16"]) + f"  p99 text {max(v['p99_vs_bf16'][w] for w in text):.1e}"
-                  f"  worst position {worst:.1e} (text mean without it {rest:.1e})")
+                  f"  worst position {worst:.1e} (text mean without it {rest:.1e})"
+                  + ("  95 %% CI of the text mean %.1e..%.1e" % bootstrap_ci([v["vs_bf16"][w] for w in text])
+                     if len(text) > 3 else ""))
     ke = key_errors(model)
     codes = ("bf16", "int8", "fp8", "fp8-hadamard")
     print(" indexer keys, relative RMS error: " + "  ".join(f"{c} {ke[c]:.4f}" for c in codes)

@@ -10,6 +10,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from kconvert.plan.kv_bytes import KV_DTYPES
+
 from .progress import byte_progress
 from .units import fmt_bytes
 
@@ -28,7 +30,7 @@ from .units import fmt_bytes
 @click.option("--warmup", type=int, default=0, show_default=True,
               help="Build our engine from the streamed units and run N warmup forward passes. On a tp-N "
                    "conversion without --rank this starts all N ranks itself (or runs under torchrun).")
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]), help="KV cache format of the --warmup passes.")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), help="KV cache format of the --warmup passes.")
 @click.option("--kv-budget", help="Bytes the --warmup KV cache may take (8GiB) or a fraction of free memory.")
 @click.option("--kv-device-budget", help="Bytes of KV latent on the device; older pages go to host memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the phase table as JSON.")

@@ -7,6 +7,8 @@ import json
 
 import click
 
+from kconvert.plan.kv_bytes import KV_DTYPES
+
 from .progress import byte_progress
 
 
@@ -68,8 +70,9 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
               help="Override a limit: mean_kld, p99_kld, same_top1_pct, ppl_ratio (cost budget) or "
                    "faithful.KEY (faithfulness); repeatable.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Write a PNG (needs matplotlib).")
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "int8"]),
-              help="Run the engine with this KV cache format: the KLD then includes what KV quantization adds.")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES),
+              help="Run the engine with this KV cache format: the KLD then includes what KV quantization adds "
+                   "(fp8 / int8: 8-bit latent, bf16 indexer keys; fp8-ds: fp8 keys too, DeepSeek-V3.2's layout).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 def verify(out, reference_file, faithful_file, against, per_layer, device, force, tp, threshold, plot_file, kv_dtype,
            as_json):

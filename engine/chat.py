@@ -13,8 +13,8 @@ process is rank 0 and owns the terminal, the others follow its input. --nproc ov
 Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
 The KV cache grows with the conversation in pages of 64 tokens, up to --context tokens (default: the
-model's maximum) and --kv-budget bytes; --kv-dtype fp8 halves it; --kv-device-budget keeps older pages in
-host memory (docs/KV_CACHE.md).
+model's maximum) and --kv-budget bytes; --kv-dtype fp8 stores it in about 0.65 of bf16's bytes (fp8-ds:
+0.56); --kv-device-budget keeps older pages in host memory (docs/KV_CACHE.md).
 Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 130 interrupted."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from engine.stream import TextStream
 from engine.tokenizer import Tokenizer
 from kconvert.distributed import Group
 from kconvert.errors import EngineError, KConvertError, UsageError
+from kconvert.plan.kv_bytes import KV_DTYPES
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -143,8 +144,9 @@ def _parse(argv):
     ap.add_argument("--context", type=int, default=None,
                     help="most tokens a conversation may hold (default: the model's maximum); the cache is "
                          "allocated as the conversation grows, never for the whole limit up front")
-    ap.add_argument("--kv-dtype", choices=["bf16", "fp8", "int8"], default=None,
-                    help="KV cache format (default: the compute dtype); fp8: e4m3 latent + per-128 scales")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                    help="KV cache format (default: the compute dtype); fp8: e4m3 latent + per-128 scales, "
+                         "indexer keys bf16; fp8-ds: fp8 keys too (DeepSeek-V3.2's layout, fewer bytes)")
     ap.add_argument("--kv-budget", default=None,
                     help="most bytes the KV cache may take (8GiB, 512M) or a fraction of free memory (0.9)")
     ap.add_argument("--kv-device-budget", default=None,

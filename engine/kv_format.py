@@ -8,7 +8,7 @@ A row is [values | scales | tail], its values in one *code*:
 - int8: int8 values, one float32 scale per `group` values (amax / 127 per tile, round to nearest).
 The tail (the latent row's rope part) is bf16 in every 8-bit code: its rotation carries the position and
 it is only 1/9 of the row. Which code the latent and the indexer key get under each --kv-dtype is
-kconvert.plan.kv_bytes.INDEX_CODE's table; the byte counts equal plan's (tests/test_kv_cache.py)."""
+kconvert.plan.kv_bytes.LATENT_CODE and INDEX_CODE; the byte counts equal plan's (tests/test_kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import math
 import torch
 
 from kconvert.errors import UsageError
-from kconvert.plan.kv_bytes import INDEX_CODE, KV_DTYPES, ROW_CODES, SCALE_GROUP
+from kconvert.plan.kv_bytes import INDEX_CODE, KV_DTYPES, LATENT_CODE, ROW_CODES, SCALE_GROUP
 
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -34,7 +34,9 @@ def row_codes(kv_dtype: str | None, index_dtype: str | None = None) -> tuple[str
     """(latent code, indexer-key code) of a --kv-dtype; `index_dtype` overrides the key's code."""
     if index_dtype is not None and index_dtype not in ROW_CODES:
         raise UsageError(f"unknown indexer key code {index_dtype!r} (choose from {', '.join(ROW_CODES)})")
-    return kv_dtype, index_dtype or (INDEX_CODE[kv_dtype] if kv_dtype else None)
+    if kv_dtype is None:
+        return None, index_dtype
+    return LATENT_CODE[kv_dtype], index_dtype or INDEX_CODE[kv_dtype]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,7 @@ def _greedy_run(model, cache, ids, steps, seqs=None):
     return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+@pytest.mark.parametrize("kv_dtype", [None, "fp8-ds"])
 def test_ragged_batch_equals_per_sequence(model, kv_dtype):
     from engine.cache import KVOptions
 
@@ -130,7 +130,7 @@ def test_ragged_batch_equals_per_sequence(model, kv_dtype):
         torch.testing.assert_close(batched[b], alone[b], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype,path", [(None, "dsa"), ("fp8", "dsa"), ("int8", "dsa"), ("bf16", "dense")])
+@pytest.mark.parametrize("kv_dtype,path", [(None, "dsa"), ("fp8-ds", "dsa"), ("int8", "dsa"), ("bf16", "dense")])
 def test_host_tier_changes_no_logit(model, kv_dtype, path, request):
     from engine.cache import PAGE, KVOptions
 
@@ -156,7 +156,7 @@ def test_host_tier_changes_no_logit(model, kv_dtype, path, request):
         assert per_step >= PAGE * flat.latent_bytes_per_token  # full reads of the host pages
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int8", "fp8-ds"])
 def test_measured_bytes_per_token_equal_plan(model, kv_dtype):
     from engine.cache import PAGE, KVOptions
     from kconvert.plan.kv_bytes import kv_bytes
@@ -170,7 +170,7 @@ def test_measured_bytes_per_token_equal_plan(model, kv_dtype):
         assert 2 * r / (cache.lat_fmt.row_bytes - 2 * model.cfg.qk_rope_head_dim) == 2 * r / (r + 4 * math.ceil(r / 128)) > 1.9
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "fp8-ds"])
 def test_8bit_kv_logits_close_to_native(model, kv_dtype):
     from engine.cache import KVOptions
 

@@ -67,10 +67,12 @@ def test_ep_1_splits_every_expert_and_flags_unaligned_fp8_slices():
 
 def test_kv_bytes_per_token_by_hand():
     layers, kv_lora, rope, index_dim = 61, 512, 64, 128
-    fp8 = make_plan(K3, 8, quant="fp8", kv_dtype="fp8").kv_cache
-    assert fp8["latent_bytes"] == kv_lora + 4 * (kv_lora // 128) + 2 * rope == 656  # FlashMLA fp8 layout
-    assert fp8["indexer_bytes"] == index_dim + 4 == 132  # vLLM's fp8 indexer cache
-    assert fp8["bytes_per_token"] == layers * (656 + 132)
+    ds = make_plan(K3, 8, quant="fp8", kv_dtype="fp8-ds").kv_cache
+    assert ds["latent_bytes"] == kv_lora + 4 * (kv_lora // 128) + 2 * rope == 656  # FlashMLA fp8 layout
+    assert ds["indexer_bytes"] == index_dim + 4 == 132  # vLLM's fp8 indexer cache
+    assert ds["bytes_per_token"] == layers * (656 + 132)
+    fp8 = make_plan(K3, 8, quant="fp8", kv_dtype="fp8").kv_cache  # the fp8 latent, bf16 indexer keys
+    assert (fp8["latent_bytes"], fp8["indexer_bytes"]) == (656, 2 * index_dim)
     bf16 = make_plan(K3, 8, kv_dtype="bf16").kv_cache
     assert bf16["bytes_per_token"] == layers * 2 * (kv_lora + rope + index_dim)
     # replicated under DeepSeek's TP layout: the same per rank at every tp
@@ -135,7 +137,7 @@ def test_real_checkpoint_uses_headers(checkpoint):
     ck = checkpoint("tiny-k3")
     p = make_plan(str(ck), 4, quant="fp8", kv_dtype="fp8")
     assert p.source_kind == "checkpoint" and p.family == "kimi_k25"
-    assert p.kv_cache["bytes_per_token"] == 3 * (128 + 4 + 2 * 64 + 64 + 4)  # 3 layers, kv_lora 128, index dim 64
+    assert p.kv_cache["bytes_per_token"] == 3 * (128 + 4 + 2 * 64 + 2 * 64)  # 3 layers, kv_lora 128, index dim 64 (bf16)
     # the headers agree with what the config alone implies (bf16 weights, fp32 router bias)
     assert make_plan(str(ck / "config.json"), 4, quant="fp8").rank == p.rank
     assert [r["tp"] for r in p.tp_table if r["ok"]] == [1, 2, 4]

@@ -46,6 +46,7 @@ def test_training_is_reproducible(monkeypatch):
     """Same seed, same weights (a 3-step run: the full run is the session fixture above). The uncached
     function runs twice, so the session's cached training (seed 0) stays for the tests that reuse it."""
     monkeypatch.setattr(trained, "STEPS", 3)
+    monkeypatch.setitem(trained.RECIPE_OVERRIDES, "tiny-dsv32", {"indexer_steps": 2})  # the distillation too
     train = trained.trained_text_state.__wrapped__
     (a, la), (b, lb) = train(5), train(5)
     assert len(la) == 3 and la == lb and all(torch.equal(a[k], b[k]) for k in a)

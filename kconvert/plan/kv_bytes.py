@@ -8,10 +8,12 @@ Per decoder layer (MTP layers excluded: the converter drops them by default) a t
 - the DSA lightning-indexer key (`index_head_dim`, one per token, shared by the indexer heads);
   - bf16: 2 * index_head_dim (256 for 128);
   - fp8 as vLLM stores it: index_head_dim + 4 * ceil(index_head_dim / 128) (132 for 128).
-- int8 (`--kv-dtype int8`): the latent in int8 with one float32 scale per 128 values (amax / 127), the
-  rope part in bf16: the same bytes as fp8 (656 for 512 + 64), but the indexer keys stay in bf16 (256 for
-  128): on the trained fixture 8-bit indexer keys flip the DSA top-k selection and cost more than the
-  whole 8-bit latent (docs/KV_CACHE.md has the measurements).
+- `--kv-dtype fp8` (the default 8-bit cache): the fp8 latent above with the indexer keys in bf16 (656 + 256);
+  `--kv-dtype fp8-ds`: DeepSeek-V3.2's serving layout, fp8 latent and fp8 indexer keys (656 + 132), for
+  the most tokens per byte; `--kv-dtype int8`: the latent in int8 with one float32 scale per 128 values
+  (amax / 127) and the rope part in bf16 (656), keys in bf16 (256). 8-bit indexer keys flip the DSA top-k
+  selection wherever two scores are near a tie, and on the trained fixtures that costs more than the whole
+  8-bit latent: docs/KV_CACHE.md has the measurements behind these choices.
 Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
 
 Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank
@@ -26,9 +28,10 @@ from dataclasses import asdict, dataclass
 
 from kconvert.errors import UsageError
 
-KV_DTYPES = ("bf16", "fp8", "int8")
+KV_DTYPES = ("bf16", "fp8", "int8", "fp8-ds")
 ROW_CODES = ("bf16", "fp8", "int8")  # how one cached row (latent or indexer key) is encoded
-INDEX_CODE = {"bf16": "bf16", "fp8": "fp8", "int8": "bf16"}  # the indexer key's code under each --kv-dtype
+LATENT_CODE = {"bf16": "bf16", "fp8": "fp8", "int8": "int8", "fp8-ds": "fp8"}  # the latent's code under each --kv-dtype
+INDEX_CODE = {"bf16": "bf16", "fp8": "bf16", "int8": "bf16", "fp8-ds": "fp8"}  # the indexer key's code
 SCALE_GROUP = 128  # values per float32 scale in the fp8 / int8 rows
 
 
@@ -61,8 +64,8 @@ def row_bytes(width: int, code: str) -> int:
 
 
 def latent_bytes(kv_lora_rank: int, rope_dim: int, dtype: str) -> int:
-    """The latent in `dtype`'s code, the rope part always in bf16 (it carries the position)."""
-    return row_bytes(kv_lora_rank, dtype) + 2 * rope_dim
+    """The latent in `dtype`'s code (LATENT_CODE), the rope part always in bf16 (it carries the position)."""
+    return row_bytes(kv_lora_rank, LATENT_CODE[dtype]) + 2 * rope_dim
 
 
 def indexer_bytes(index_head_dim: int, dtype: str) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_here, run_cli
 from kconvert.errors import ManifestError
 from kconvert.family.expr import evaluate
 from kconvert.family.manifest import bind
@@ -158,4 +158,4 @@ def test_cli_inspect_plan_shard_exit_2(checkpoint, copy_checkpoint, tmp_path):
     qc = config.get("quantization_config") or config["text_config"]["quantization_config"]
     qc["weight_block_size"] = [0, 128]
     (src / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(run_cli("inspect", src), "config.json", "weight_block_size")
+    assert_one_line_error(cli_here("inspect", src), "config.json", "weight_block_size")  # inspect's process: above

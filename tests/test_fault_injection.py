@@ -8,7 +8,8 @@ truncation, trailing bytes, NaN/Inf in data, edited header fields) and converted
 truncation, trailing bytes, swapped or missing files). Source data bytes are not checksummed by
 safetensors, so a damaged source header is judged against the safetensors library itself: a file
 the library refuses must be refused; a file it reads may convert, and then kconvert must have read
-exactly what the library reads. Most cases run in-process; a sample goes through the CLI.
+exactly what the library reads. Most cases run in-process; a sample goes through the CLI's entry point
+(exit code, one line on stderr), the first of each campaign as a separate `kconvert` process.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, assert_one_line_error, header_offsets, run_cli
+from helpers import ROOT, assert_one_line_error, cli_here, header_offsets, run_cli
 from kconvert.convert.shard import ShardJob, shard
 from kconvert.converted.integrity import verify_files
 from kconvert.errors import KConvertError, NonFiniteError
@@ -36,7 +37,7 @@ from kconvert.source.checkpoint import Checkpoint
 SEED = 20261130
 N_SOURCE = 130
 N_CONVERTED = 90
-CLI_EVERY = 40  # one case in this many also runs through `kconvert` in a subprocess
+CLI_EVERY = 40  # one case in this many also runs through `kconvert` (the first in a subprocess, the rest in-process)
 MANIFEST = "kconvert.json"
 FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -313,7 +314,7 @@ def test_campaign_source_shards(sandbox):
         lib = library_reads(f)
         try:
             if case % CLI_EVERY == 0:
-                _check_cli_shard(sandbox, what)
+                _check_cli_shard(sandbox, what, run_cli if case == 0 else cli_here)
             err = sandbox.convert_checked()
             if err is None:  # converted: only a file the library reads, and read exactly as the library does
                 assert lib is not None, f"{what}: converted a file the safetensors library refuses"
@@ -329,9 +330,10 @@ def test_campaign_source_shards(sandbox):
     assert tally["refused"] >= N_SOURCE * 0.8, tally
 
 
-def _check_cli_shard(sandbox: Sandbox, what: str) -> None:
+def _check_cli_shard(sandbox: Sandbox, what: str, cli) -> None:
+    """`kconvert shard` on the damaged source through `cli` (run_cli: a process; cli_here: main() in this one)."""
     before = snapshot(sandbox.root, skip=sandbox.out)
-    r = run_cli("shard", sandbox.src, sandbox.out, "--tp", "2", "--quant", "fp8", "--json")
+    r = cli("shard", sandbox.src, sandbox.out, "--tp", "2", "--quant", "fp8", "--json")
     assert r.returncode in (0, 2) and "Traceback" not in r.stderr, (what, r.stderr)
     if r.returncode == 2:
         assert len(r.stderr.strip().splitlines()) == 1 and not (sandbox.out / MANIFEST).exists(), (what, r.stderr)
@@ -395,7 +397,7 @@ def test_campaign_converted_shards(converted):
         try:
             before = snapshot(root)
             if case % CLI_EVERY == 1:
-                r = run_cli("verify-files", out)
+                r = (run_cli if case == 1 else cli_here)("verify-files", out)
                 assert r.returncode in (1, 2) and len(r.stderr.strip().splitlines()) == 1, (what, r.stderr)
                 assert "Traceback" not in r.stderr
             err = refused(lambda: verify_files(out))

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_here, run_cli
 from kconvert.source.tokenizer import load_kimi_tokenizer
 from kconvert.verify.reference import load_reference
 
@@ -90,9 +90,11 @@ def test_lossless_conversion_with_three_indexer_heads_passes(monkeypatch, tmp_pa
     src = tmp_path / "src"
     src.mkdir()
     write_model_preset("tiny-dsv32-3h", src, 0)
-    run_cli("shard", src, tmp_path / "out", "--tp", 2, check=True)
-    run_cli("reference", src, "--out", tmp_path / "ref.safetensors", check=True)
-    r = run_cli("verify", tmp_path / "out", "--reference", tmp_path / "ref.safetensors", "--json")
+    ref = tmp_path / "ref.safetensors"
+    for args in (("shard", src, tmp_path / "out", "--tp", 2), ("reference", src, "--out", ref)):
+        r = cli_here(*args)  # the verify's inputs, made in this process
+        assert r.returncode == 0, r.stderr
+    r = run_cli("verify", tmp_path / "out", "--reference", ref, "--json")
     rep = json.loads(r.stdout)
     assert r.returncode == 0 and rep["verdict"] == "PASS", r.stdout + r.stderr
     assert rep["faithfulness"]["overall"]["mean_kld"] < 1e-6

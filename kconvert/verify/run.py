@@ -90,7 +90,19 @@ def run_all_ranks(out_dir: str, world: int, prompts, tokens, result_path: str, p
         return
     import torch.multiprocessing as mp
 
-    mp.spawn(spawn_main, args=(world, free_port(), args), nprocs=world, join=True)
+    mp.start_processes(spawn_main, args=(world, free_port(), args), nprocs=world, join=True,
+                       start_method=_start_method())
+
+
+def _start_method() -> str:
+    """"forkserver" where there is one: a fresh server process imports torch and the engine once and forks
+    every rank from it (no import per rank; safe with CUDA, which the server never touches); else "spawn"."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "engine.model", __name__])
+    return "forkserver"
 
 
 def load_result(path: str | Path) -> dict[str, torch.Tensor]:

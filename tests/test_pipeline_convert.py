@@ -87,14 +87,9 @@ def test_pp_beyond_the_layer_count_is_refused():
 
 # ------------------------------------------------------------------ tp x pp conversions of tiny fixtures
 @pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
+def four_layers(checkpoint):
     """tiny-dsv32 with 4 decoder layers (tiny presets have 3; tp 1 x pp 4 needs one layer per stage)."""
-    from kconvert.fixtures.checkpoint import write_model_preset
-
-    out = tmp_path_factory.mktemp("four") / "tiny-dsv32-4l"
-    out.mkdir()
-    write_model_preset("tiny-dsv32-4l", out, 0)
-    return out
+    return checkpoint("tiny-dsv32-4l")
 
 
 @pytest.fixture(scope="module")

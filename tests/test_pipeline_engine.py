@@ -25,14 +25,9 @@ LAYOUTS = {"tp1": (1, 1), "tp2-pp2": (2, 2), "tp1-pp4": (1, 4)}
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
+def src(checkpoint):
     """tiny-k3 with 4 decoder layers, written by the fixture code from transformers' own model."""
-    from kconvert.fixtures.checkpoint import write_model_preset
-
-    out = tmp_path_factory.mktemp("pp") / "tiny-k3-4l"
-    out.mkdir()
-    write_model_preset("tiny-k3-4l", out, 0)
-    return out
+    return checkpoint("tiny-k3-4l")
 
 
 @pytest.fixture(scope="module")

@@ -45,14 +45,23 @@ def parse_ctx(s: str) -> int:
     return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
 
 
-def load(preset: str, work: Path):
+def load(preset: str, work: Path, indexer_steps: int | None = None):
+    """The converted fixture (built once into `work`); `indexer_steps` overrides a trained preset's indexer
+    distillation (0: the seeded indexer), in a directory of its own."""
     from engine.model import Model
     from kconvert.convert.shard import ShardJob, shard
     from kconvert.fixtures import build_fixture
 
-    src, conv = work / preset, work / f"{preset}-conv"
+    name = preset if indexer_steps is None else f"{preset}-indexer{indexer_steps}"
+    src, conv = work / name, work / f"{name}-conv"
     if not conv.exists():
         if not src.exists():
+            if indexer_steps is not None:
+                from kconvert.fixtures import trained
+                from kconvert.fixtures.presets import TRAINED_PRESETS, TRAINED_TEXT
+
+                text = TRAINED_TEXT[TRAINED_PRESETS[preset]]
+                trained.RECIPE_OVERRIDES[text] = {**trained.RECIPE_OVERRIDES[text], "indexer_steps": indexer_steps}
             build_fixture(preset, src)
         shard(ShardJob(str(src), str(conv), tp=1))
     model = Model.from_converted(conv, dtype=torch.float32)
@@ -296,13 +305,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; ms/token is their median")
     ap.add_argument("--kld-tokens", type=int, default=256)
     ap.add_argument("--text-windows", type=int, default=32, help="held-out text windows for the KLD: verify's 3 prompt windows, then more held-out stdlib text")
+    ap.add_argument("--indexer-steps", type=int, help="a trained preset with this many indexer distillation steps "
+                    "instead of its recipe's (0: the seeded indexer it had before 2026-11-30)")
     ap.add_argument("--kld-only", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="added KLD of each layer's latent / indexer keys")
     ap.add_argument("--work", default=None, help="fixture/conversion directory (kept between runs)")
     a = ap.parse_args()
     work = Path(a.work or tempfile.gettempdir()) / "kv_bench"
     work.mkdir(parents=True, exist_ok=True)
-    model, conv = load(a.preset, work)
+    model, conv = load(a.preset, work, a.indexer_steps)
     c = model.cfg
     print(f"{a.preset}: {c.num_layers} layers, kv_lora_rank {c.kv_lora_rank}, rope {c.qk_rope_head_dim}, "
           f"index_head_dim {c.index_head_dim}, topk {c.index_topk}; load average {os.getloadavg()[0]:.1f}")

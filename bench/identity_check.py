@@ -105,8 +105,13 @@ def fingerprint(work: Path, presets, with_logits: bool) -> dict:
 
 
 def diff(a: dict, b: dict) -> int:
+    """Entries of the presets `b` covers (a run with --presets compares against a full one)."""
     bad = 0
-    for key in sorted(set(a) | set(b)):
+    presets = {k.split("/")[0] for k in b}
+    missing = sorted({k.split("/")[0] for k in a} - presets)
+    if missing:
+        print(f"not in the second run: {', '.join(missing)}")
+    for key in sorted(k for k in set(a) | set(b) if k.split("/")[0] in presets):
         if a.get(key) != b.get(key):
             bad += 1
             print(f"DIFFERS {key}")
@@ -114,8 +119,8 @@ def diff(a: dict, b: dict) -> int:
                 for f in sorted(set(a[key]) | set(b[key])):
                     if a[key].get(f) != b[key].get(f):
                         print(f"    {f}: {a[key].get(f)} -> {b[key].get(f)}")
-    n_files = sum(len(v) - 1 for v in a.values() if isinstance(v, dict) and "exit" in v)
-    print(f"{len(a)} entries ({n_files} output files), {bad} differ")
+    n_files = sum(len(v) - 1 for k, v in b.items() if isinstance(v, dict) and "exit" in v)
+    print(f"{len(b)} entries ({n_files} output files), {bad} differ")
     return 1 if bad else 0
 
 

@@ -6,13 +6,15 @@ finished results discarded. RunResult: one flat JSON summary, the command's own 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kconvert.convert.run import RunResult
+from kconvert.convert.run import Run, RunResult
+from kconvert.errors import KConvertError
 from kconvert.io.window import ordered_window
 
 
@@ -85,3 +87,32 @@ def test_run_result_json_is_flat_and_details_read_as_attributes():
     assert r.per_rank_bytes == {0: 5} and r.op == "pack"
     with pytest.raises(AttributeError):
         r.workers
+
+
+def test_a_run_finishes_only_when_every_process_journalled_every_file(tmp_path):
+    """The skeleton's contract, without a conversion: a file counts once journalled with its bytes still
+    there (any process's journal); a missing one is a one-line error that says to re-run, the marker is
+    not written and the journal stays; once all are there, write_last runs and the journal goes."""
+    size_of = lambda rec: rec.get("bytes")  # noqa: E731
+    run = Run(tmp_path / "out")
+    assert not run.prepare({"job": 1}, overwrite=False)  # fresh
+    (run.out / "a.bin").write_bytes(b"aa")
+    (run.out / "c.bin").write_bytes(b"c")  # journalled with another size below: not done
+    with run.log("done-0000.jsonl") as log:
+        log.add_all([{"file": "a.bin", "bytes": 2}, {"file": "c.bin", "bytes": 9}])
+        run.wrote("a.bin", 2)
+    last = []
+    with pytest.raises(KConvertError, match=r"^2 files were not produced \(first: b.bin\); re-run to resume$"):
+        run.finish(["a.bin", "b.bin", "c.bin"], size_of, last.append)
+    assert not last and (run.out / ".kconvert").is_dir()
+    (run.out / "b.bin").write_bytes(b"b")
+    (run.out / "c.bin").write_bytes(b"c" * 9)
+    with run.log("done-0001.jsonl") as log:  # another process
+        log.add({"file": "b.bin", "bytes": 1})
+    run.finish(["a.bin", "b.bin", "c.bin"], size_of, lambda done: last.append(sorted(done)))
+    assert last == [["a.bin", "b.bin", "c.bin"]] and not (run.out / ".kconvert").exists()
+    r = run.done()
+    assert (r.files_written, r.bytes_in, r.already_complete) == (1, 2, False) and r.seconds > 0
+    (run.out / "kconvert.json").write_text(json.dumps({"job": {"job": 1}}))
+    again = Run(tmp_path / "out")
+    assert again.prepare({"job": 1}, overwrite=False) and again.result.already_complete

@@ -6,7 +6,8 @@ ahead of the one thread that writes them in file order (memory: the window's ten
 Files are `model-0000K-of-0000N.safetensors` (at most --max-shard-size each), written under temporary
 names and journalled when complete (OUT/.kconvert/), so a re-run resumes; config.json and then
 model.safetensors.index.json are written last: without the index, an unfinished export looks like no
-checkpoint at all. The index's metadata records the job and each file's size and CRC-32.
+checkpoint at all (the run's skeleton: run.py). The index's metadata records the job and each file's size
+and CRC-32.
 """
 
 from __future__ import annotations

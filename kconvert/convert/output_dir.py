@@ -1,5 +1,5 @@
-"""The output directory of `kconvert shard`: which state it is in (fresh, resumable, complete, someone
-else's) and the side files (config, tokenizer) copied beside the shards."""
+"""The output directory of `kconvert shard` and `export` (prepared through run.Run): which state it is in
+(fresh, resumable, complete, someone else's) and the side files (config, tokenizer) copied beside the shards."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Each file is rewritten through a temporary name (fsync, rename) after its plain 
 against kconvert.json; finished files are journalled in OUT/.kconvert/ (with pack.json naming the
 operation, which also makes the loader refuse the half-converted directory). kconvert.json is
 rewritten once at the end, with `files[*].stored` added (pack) or removed (unpack); the journal is
-removed last. unpack(pack(x)) is byte-identical to x, kconvert.json included.
+removed last (the run's skeleton: run.py). unpack(pack(x)) is byte-identical to x, kconvert.json included.
 """
 
 from __future__ import annotations

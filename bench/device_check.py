@@ -17,6 +17,9 @@ tiny-k3 / small-k3 fixtures (bf16) converted as-is and to fp8, and their referen
   tp2        tiny-k3 tp 2 over the device's collective backend, when >= 2 devices
 Every step is timed and recorded; a step that fails or is skipped says why and the rest go on. Steps
 that would start after --budget seconds are skipped. Writes one JSON (--out) and prints a table.
+Over 300 lines on purpose: it is the one prepared script a lent machine runs in its few minutes, each
+step a short function sharing the Run recorder and budget; read as one file, the whole device run can
+be checked before the machine is spent (split, its steps would be read out of order).
 """
 
 from __future__ import annotations

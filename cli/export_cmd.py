@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import click
-from rich.console import Console
 
 from kconvert.convert.export import DEFAULT_MAX_SHARD, ExportJob, export as _export
 from kconvert.convert.export_formats import FORMATS
 
 from .progress import byte_progress
-from .units import fmt_bytes, parse_size
+from .run_summary import io_facts, print_run
+from .units import parse_size
 
 
 @click.command()
@@ -43,15 +41,5 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
     job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size), workers, overwrite)
     with byte_progress(f"export {fmt}", enabled=not as_json) as cb:
         r = _export(job, progress=cb)
-    if as_json:
-        click.echo(json.dumps(r.to_json(), indent=2))
-        return
-    con = Console()
-    if r.already_complete:
-        con.print(f"{out}: already complete for these arguments (nothing to do)")
-        return
-    rate = r.bytes_in / r.seconds / 1e9 if r.seconds else 0
-    con.print(f"wrote {r.files_written} of {r.files} files ({r.files_resumed} resumed), {r.tensors} tensors "
-              f"({r.quantized} quantized to {fmt}) in {r.seconds:.1f} s with {r.workers} workers: "
-              f"{fmt_bytes(r.bytes_in)} read, {fmt_bytes(r.bytes_out)} written, {rate:.2f} GB/s, "
-              f"peak RSS {fmt_bytes(r.peak_rss_bytes)}")
+    print_run(r, out, as_json, f"wrote {r.files_written} of {r.files} files ({r.files_resumed} resumed), "
+              f"{r.tensors} tensors ({r.quantized} quantized to {fmt})", io_facts(r), how=f" with {r.workers} workers")

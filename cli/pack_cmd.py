@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
 import click
 
 from .progress import byte_progress
+from .run_summary import print_run, rate
 from .units import fmt_bytes
 
 
-def _report(r, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(r.to_json(), indent=2))
-        return
-    if not r.files and not r.resumed:
-        click.echo(f"{r.out}: every file is already {'compressed' if r.op == 'pack' else 'plain'} (nothing to do)")
-        return
-    ratio = r.plain_bytes / r.stored_bytes if r.stored_bytes else 0.0
-    rate = r.plain_bytes / r.seconds / 1e9 if r.seconds else 0.0
-    click.echo(f"{r.op}ed {r.files} files ({r.resumed} resumed, {r.untouched} already {r.op}ed) in {r.seconds:.1f} s: "
-               f"{fmt_bytes(r.plain_bytes)} plain, {fmt_bytes(r.stored_bytes)} on disk now"
-               + (f" (ratio {ratio:.3f})" if r.op == "pack" else "") + f", {rate:.2f} GB/s")
+def _report(r, out: str, as_json: bool) -> None:
+    ratio = f" (ratio {r.bytes_in / r.bytes_out if r.bytes_out else 0.0:.3f})" if r.op == "pack" else ""
+    print_run(r, str(Path(out)), as_json,
+              f"{r.op}ed {r.files_written} files ({r.files_resumed} resumed, {r.untouched} already {r.op}ed)",
+              [f"{fmt_bytes(r.bytes_in)} plain", f"{fmt_bytes(r.bytes_out)} on disk now{ratio}", rate(r)],
+              nothing=f"every file is already {'compressed' if r.op == 'pack' else 'plain'}")
 
 
 @click.command()
@@ -46,7 +41,7 @@ def pack(out, codec, threads, as_json):
     _, level = parse_codec(codec)
     with byte_progress(f"pack zstd:{level}", enabled=not as_json) as cb:
         r = _pack(out, level=level, threads=threads, progress=cb)
-    _report(r, as_json)
+    _report(r, out, as_json)
 
 
 @click.command()
@@ -64,4 +59,4 @@ def unpack(out, threads, as_json):
 
     with byte_progress("unpack", enabled=not as_json) as cb:
         r = _unpack(out, threads=threads, progress=cb)
-    _report(r, as_json)
+    _report(r, out, as_json)

@@ -6,7 +6,6 @@ import json
 import os
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from kconvert.converted.integrity import verify_files as _verify_files
@@ -14,6 +13,7 @@ from kconvert.convert.quant_policy import SCALE_FORMATS, SCHEMES
 from kconvert.convert.shard import ShardJob, shard as _shard
 
 from .progress import byte_progress
+from .run_summary import io_facts, print_run
 from .units import fmt_bytes
 
 
@@ -72,23 +72,12 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
         r = _shard(job, progress=cb)
     if not _rank0():
         return
-    if as_json:
-        click.echo(json.dumps(r.to_json(), indent=2))
-        return
-    con = Console()
-    if r.already_complete:
-        con.print(f"{out}: already complete for these arguments (nothing to do)")
-        return
-    rate = r.bytes_in / r.seconds / 1e9 if r.seconds else 0
-    con.print(f"wrote {r.files_written} files ({r.files_resumed} resumed) in {r.seconds:.1f} s: "
-              f"{fmt_bytes(r.bytes_in)} read, {fmt_bytes(r.bytes_out)} written, {rate:.2f} GB/s, "
-              f"peak RSS {fmt_bytes(r.peak_rss_bytes)}")
-    t = Table(title="bytes per rank")
-    t.add_column("rank", justify="right")
-    t.add_column("bytes", justify="right")
+    table = Table(title="bytes per rank")
+    table.add_column("rank", justify="right")
+    table.add_column("bytes", justify="right")
     for rank, n in sorted(r.per_rank_bytes.items()):
-        t.add_row(str(rank), fmt_bytes(n))
-    con.print(t)
+        table.add_row(str(rank), fmt_bytes(n))
+    print_run(r, out, as_json, f"wrote {r.files_written} files ({r.files_resumed} resumed)", io_facts(r), table=table)
 
 
 @click.command("verify-files")

@@ -115,13 +115,6 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
 
 
-def reset_peak(dev: torch.device) -> None:
-    if dev.type != "cpu":
-        fn = getattr(module(dev), "reset_peak_memory_stats", None)
-        if fn:
-            fn(dev)
-
-
 def memory_allocated_peak(dev: torch.device) -> int | None:
     if dev.type == "cpu":
         return None

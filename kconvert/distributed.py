@@ -84,10 +84,6 @@ class Group:
             group = _TP_GROUPS[(tp, pp)][self.rank // tp]
         return replace(self, tp=tp, pp=pp, _tp_group=group)
 
-    def check_tp(self, tp: int) -> None:
-        """The world is one tensor-parallel group of `tp` ranks (no pipeline)."""
-        self.layout(tp, 1)
-
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp

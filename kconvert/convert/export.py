@@ -6,30 +6,27 @@ ahead of the one thread that writes them in file order (memory: the window's ten
 Files are `model-0000K-of-0000N.safetensors` (at most --max-shard-size each), written under temporary
 names and journalled when complete (OUT/.kconvert/), so a re-run resumes; config.json and then
 model.safetensors.index.json are written last: without the index, an unfinished export looks like no
-checkpoint at all. The index's metadata records the job and each file's size and CRC-32.
+checkpoint at all (the run's skeleton: run.py). The index's metadata records the job and each file's size
+and CRC-32.
 """
 
 from __future__ import annotations
 
 import json
-import resource
-import shutil
-import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert import __version__
 from kconvert.errors import KConvertError, UsageError
 from kconvert.io.atomic import write_atomic
 from kconvert.io.safetensors_write import SafetensorsWriter
+from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
-from kconvert.converted.journal import JOURNAL_DIR, JournalLog, read_done
 from kconvert.convert.export_formats import (FORMATS, Exported, ignore_list, load, plan_tensor, produce,
                                              quantization_config, source_scale_fmt)
-from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files, prepare_out
-from kconvert.convert.shard import default_workers, worker_runtime
+from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
+from kconvert.convert.run import Run, RunResult, default_workers
 
 EXPORT_VERSION = 1
 # Beyond shard's side files: what a serving engine or `trust_remote_code` needs from the release.
@@ -53,27 +50,8 @@ class ExportJob:
                 "scale_format": scale_fmt, "max_shard_bytes": self.max_shard_bytes, "export_version": EXPORT_VERSION}
 
 
-@dataclass
-class ExportResult:
-    out: str
-    format: str
-    files: int = 0
-    tensors: int = 0
-    quantized: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    files_written: int = 0
-    files_resumed: int = 0
-    workers: int = 0
-    already_complete: bool = False
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def shard_name(k: int, n: int) -> str:
+def hf_file_name(k: int, n: int) -> str:
+    """The K-th of N weight files of a Hugging Face checkpoint (1-based), as huggingface_hub names them."""
     return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
@@ -103,43 +81,37 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
     return files
 
 
-def export(job: ExportJob, progress=None) -> ExportResult:
+def export(job: ExportJob, progress=None) -> RunResult:
     """Run `job`. `progress(event, **kw)`: ("start", total=bytes), ("advance", n=bytes), ("file", path=...)."""
-    t0 = time.perf_counter()
-    out = Path(job.out).resolve()
+    run = Run(job.out, progress)
+    out = run.out
     ck = Checkpoint.open(job.src)
     check_paths(ck, out)
     scale_fmt = job.scale_format or source_scale_fmt(ck)
     files = plan_export(ck, job, scale_fmt)
-    names = [shard_name(k + 1, len(files)) for k in range(len(files))]
+    names = [hf_file_name(k + 1, len(files)) for k in range(len(files))]
     identity = job.identity(ck.fingerprint(), scale_fmt)
-    result = ExportResult(str(out), job.format, files=len(files), tensors=sum(map(len, files)),
-                          quantized=sum(e.transform not in ("copy", "bf16") for f in files for e in f))
-    state = prepare_out(out, identity, job.overwrite, marker=INDEX,
-                        job_of=lambda meta: (meta.get("metadata") or {}).get("kconvert_job"))
-    if state == "complete":
-        result.already_complete = True
-        result.seconds = time.perf_counter() - t0
+    result = run.result
+    result.details.update(format=job.format, files=len(files), tensors=sum(map(len, files)),
+                          quantized=sum(e.transform not in ("copy", "bf16") for f in files for e in f), workers=0)
+    if run.prepare(identity, job.overwrite, marker=INDEX,
+                   job_of=lambda meta: (meta.get("metadata") or {}).get("kconvert_job")):
         return result
-    done = _journalled(out)
+    done = run.journalled(_journalled_size)
     todo = [(name, f) for name, f in zip(names, files) if name not in done]
+    left = dict(todo)
     result.files_resumed = len(files) - len(todo)
     largest = max((e.bytes_in for f in files for e in f), default=1)
-    result.workers = job.workers or default_workers(largest, quantized=result.quantized > 0)
-    if progress:
-        progress("start", total=sum(e.bytes_in for _, f in todo for e in f))
-    with JournalLog(out / JOURNAL_DIR / "done-0000.jsonl") as log, worker_runtime(result.workers):
-        for name, rec in _write_files(ck, out, todo, scale_fmt, result.workers, progress):
+    workers = result.details["workers"] = job.workers or default_workers(largest, quantized=result.quantized > 0)
+    run.start(sum(e.bytes_in for _, f in todo for e in f))
+    with run.log("done-0000.jsonl", workers) as log:
+        for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress):
             log.add({"file": name, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
-            result.files_written += 1
-            if progress:
-                progress("file", path=name)
-    result.bytes_in = sum(e.bytes_in for _, f in todo for e in f)
-    _finish(ck, out, job, names, files, identity, scale_fmt)
+            run.wrote(name, sum(e.bytes_in for e in left[name]))
+    run.finish(names, _journalled_size,
+               lambda done: _write_index(ck, out, job, names, files, identity, scale_fmt, done))
     result.bytes_out = sum((out / n).stat().st_size for n in names)
-    result.seconds = time.perf_counter() - t0
-    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return result
+    return run.done()
 
 
 def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, progress):
@@ -148,7 +120,8 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
     stream = [(name, k, e) for name, f in todo for k, e in enumerate(f)]
     sizes = {name: len(f) for name, f in todo}
 
-    def make(e: Exported):
+    def make(entry):
+        e = entry[2]
         try:
             return produce(e, load(ck, e), scale_fmt)
         except KConvertError as err:
@@ -157,14 +130,9 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
             raise
 
     writer = None
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        ahead: deque = deque()
-        it = iter(stream)
+    with ThreadPoolExecutor(max(1, workers)) as pool, ordered_window(pool, make, stream, workers + 1) as made:
         try:
-            for name, k, e in stream:
-                while len(ahead) < workers + 1 and (nxt := next(it, None)) is not None:
-                    ahead.append(pool.submit(make, nxt[2]))
-                tensors = ahead.popleft().result()
+            for (name, k, e), tensors in made:
                 if k == 0:
                     path = out / name
                     for stale in path.parent.glob(f".{path.name}.tmp-*"):
@@ -180,24 +148,18 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
                     rec, writer = writer.commit(), None
                     yield name, rec
         except BaseException:
-            for f in ahead:
-                f.cancel()
             if writer is not None:
                 writer.abort()
             raise
 
 
-def _journalled(out: Path) -> dict[str, dict]:
-    return read_done(sorted((out / JOURNAL_DIR).glob("done-*.jsonl")), out, lambda rec: rec.get("bytes"))
+def _journalled_size(rec: dict) -> int | None:
+    return rec.get("bytes")
 
 
-def _finish(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], files: list[list[Exported]], identity: dict,
-            scale_fmt: str) -> None:
-    done = _journalled(out)
-    missing = [n for n in names if n not in done]
-    if missing:
-        raise KConvertError(f"{len(missing)} files were not produced (first: {missing[0]}); re-run to resume",
-                            file=str(out))
+def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], files: list[list[Exported]],
+                 identity: dict, scale_fmt: str, done: dict[str, dict]) -> None:
+    """Side files, config.json with its quantization_config, then the index (last: it marks the export complete)."""
     copy_side_files(ck, out, SIDE_PATTERNS)
     kept = [ck.info(e.src) for f in files for e in f
             if e.transform in ("copy", "bf16") and len(e.shape) == 2 and ck.info(e.src).component not in ("embed", "norm")]
@@ -219,4 +181,3 @@ def _finish(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], files: 
                           "kconvert_files": {n: {"bytes": done[n]["bytes"], "crc32": done[n]["crc32"]} for n in names}},
              "weight_map": dict(sorted(weight_map.items()))}
     write_atomic(out / INDEX, (json.dumps(index, indent=2) + "\n").encode())
-    shutil.rmtree(out / JOURNAL_DIR, ignore_errors=True)

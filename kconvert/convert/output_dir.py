@@ -1,5 +1,5 @@
-"""The output directory of `kconvert shard`: which state it is in (fresh, resumable, complete, someone
-else's) and the side files (config, tokenizer) copied beside the shards."""
+"""The output directory of `kconvert shard` and `export` (prepared through run.Run): which state it is in
+(fresh, resumable, complete, someone else's) and the side files (config, tokenizer) copied beside the shards."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
-from kconvert.errors import CheckpointError, UsageError
-from kconvert.io.atomic import write_atomic
+from kconvert.errors import CheckpointError, UsageError, WriteError
+from kconvert.io.atomic import write_atomic, write_error
 from kconvert.io.paths import contained
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.catalog import MANIFEST
@@ -57,6 +57,8 @@ def prepare_out(out: Path, identity: dict, overwrite: bool, follower: bool = Fal
     try:
         journal.mkdir(parents=True, exist_ok=True)
         write_atomic(job_file, json.dumps(identity, indent=1).encode())
+    except WriteError:
+        raise  # already one line naming the file (and an OSError: do not re-wrap it below)
     except PermissionError:
         raise UsageError("the output directory is not writable", file=str(out)) from None
     except OSError as e:
@@ -71,7 +73,10 @@ def copy_side_files(ck: Checkpoint, out: Path, patterns: tuple[str, ...] = COPY_
             src = contained(ck.root, f.name, named_in=ck.root)
             if not src.is_file():
                 raise CheckpointError("side file is not a regular file", file=str(src))
-            shutil.copyfile(src, out / f.name)
+            try:
+                shutil.copyfile(src, out / f.name)
+            except OSError as e:
+                raise write_error(e, out / f.name) from None
 
 
 def _read_json(path: Path) -> dict:

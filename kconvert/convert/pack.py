@@ -5,7 +5,7 @@ Each file is rewritten through a temporary name (fsync, rename) after its plain 
 against kconvert.json; finished files are journalled in OUT/.kconvert/ (with pack.json naming the
 operation, which also makes the loader refuse the half-converted directory). kconvert.json is
 rewritten once at the end, with `files[*].stored` added (pack) or removed (unpack); the journal is
-removed last. unpack(pack(x)) is byte-identical to x, kconvert.json included.
+removed last (the run's skeleton: run.py). unpack(pack(x)) is byte-identical to x, kconvert.json included.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kconvert.errors import ChecksumMismatch, UsageError
@@ -24,38 +22,25 @@ from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.safetensors_read import read_header
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import check_size, file_crc32, first_bad_tensor
-from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE, JournalLog, read_done
+from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE
+from kconvert.convert.run import Run, RunResult
 
 LOG = "pack-done.jsonl"
 
 
-@dataclass
-class PackResult:
-    out: str
-    op: str
-    files: int = 0  # files converted by this run
-    resumed: int = 0  # already converted by an interrupted run
-    untouched: int = 0  # already in the target form before we started
-    plain_bytes: int = 0  # of the files converted
-    stored_bytes: int = 0  # their size afterwards
-    seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def pack(out: str | Path, *, level: int = DEFAULT_LEVEL, threads: int | None = None, progress=None) -> PackResult:
+def pack(out: str | Path, *, level: int = DEFAULT_LEVEL, threads: int | None = None, progress=None) -> RunResult:
     """Compress every plain shard of converted directory `out` in place."""
     return _convert(Path(out), "pack", level, threads, progress)
 
 
-def unpack(out: str | Path, *, threads: int | None = None, progress=None) -> PackResult:
+def unpack(out: str | Path, *, threads: int | None = None, progress=None) -> RunResult:
     """Decompress every compressed shard of converted directory `out` in place."""
     return _convert(Path(out), "unpack", None, threads, progress)
 
 
-def _convert(out: Path, op: str, level: int | None, threads: int | None, progress) -> PackResult:
-    t0 = time.perf_counter()
+def _convert(out: Path, op: str, level: int | None, threads: int | None, progress) -> RunResult:
+    run = Run(out, progress, logs=LOG, op=op, untouched=0)
+    result = run.result
     threads = threads or min(8, os.cpu_count() or 1)
     cat = Catalog.read(out)
     journal = out / JOURNAL_DIR
@@ -73,47 +58,53 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     elif journal.exists():
         raise UsageError("the directory holds an unfinished conversion journal; finish `kconvert shard` first",
                          file=str(out))
-    result = PackResult(str(out), op)
     want_stored = op == "pack"
     todo = [rel for rel, rec in cat.files.items() if bool(rec.get("stored")) != want_stored]
-    result.untouched = len(cat.files) - len(todo)
+    result.details["untouched"] = len(cat.files) - len(todo)
     if not todo:
         shutil.rmtree(journal, ignore_errors=True)
-        result.seconds = time.perf_counter() - t0
-        return result
+        result.already_complete = True
+        return _pack_names(run.done())
     journal.mkdir(exist_ok=True)
     if not state.exists():
         write_atomic(state, json.dumps({"op": op, "level": level}).encode())
-    done = {rel: rec.get("stored") for rel, rec in read_done([journal / LOG], out, _journalled_size).items()}
-    if progress:
-        progress("start", total=sum(cat.files[rel]["bytes"] for rel in todo))
+    done = {rel: rec.get("stored") for rel, rec in run.journalled(_journalled_size).items()}
+    run.start(sum(cat.files[rel]["bytes"] for rel in todo))
     advance = (lambda n: progress("advance", n=n)) if progress else None
-    with JournalLog(journal / LOG) as log:
+    with run.log(LOG) as log:
         for rel in todo:
             rec = cat.files[rel]
             if rel in done:
-                result.resumed += 1
+                result.files_resumed += 1
                 if progress:
                     progress("advance", n=rec["bytes"])
                 continue
             stored = _convert_one(out, rel, rec, cat, op, level, threads, advance)
             log.add({"file": rel, "stored": stored})
             done[rel] = stored
-            result.files += 1
-            if progress:
-                progress("file", path=rel)
-    for rel in todo:
-        rec = cat.files[rel]
-        result.plain_bytes += rec["bytes"]
-        if want_stored:
-            rec["stored"] = done[rel]
-            result.stored_bytes += done[rel]["bytes"]
-        else:
-            rec.pop("stored", None)
-            result.stored_bytes += rec["bytes"]
-    cat.write(out)
-    shutil.rmtree(journal, ignore_errors=True)
-    result.seconds = time.perf_counter() - t0
+            run.wrote(rel)
+
+    def rewrite_catalog(_journalled: dict) -> None:
+        for rel in todo:
+            rec = cat.files[rel]
+            result.bytes_in += rec["bytes"]
+            if want_stored:
+                rec["stored"] = done[rel]
+                result.bytes_out += done[rel]["bytes"]
+            else:
+                rec.pop("stored", None)
+                result.bytes_out += rec["bytes"]
+        cat.write(out)
+
+    run.finish(todo, _journalled_size, rewrite_catalog)
+    return _pack_names(run.done())
+
+
+def _pack_names(result: RunResult) -> RunResult:
+    """The names `kconvert pack --json` has always printed, beside the common ones: files converted by
+    this run, resumed, plain bytes of the files converted and their size afterwards."""
+    result.details.update(files=result.files_written, resumed=result.files_resumed, plain_bytes=result.bytes_in,
+                          stored_bytes=result.bytes_out)
     return result
 
 

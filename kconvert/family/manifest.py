@@ -3,7 +3,7 @@ of config.json, their tensor-parallel split rule and default quantization policy
 
 A family manifest composes reusable *parts* (manifests/parts/*.toml: DeepSeek text, DSA indexer,
 MoonViT, projector), each with a name prefix and the sub-config its shapes are evaluated against.
-`load_manifest(config)` picks the family; `.bind(config)` gives a `ModelMap` that classifies
+`find_family(config)` picks the family; `bind(config)` gives a `ModelMap` that classifies
 tensor names and enumerates every expected tensor (which `plan` uses for models too big to exist).
 """
 

@@ -1,5 +1,5 @@
 """Crash-safe writes: a file is either absent, its old self or complete (temp + fsync + rename + fsync dir);
-an OSError becomes one line naming the file (disk full stays resumable)."""
+an OSError becomes a WriteError (also an OSError) naming the file; disk full stays resumable."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import errno
 import os
 from pathlib import Path
 
-from kconvert.errors import DiskFullError, KConvertError
+from kconvert.errors import DiskFullError, WriteError
 
 
 def fsync_dir(path: Path) -> None:
@@ -19,11 +19,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_error(e: OSError, path: Path) -> KConvertError:
-    """An OSError while writing `path` as a one-line error (disk full stays resumable)."""
+def write_error(e: OSError, path: Path) -> WriteError:
+    """An OSError while writing `path` as a one-line WriteError (EACCES, EIO, ...; disk full: DiskFullError)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # EFBIG: a file-size limit (ulimit -f)
         return DiskFullError("disk full while writing; free space and re-run the same command to resume", file=str(path))
-    return KConvertError(f"cannot write: {e.strerror}", file=str(path))
+    return WriteError(f"cannot write: {e.strerror}", file=str(path))
 
 
 @contextlib.contextmanager

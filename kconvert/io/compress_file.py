@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from kconvert.io.compressed import (CHUNK, CODEC, CODEC_VERSION, DEFAULT_LEVEL, 
 from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.pread import pread_fd, read_bytes
 from kconvert.io.safetensors_read import read_header
+from kconvert.io.window import ordered_window
 
 
 @dataclass
@@ -111,21 +111,11 @@ def compress_file(src: Path, dst: Path, *, level: int = DEFAULT_LEVEL, threads: 
             return data, _cctx(level).compress(group_bytes(data, c[2]))
 
         entries, crc, at = [], 0, data_at
-        with atomic_file(dst, "-z") as f, ThreadPoolExecutor(max(1, threads)) as pool:
+        with atomic_file(dst, "-z") as f, ThreadPoolExecutor(max(1, threads)) as pool, \
+                ordered_window(pool, work, chunks, 2 * threads + 1) as compressed:  # 2 per thread queued
             f.write(h0)
             f.write(bytes(len(chunks) * ENTRY.size))
-            ahead: deque = deque()
-            todo = iter(chunks)
-            for c in todo:
-                ahead.append((c, pool.submit(work, c)))
-                if len(ahead) >= 2 * threads:
-                    break
-            while ahead:
-                c, fut = ahead.popleft()
-                nxt = next(todo, None)
-                if nxt is not None:
-                    ahead.append((nxt, pool.submit(work, nxt)))
-                data, frame = fut.result()
+            for c, (data, frame) in compressed:
                 crc = zlib.crc32(data, crc)
                 f.write(frame)
                 entries.append(ENTRY.pack(c[0], at, c[1], len(frame), c[2], 0, 0, 0))

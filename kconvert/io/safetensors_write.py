@@ -64,8 +64,12 @@ class SafetensorsWriter:
         self._crc = 0
         self._tensor_crc: dict[str, str] = {}
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                                           0o644)
+        except OSError as e:
+            raise write_error(e, self.path) from None
         self._finished = False
         self._written = self._kicked = 0
         self._write(self._head)

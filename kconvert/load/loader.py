@@ -2,22 +2,20 @@
 
     conv = open_converted("out/", rank=0, world_size=2)   # or stage=S, tp_rank=R on a tp x pp conversion
     for unit, tensors in conv.stream(device="cuda:0", prefetch=2, verify=True):
-        model.load_unit(unit, tensors)        # "globals", "vision", "layer-0000", ...
+        model.take_unit(unit, tensors)        # "globals", "vision", "layer-0000", ...
 
 Each unit is one file. Background threads fetch the next `prefetch` files while the caller
 consumes the current one. On CPU the tensors are views of a private, pre-populated mapping of the
 file (the page cache itself: no copy). On an accelerator each file is read in parallel chunks into
 pinned host memory, reused across files, and copied to one device allocation per unit on a side
-stream; compressed shards are decompressed in parallel chunks into the same buffers.
+stream. Compressed shards (kconvert/io/compressed.py) are decompressed chunk by chunk on the same
+threads into the same buffers, so everything after the read (verify, views, device copy) is unchanged.
 With `verify`, the file's CRC-32 is checked against kconvert.json before any tensor is handed out.
-Compressed shards (kconvert/io/compressed.py) are decompressed chunk by chunk on the same threads into
-the same buffer, so everything after the read (verify, views, device copy) is unchanged.
 Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing is the engine's call.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import threading
@@ -39,6 +37,7 @@ from kconvert.errors import LoaderError, UsageError
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.pread import pread_into
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
+from kconvert.io.window import ordered_window
 
 CHUNK = 8 * 1024 * 1024
 
@@ -230,28 +229,26 @@ class ConvertedCheckpoint:
 
         with ThreadPoolExecutor(threads) as pool, \
                 ThreadPoolExecutor(1, thread_name_prefix="kconvert-staging") as reader:
-            reads: collections.deque = collections.deque()
             try:
-                for i, unit in enumerate(order):
-                    # slot of read i + depth is (i - 1) % slots: its copy was issued last iteration
-                    while len(reads) + i <= min(i + depth, len(order) - 1):
-                        reads.append(reader.submit(fetch, len(reads) + i))
-                    header, buf = reads.popleft().result()
-                    dst = torch.empty(header.size, dtype=torch.uint8, device=dev)  # on the consumer's stream
-                    side.wait_stream(consumer)  # dst's memory may have been freed by work still queued there
-                    with mod.stream(side):
-                        dst.copy_(buf, non_blocking=True)
-                        event = mod.Event()
-                        event.record(side)
-                    copy_done[i % len(staging)] = event
-                    consumer.wait_event(event)  # later work on the consumer's stream sees the bytes
-                    self.stats.files += 1
-                    self.stats.bytes += header.size
-                    self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
-                    yield unit, self._views(header, dst)
+                # reads i .. i + depth are queued while unit i is handed out: the slot of read i + depth
+                # is (i - 1) % slots, whose copy was issued last iteration. When the consumer stops early
+                # the window cancels queued reads and waits for a running one before the buffers go.
+                with ordered_window(reader, fetch, range(len(order)), depth + 1) as reads:
+                    for i, (header, buf) in reads:
+                        unit = order[i]
+                        dst = torch.empty(header.size, dtype=torch.uint8, device=dev)  # on the consumer's stream
+                        side.wait_stream(consumer)  # dst's memory may have been freed by work still queued there
+                        with mod.stream(side):
+                            dst.copy_(buf, non_blocking=True)
+                            event = mod.Event()
+                            event.record(side)
+                        copy_done[i % len(staging)] = event
+                        consumer.wait_event(event)  # later work on the consumer's stream sees the bytes
+                        self.stats.files += 1
+                        self.stats.bytes += header.size
+                        self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
+                        yield unit, self._views(header, dst)
             finally:
-                for r in reads:  # the consumer stopped early: let queued reads finish before the buffers go
-                    r.cancel() or r.exception()
                 t0 = time.perf_counter()
                 side.synchronize()  # no copy may outlive its staging buffer
                 self.stats.copy_seconds += time.perf_counter() - t0

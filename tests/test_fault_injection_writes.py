@@ -170,3 +170,18 @@ def test_unwritable_file_is_a_write_error_naming_it(tmp_path, monkeypatch, where
     assert isinstance(info.value, WriteError) and info.value.exit_code == 2
     assert info.value.one_line() == f"{target}: cannot write: Permission denied"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_journal_fsync_failure_is_a_write_error_naming_the_journal(tmp_path, monkeypatch):
+    """EIO while making a journal record durable is a WriteError naming the journal (exit 2, one line),
+    not a raw OSError that ends as an internal error."""
+    from kconvert.converted.journal import JournalLog
+
+    def eio(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    log = JournalLog(tmp_path / "done-0000.jsonl")
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(WriteError) as info:
+        log.add({"file": "rank-000/globals.safetensors"})
+    assert info.value.one_line() == f"{tmp_path / 'done-0000.jsonl'}: cannot write: Input/output error"

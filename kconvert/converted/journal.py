@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kconvert.errors import CheckpointError
+from kconvert.io.atomic import write_error
 
 JOURNAL_DIR = ".kconvert"
 PACK_STATE = "pack.json"  # in JOURNAL_DIR while `kconvert pack` / `unpack` is converting the directory
@@ -41,16 +42,23 @@ class JournalLog:
     """Append records to one journal file, each durable before the next file is started."""
 
     def __init__(self, path: Path):
-        self._f = open(path, "a")
+        self.path = path
+        try:
+            self._f = open(path, "a")
+        except OSError as e:
+            raise write_error(e, path) from None
 
     def add(self, record: dict) -> None:
         self.add_all([record])
 
     def add_all(self, records: list[dict]) -> None:
         """Several records (files made durable together) with one fsync."""
-        self._f.write("".join(json.dumps(r) + "\n" for r in records))
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:  # a record that is not durable counts as not written: the file is redone on resume
+            self._f.write("".join(json.dumps(r) + "\n" for r in records))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise write_error(e, self.path) from None
 
     def close(self) -> None:
         self._f.close()

@@ -122,8 +122,9 @@ def real_sets(path: Path, work: Path) -> dict[str, dict[str, torch.Tensor]]:
     import torch
     from safetensors.torch import load
 
-    from kconvert.convert.quant_policy import FP8_BLOCK
-    from kconvert.convert.quantize import quantize_fp8_block, quantize_int8_channel
+    from kconvert.io.dtypes import FP8_BLOCK
+    from kconvert.quant.fp8_block import quantize_fp8_block
+    from kconvert.quant.int8_channel import quantize_int8_channel
 
     if path.suffix == ".whl":
         with zipfile.ZipFile(path) as z:

@@ -16,6 +16,7 @@ STAGES = [
     "kconvert",            # errors, devices, distributed: used by every stage
     "kconvert.io",         # safetensors read/write, compressed shards, atomic writes
     "kconvert.family",     # family manifests and their shape expressions
+    "kconvert.quant",      # quantization schemes, their registry and policy
     "kconvert.source",     # source checkpoints: hub, index, formats, tokenizer
     "kconvert.converted",  # the converted-directory contract (kconvert.json, units, journal)
     "kconvert.convert",    # layout, quantization, shard plan, shard, pack

@@ -237,10 +237,13 @@ def test_quantizers_equal_the_documented_formulas(chunk, monkeypatch):
     """The quantizers work in row chunks with broadcast scales and no clamp (|x / s| cannot pass the
     limit by more than rounding); the stored bytes must equal the formulas applied to the whole tensor.
     Inputs where many entries equal their block's amax put x / s at or just above the limit."""
-    from kconvert.convert import quantize
-    from kconvert.convert.int4_pack import quantize_int4_packed
+    from kconvert.quant import chunks
+    from kconvert.quant.fp8_block import quantize_fp8_block
+    from kconvert.quant.fp8_channel import quantize_fp8_channel
+    from kconvert.quant.int4_group import quantize_int4_packed
+    from kconvert.quant.int8_channel import quantize_int8_channel
 
-    monkeypatch.setattr(quantize, "CHUNK_ELEMS", chunk)
+    monkeypatch.setattr(chunks, "CHUNK_ELEMS", chunk)
     g = torch.Generator().manual_seed(7)
     for shape in [(130, 260), (384, 256), (5, 96), (257, 1056)]:
         for mag in (1e-30, 1e-3, 1.0, 3e4, 1e36):
@@ -250,11 +253,11 @@ def test_quantizers_equal_the_documented_formulas(chunk, monkeypatch):
             w[1, :] = 0.0  # all-zero rows and blocks
             for dtype in (torch.float32, torch.bfloat16):
                 x = w.to(dtype)
-                pairs = {"fp8-block": quantize.quantize_fp8_block(x, 128, "fp32"),
-                         "w8a8-int8": quantize.quantize_int8_channel(x),
-                         "fp8-channel": quantize.quantize_fp8_channel(x),
+                pairs = {"fp8-block": quantize_fp8_block(x, 128, "fp32"),
+                         "w8a8-int8": quantize_int8_channel(x),
+                         "fp8-channel": quantize_fp8_channel(x),
                          **({"w4a16": quantize_int4_packed(x, 32)} if shape[1] % 32 == 0 else {})}
-                ue8m0 = quantize.quantize_fp8_block(x, 128, "ue8m0")
+                ue8m0 = quantize_fp8_block(x, 128, "ue8m0")
                 for fmt, (q, s) in [*pairs.items(), ("ue8m0", ue8m0)]:
                     want_q, want_s = _by_the_doc("fp8-block" if fmt == "ue8m0" else fmt, x,
                                                  "ue8m0" if fmt == "ue8m0" else "fp32")

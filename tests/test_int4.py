@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import assert_one_line_error, run_cli
-from kconvert.convert.quantize import quantize_int4_group, unpack_int4
+from kconvert.quant.int4_group import quantize_int4_group
+from kconvert.quant.packing import unpack_nibble_pairs
 from kconvert.verify.fake_quant import qdq
 
 
@@ -43,7 +44,7 @@ def test_int4_matches_compressed_tensors_fake_quantize(search, group):
     assert packed.dtype == torch.uint8 and packed.shape == (64, 128) and scale.shape == (64, 256 // group)
     ours = _dequant_by_the_doc(packed, scale)
     assert torch.equal(ours, qdq(w, "int4", group_size=group, int4_scales=search)), seed
-    assert torch.equal(unpack_int4(packed).float() * scale.repeat_interleave(group, 1), ours)
+    assert torch.equal(unpack_nibble_pairs(packed).float() * scale.repeat_interleave(group, 1), ours)
     assert torch.equal(ours[3, 40:72], torch.zeros(32))
 
 

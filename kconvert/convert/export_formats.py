@@ -1,14 +1,16 @@
-"""The formats `kconvert export` writes: which tensors each quantizes, the tensors each becomes, and the
-`quantization_config` serving engines read. Formulas: docs/EXPORT.md.
+"""The formats `kconvert export` writes. Each is a scheme of kconvert/quant/registry.py stored under a
+serving engine's names and packing, plus the `quantization_config` those engines read; none has a
+quantizer of its own. Formulas: docs/EXPORT.md.
 
-- fp8-block:  DeepSeek-V3/V3.2 and Kimi FP8 releases. `X.weight` e4m3 + `X.weight_scale_inv` float32 per
-              128x128 block; text-layer linears only (router, indexer weights_proj, norms, embeddings,
-              lm_head and the vision tower stay bf16, as the releases keep them).
-- w4a16:      compressed-tensors pack-quantized int4 (Kimi-K2-Thinking / K2.5): routed experts only.
-- w8a8-int8:  compressed-tensors int-quantized, per-channel weight scale, dynamic per-token activations.
-- fp8-channel: compressed-tensors float-quantized, the same with e4m3.
-Transforms of one logical tensor: copy (kept as stored), bf16 (dequantized, kept high precision),
-fp8_block, fp8_copy (block-FP8 source copied bit for bit), int4, int4_copy, int8_channel, fp8_channel.
+- fp8-block:   the `fp8` scheme (DeepSeek-V3/V3.2 and Kimi FP8 releases: `X.weight` e4m3 +
+               `X.weight_scale_inv` float32 per 128x128 block); text-layer linears only (router, indexer
+               weights_proj, norms, embeddings, lm_head and the vision tower stay bf16, as the releases).
+- w4a16:       the `int4` scheme in the compressed-tensors encoding (pack-quantized int32 words, its
+               min-max rule, bf16 scales; Kimi-K2-Thinking / K2.5): routed experts only.
+- w8a8-int8:   the `int8` scheme (compressed-tensors int-quantized, dynamic per-token activations).
+- fp8-channel: the `fp8_channel` scheme (compressed-tensors float-quantized, the same with e4m3).
+Transforms of one logical tensor: copy (kept as stored), bf16 (dequantized, kept high precision), the
+format's transform (below), or the scheme's lossless copy (fp8_copy, int4_copy).
 """
 
 from __future__ import annotations
@@ -20,16 +22,34 @@ import torch
 
 from kconvert.errors import UsageError
 from kconvert.family.manifest import TensorInfo
-from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE, specs_bytes
+from kconvert.io.dtypes import DTYPES, FP8_BLOCK, specs_bytes
 from kconvert.io.safetensors_read import read_tensor
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
-from kconvert.convert.int4_pack import quantize_int4_packed
-from kconvert.convert.quantize import quantize_fp8_block, quantize_fp8_channel, quantize_int8_channel
+from kconvert.convert.quant_policy import selected, source_quant, source_scale_fmt  # noqa: F401 (export.py imports source_scale_fmt here)
+from kconvert.quant.registry import get_scheme
+from kconvert.quant.scheme import COMPRESSED_TENSORS, KCONVERT, Options, Scheme, input_bytes
 
-FORMATS = ("fp8-block", "w4a16", "w8a8-int8", "fp8-channel")
-FORMAT_TRANSFORM = {"fp8-block": "fp8_block", "w4a16": "int4", "w8a8-int8": "int8_channel",
-                    "fp8-channel": "fp8_channel"}
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """A scheme's values under a serving engine's names: which scheme, which encoding, which tensors."""
+
+    name: str
+    scheme: str  # in kconvert/quant/registry.py
+    transform: str  # what the plan calls a tensor this format quantizes
+    encoding: str = KCONVERT
+    text_only: bool = False  # vision tower and projector stay bf16 (the FP8 releases keep them so)
+
+
+EXPORT_FORMATS = {f.name: f for f in (
+    ExportFormat("fp8-block", "fp8", "fp8_block", text_only=True),
+    ExportFormat("w4a16", "int4", "int4", encoding=COMPRESSED_TENSORS),
+    ExportFormat("w8a8-int8", "int8", "int8_channel"),
+    ExportFormat("fp8-channel", "fp8_channel", "fp8_channel"),
+)}
+FORMATS = tuple(EXPORT_FORMATS)
+FORMAT_TRANSFORM = {f.name: f.transform for f in EXPORT_FORMATS.values()}
 
 
 @dataclass(frozen=True)
@@ -42,20 +62,27 @@ class Exported:
     src_dtype: str  # stored dtype tag of the source (I4 for packed int4)
     group: int = 32
     copy_tags: tuple[str, ...] = ()  # int4_copy: the source's scale and weight_shape dtypes
+    scheme_name: str = ""  # quantized or copied: the registry's scheme; "" when kept unquantized
+    encoding: str = KCONVERT
+    scale_fmt: str = "fp32"
+    copy_roles: tuple[str, ...] = ()  # a lossless copy: the source parts written unchanged
+
+    @property
+    def scheme(self) -> Scheme | None:
+        return get_scheme(self.scheme_name) if self.scheme_name else None
+
+    @property
+    def options(self) -> Options:
+        return Options(self.scale_fmt, self.group, "amax", self.encoding)
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        r, c = (self.shape + (0, 0))[:2]
-        base = self.src[: -len(".weight")]
-        if self.transform in ("fp8_block", "fp8_copy"):
-            return [(self.src, "F8_E4M3", self.shape), (base + ".weight_scale_inv", "F32", (-(-r // FP8_BLOCK), -(-c // FP8_BLOCK)))]
-        if self.transform in ("int4", "int4_copy"):
-            scale_tag, shape_tag = self.copy_tags or ("BF16", "I32")
-            return [(base + ".weight_packed", "I32", (r, c // 8)), (base + ".weight_scale", scale_tag, (r, c // self.group)),
-                    (base + ".weight_shape", shape_tag, (2,))]
-        if self.transform in ("int8_channel", "fp8_channel"):
-            tag = "I8" if self.transform == "int8_channel" else "F8_E4M3"
-            return [(self.src, tag, self.shape), (base + ".weight_scale", "F32", (r, 1))]
-        return [(self.src, self.src_dtype if self.transform == "copy" else "BF16", self.shape)]
+        scheme = self.scheme
+        if scheme is None:
+            return [(self.src, self.src_dtype if self.transform == "copy" else "BF16", self.shape)]
+        specs = scheme.specs(self.src, self.shape, self.options)
+        if self.copy_tags:  # a copied int4 source keeps its scale and weight_shape dtypes
+            specs = [specs[0]] + [(n, tag, s) for (n, _, s), tag in zip(specs[1:], self.copy_tags)]
+        return specs
 
     @property
     def bytes_out(self) -> int:
@@ -63,65 +90,51 @@ class Exported:
 
     @property
     def bytes_in(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n // 2 if self.src_dtype == "I4" else n * ITEMSIZE.get(self.src_dtype, 2)
+        return input_bytes(self.shape, self.src_dtype)
 
 
 def quantizes(fmt: str, info: TensorInfo, shape: tuple[int, ...], group: int) -> bool:
-    if len(shape) != 2 or not info.name.endswith(".weight"):
+    """The scheme's default policy (no --keep / --quantize here), for `.weight` linears the format can store."""
+    f = EXPORT_FORMATS[fmt]
+    scheme = get_scheme(f.scheme)
+    if len(shape) != 2 or not info.name.endswith(".weight") or (f.text_only and info.group != "text"):
         return False
-    if fmt == "w4a16":
-        return info.component == "routed_experts" and shape[1] % group == 0
-    if fmt == "fp8-block":
-        return info.quantize and info.group == "text"
-    return info.quantize
+    return selected(scheme, info, shape) and scheme.fits(shape, Options(group_size=group, encoding=f.encoding))
 
 
 def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: int, scale_fmt: str) -> Exported:
     info = ck.info(name)
-    if not quantizes(fmt, info, tuple(t.shape), group):
-        return Exported(name, "copy" if t.format == "plain" else "bf16", tuple(t.shape), t.stored_dtype)
-    transform = FORMAT_TRANSFORM[fmt]
-    if (fmt == "fp8-block" and t.format == "block_fp8" and ck.quant_block() == (FP8_BLOCK, FP8_BLOCK)
-            and source_scale_fmt(ck) == scale_fmt):
-        transform = "fp8_copy"
-    tags: tuple[str, ...] = ()
-    if fmt == "w4a16" and t.format == "int4_packed" and ck.int4_group() == group:
-        transform, tags = "int4_copy", (t.parts["scale"].dtype, t.parts["shape"].dtype)
-    return Exported(name, transform, tuple(t.shape), t.stored_dtype, group, tags)
-
-
-def source_scale_fmt(ck: Checkpoint) -> str:
-    return "ue8m0" if ck.quantization_config.get("scale_fmt") == "ue8m0" else "fp32"
+    shape = tuple(t.shape)
+    if not quantizes(fmt, info, shape, group):
+        return Exported(name, "copy" if t.format == "plain" else "bf16", shape, t.stored_dtype)
+    f = EXPORT_FORMATS[fmt]
+    opts = Options(scale_fmt, group, "amax", f.encoding)
+    copy = get_scheme(f.scheme).lossless_copy(source_quant(ck, t), opts, same_scale_format=True)
+    if copy is None:
+        return Exported(name, f.transform, shape, t.stored_dtype, group, (), f.scheme, f.encoding, scale_fmt)
+    # a copied pack-quantized source keeps the dtypes it stores its scale and weight_shape in
+    tags = tuple(t.parts[role].dtype for role in copy.roles[1:]) if f.encoding == COMPRESSED_TENSORS else ()
+    return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, f.scheme, f.encoding, scale_fmt,
+                    copy.roles)
 
 
 def load(ck: Checkpoint, e: Exported):
     """What `produce` needs: raw stored parts for the bit-exact copies, else the (dequantized) weight."""
     t = ck.logical[e.src]
-    if e.transform == "fp8_copy":
-        return read_tensor(t.parts["weight"]), read_tensor(t.parts["scale"])
-    if e.transform == "int4_copy":
-        return read_tensor(t.parts["packed"]), read_tensor(t.parts["scale"]), read_tensor(t.parts["shape"])
+    if e.copy_roles:
+        return tuple(read_tensor(t.parts[role]) for role in e.copy_roles)
     return ck.read(e.src)
 
 
 def produce(e: Exported, x, scale_fmt: str = "fp32") -> list[torch.Tensor]:
     """The tensors of `e.specs()`, in that order."""
-    if e.transform in ("fp8_copy", "int4_copy"):
-        return list(x)
-    if e.transform in ("copy", "bf16"):
+    if e.copy_roles:  # stored parts as they are (a scale held in another float type becomes the planned one)
+        return [part.to(DTYPES[tag]) for (_, tag, _), part in zip(e.specs(), x)]
+    scheme = e.scheme
+    if scheme is None:
         return [(x.to(torch.bfloat16) if e.transform == "bf16" else x).contiguous()]
     # each quantizer refuses NaN/Inf (found from its scales, no extra pass)
-    if e.transform == "fp8_block":
-        return list(quantize_fp8_block(x, FP8_BLOCK, scale_fmt, e.src))
-    if e.transform == "int4":
-        packed, scale = quantize_int4_packed(x, e.group, e.src)
-        return [packed, scale, torch.tensor(list(e.shape), dtype=torch.int32)]
-    if e.transform == "int8_channel":
-        return list(quantize_int8_channel(x, e.src))
-    return list(quantize_fp8_channel(x, e.src))
+    return scheme.quantize(x, Options(scale_fmt, e.group, "amax", e.encoding), e.src)
 
 
 # --------------------------------------------------------------------------- config.json

@@ -1,9 +1,10 @@
 """Plan a conversion from headers alone: every (rank, unit) output file and, in order, the tensors
 it will hold, each with the source slice it comes from and how it is transformed.
 
-Transforms: `copy` (plain, kept dtype), `bf16` (dequantized source kept in high precision),
-`fp8` / `int8` (quantize the slice), `fp8_copy` (block-FP8 source resharded on block boundaries:
-weight and scale bytes copied unchanged, lossless).
+Transforms: `copy` (plain, kept dtype), `bf16` (dequantized source kept in high precision), a scheme's
+name from kconvert/quant/registry.py (`fp8`, `int8`, `int4`: quantize the slice), or a scheme's lossless
+copy (`fp8_copy`: block-FP8 source resharded on block boundaries, weight and scale bytes unchanged).
+What each stores (names, dtypes, shapes) is the scheme's `specs`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from kconvert.converted.units import GLOBALS, VISION, layer_unit, unit_file, uni
 from kconvert.errors import UsageError
 from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
 from kconvert.family.manifest import TensorInfo
-from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
+from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy, source_quant
 from kconvert.convert.stages import FIRST, LAST, StageSplit, edges_of, split_layers
-from kconvert.io.dtypes import ITEMSIZE, specs_bytes
+from kconvert.io.dtypes import specs_bytes
+from kconvert.quant.registry import scheme_of_transform
+from kconvert.quant.scheme import LosslessCopy, Options, Scheme, input_bytes
 
 
 @dataclass(frozen=True)
@@ -27,31 +30,33 @@ class Output:
     src: str
     info: TensorInfo
     piece: Piece
-    transform: str  # copy | bf16 | fp8 | int8 | int4 | fp8_copy
+    transform: str  # copy | bf16 | a scheme (fp8 | int8 | int4) | a scheme's lossless copy (fp8_copy)
     shape: tuple[int, ...]  # of the slice
     src_dtype: str
     scale_format: str = "fp32"
     group_size: int = 32  # int4
     int4_scales: str = "mse"  # int4
+    copy: LosslessCopy | None = None  # the source parts a lossless copy writes unchanged
+
+    @property
+    def scheme(self) -> Scheme | None:
+        """The scheme this output is stored in (quantized or copied); None when kept unquantized."""
+        return scheme_of_transform(self.transform)
+
+    @property
+    def options(self) -> Options:
+        return Options(self.scale_format, self.group_size, self.int4_scales)
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        r, c = (self.shape + (0, 0))[:2]
-        if self.transform in ("fp8", "fp8_copy"):
-            grid = (-(-r // FP8_BLOCK), -(-c // FP8_BLOCK))
-            return [(self.src, "F8_E4M3", self.shape), (self.src + "_scale_inv", "F32", grid)]
-        if self.transform == "int8":
-            return [(self.src, "I8", self.shape), (self.src + "_scale", "F32", (r, 1))]
-        if self.transform == "int4":
-            return [(self.src + "_packed", "U8", (r, c // 2)), (self.src + "_scale", "F32", (r, c // self.group_size))]
+        scheme = self.scheme
+        if scheme is not None:
+            return scheme.specs(self.src, self.shape, self.options)
         tag = self.src_dtype if self.transform == "copy" else "BF16"
         return [(self.src, tag, self.shape)]
 
     @property
     def bytes_in(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * (1 if self.src_dtype in ("I4", "F8_E4M3") else ITEMSIZE.get(self.src_dtype, 2))
+        return input_bytes(self.shape, self.src_dtype)
 
 
 @dataclass
@@ -91,30 +96,34 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
     n_experts = ck.model.text.expert_count
     items: dict[tuple[str, int], WorkItem] = {}
     misaligned: list[str] = []
+    scheme, opts = policy.quant, policy.options
     for name, t in ck.logical.items():
         info = ck.info(name)
         if info.component == "mtp" and not keep_mtp:
             continue
         quant = policy.quantizes(info, t.shape)
+        copy = scheme.lossless_copy(source_quant(ck, t), opts) if quant else None
         for p in pieces(info, t.shape, layout, n_experts):
             shape = list(t.shape)
             if p.dim is not None:
                 shape[p.dim] = p.stop - p.start
-            transform = _transform(t.format, quant, policy, ck, p, t.shape)
-            if transform == "fp8_misaligned":
+            transform = scheme.name if quant else "copy" if t.format == "plain" else "bf16"
+            piece_copy = copy
+            if copy is not None and not _aligned(p, t.shape, copy.block):
                 if not requantize:
                     misaligned.append(name)
                     break
-                transform = "fp8"
-            if transform == "int4" and shape[1] % policy.group_size:
-                raise UsageError(f"--quant int4: {shape[1]} inputs per rank do not divide into groups of "
-                                 f"{policy.group_size}; choose another --group-size", tensor=name)
+                piece_copy = None
+            if piece_copy is not None:
+                transform = piece_copy.transform
+            if quant and piece_copy is None and (why := scheme.misfit(tuple(shape), opts)):
+                raise UsageError(f"--quant {scheme.name}: {why}", tensor=name)
             unit = unit_of(info)
             item = items.setdefault((unit, p.rank), WorkItem(p.rank, unit))
             item.outputs.append(Output(name, info, p, transform, tuple(shape), t.stored_dtype, policy.scale_format,
-                                       policy.group_size, policy.int4_scales))
+                                       policy.group_size, policy.int4_scales, piece_copy))
     if misaligned:
-        works = [tp for tp in TP_DEGREES if _fp8_aligned(ck, tp, layout, policy)]
+        works = [tp for tp in TP_DEGREES if _copies_aligned(ck, tp, layout, policy)]
         raise UsageError(f"block-FP8 source: --tp {layout.tp} cuts {misaligned[0]} (and {len(misaligned) - 1} more) "
                          f"inside a {FP8_BLOCK}x{FP8_BLOCK} scale block; tp degrees that keep blocks whole: "
                          f"{', '.join(map(str, works)) or 'none'}; or pass --requantize to re-quantize those slices")
@@ -177,21 +186,14 @@ def plan_pipeline(items: list[WorkItem], tp: int, pp: int, n_layers: int, *, pp_
     return Pipeline(placed, split, units)
 
 
-def _transform(fmt: str, quant: bool, policy: QuantPolicy, ck: Checkpoint, p: Piece, shape) -> str:
-    if not quant:
-        return "copy" if fmt == "plain" else "bf16"
-    if policy.scheme == "fp8" and fmt == "block_fp8" and ck.quant_block() == (FP8_BLOCK, FP8_BLOCK):
-        source_ue8m0 = ck.quantization_config.get("scale_fmt") == "ue8m0"
-        if policy.scale_format == "fp32" or source_ue8m0:
-            return "fp8_copy" if _aligned(p, shape) else "fp8_misaligned"
-    return policy.scheme
+def _aligned(p: Piece, shape, block: int) -> bool:
+    """A slice a block-wise copy can take: whole, or starting on a block and ending on one (or at the end)."""
+    return (not block or p.dim is None
+            or (p.start % block == 0 and (p.stop % block == 0 or p.stop == shape[p.dim])))
 
 
-def _aligned(p: Piece, shape) -> bool:
-    return p.dim is None or (p.start % FP8_BLOCK == 0 and (p.stop % FP8_BLOCK == 0 or p.stop == shape[p.dim]))
-
-
-def _fp8_aligned(ck: Checkpoint, tp: int, layout: Layout, policy: QuantPolicy) -> bool:
+def _copies_aligned(ck: Checkpoint, tp: int, layout: Layout, policy: QuantPolicy) -> bool:
+    """Whether `tp` (same expert placement) cuts every losslessly copied tensor on its blocks."""
     try:
         other = Layout.make(tp, tp if layout.ep == layout.tp else layout.ep)
         check(ck.model, other)
@@ -199,7 +201,10 @@ def _fp8_aligned(ck: Checkpoint, tp: int, layout: Layout, policy: QuantPolicy) -
         return False
     for name, t in ck.logical.items():
         info = ck.info(name)
-        if t.format == "block_fp8" and policy.quantizes(info, t.shape):
-            if not all(_aligned(p, t.shape) for p in pieces(info, t.shape, other, ck.model.text.expert_count)):
-                return False
+        if not policy.quantizes(info, t.shape):
+            continue
+        copy = policy.quant.lossless_copy(source_quant(ck, t), policy.options)
+        if copy is not None and not all(_aligned(p, t.shape, copy.block)
+                                        for p in pieces(info, t.shape, other, ck.model.text.expert_count)):
+            return False
     return True

@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import KConvertError
+from kconvert.io.dtypes import DTYPES
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import read_checked
-from kconvert.convert.quant_policy import FP8_BLOCK
-from kconvert.convert.quantize import quantize_fp8_block, quantize_int4_group, quantize_int8_channel
 from kconvert.convert.shard_plan import Output, WorkItem
 
 
@@ -86,10 +85,10 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> li
 
 
 def _load(ck: Checkpoint, o: Output):
-    """The whole source tensor of `o`: dequantized/plain, or (fp8 weight, scale) for lossless copies."""
+    """The whole source tensor of `o`: dequantized/plain, or its stored parts for a lossless copy."""
     t = ck.logical[o.src]
-    if o.transform == "fp8_copy":
-        return read_checked(t.parts["weight"]), read_checked(t.parts["scale"])
+    if o.copy is not None:
+        return tuple(read_checked(t.parts[role]) for role in o.copy.roles)
     return ck.read(o.src)
 
 
@@ -97,32 +96,23 @@ def _slice(ck: Checkpoint, o: Output, x):
     p = o.piece
     if p.dim is None:
         return x
-    if o.transform == "fp8_copy":
-        b = ck.quant_block()[p.dim]
+    if o.copy is not None:  # the weight by the piece, its block scales by the blocks the piece covers
+        b = o.copy.block
         w, s = x
         return (w.narrow(p.dim, p.start, p.stop - p.start).contiguous(),
                 s.narrow(p.dim, p.start // b, -(-p.stop // b) - p.start // b).contiguous())
     piece = x.narrow(p.dim, p.start, p.stop - p.start)
-    return piece if o.transform in ("fp8", "int8", "int4") else piece.contiguous()  # quantizers read views
+    return piece if o.scheme is not None else piece.contiguous()  # quantizers read views
 
 
 def _produce(o: Output, x):
-    if o.transform == "fp8_copy":
-        yield o.src, x[0]
-        yield o.src + "_scale_inv", x[1].to(torch.float32)
+    specs = o.specs()
+    if o.copy is not None:  # stored parts as they are (a scale held in another float type becomes the planned one)
+        for (name, tag, _), part in zip(specs, x):
+            yield name, part.to(DTYPES[tag])
         return
-    if o.transform in ("fp8", "int8", "int4"):  # each refuses NaN/Inf (found from its scales)
-        if o.transform == "int4":
-            q, s = quantize_int4_group(x, o.group_size, o.int4_scales, o.src)
-            yield o.src + "_packed", q
-            yield o.src + "_scale", s
-        elif o.transform == "fp8":
-            q, s = quantize_fp8_block(x, FP8_BLOCK, o.scale_format, o.src)
-            yield o.src, q
-            yield o.src + "_scale_inv", s
-        else:
-            q, s = quantize_int8_channel(x, o.src)
-            yield o.src, q
-            yield o.src + "_scale", s
+    scheme = o.scheme
+    if scheme is not None:  # each quantizer refuses NaN/Inf (found from its scales)
+        yield from zip((name for name, _, _ in specs), scheme.quantize(x, o.options, o.src))
         return
     yield o.src, (x.to(torch.bfloat16) if o.transform == "bf16" else x).contiguous()

@@ -19,12 +19,13 @@ from kconvert.io.atomic import write_atomic
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.paths import contained
 from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_file, unit_layer
+from kconvert.quant.registry import SHARD_SCHEMES
 
 FORMAT = "kconvert"
 FORMAT_VERSION = 3  # 3: pipeline stages (layout.pp, layout.stages, files[*].stage); 2: adds `digest`
 READABLE_VERSIONS = (2, 3)  # a version-2 directory reads as pp = 1; version 1 is refused with "convert again"
 MANIFEST = "kconvert.json"
-SCHEMES = ("none", "fp8", "int8", "int4")
+SCHEMES = SHARD_SCHEMES  # what `shard` writes: "none" and every scheme in kconvert/quant/registry.py it offers
 _CRC = re.compile(r"[0-9a-f]{8}")
 
 

@@ -24,6 +24,9 @@ import torch
 from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
 from kconvert.io.dtypes import FP8_BLOCK
+from kconvert.quant.fp8_block import dequantize_fp8_block
+from kconvert.quant.int4_group import dequantize_int4
+from kconvert.quant.packing import unpack_int32_words
 
 FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 # 8-bit floats have no aminmax on CPU: their NaN/Inf bit patterns are tested instead (pattern & mask == mask)
@@ -164,30 +167,10 @@ def read_checked(entry: TensorEntry, rows: tuple[int, int] | None = None) -> tor
 # --------------------------------------------------------------------------- dequantizers
 
 
-def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
-                      *, row_offset: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """weight [R, C] fp8 times the scale of each element's (row_offset + r) // B0, c // B1 block.
-
-    `row_offset` lets a row slice starting mid-checkpoint use the right scale rows (scale_inv must
-    then start at block row row_offset // B0)."""
-    b0, b1 = block
-    rows, cols = weight.shape
-    r_idx = (torch.arange(rows) + row_offset) // b0 - row_offset // b0
-    c_idx = torch.arange(cols) // b1
-    s = scale_inv.to(torch.float32)[r_idx][:, c_idx]
-    return (weight.to(torch.float32) * s).to(dtype)
-
-
-def unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], group: int = 32,
-                *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequant_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], group: int = 32,
+                        *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """compressed-tensors pack-quantized INT4 -> float. packed int32 [R, C/8], scale [R, C/group]."""
-    rows, cols = shape
-    words = packed.to(torch.int64) & 0xFFFFFFFF  # treat as unsigned 32-bit
-    shifts = torch.arange(8, dtype=torch.int64) * 4
-    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF  # [R, C/8, 8], low nibble first
-    q = nibbles.reshape(rows, -1)[:, :cols].to(torch.float32) - 8.0
-    s = scale.to(torch.float32).repeat_interleave(group, dim=1)[:, :cols]
-    return (q * s).to(dtype)
+    return dequantize_int4(unpack_int32_words(packed, shape[1]), scale, group).to(dtype)
 
 
 def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
@@ -199,7 +182,7 @@ def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
         return (w * s.reshape(())).to(dtype)
     if s.dim() == 2 and s.shape[1] == 1:
         return (w * s).to(dtype)
-    return dequant_block_fp8(weight, scale, block, dtype=dtype)
+    return dequantize_fp8_block(weight, scale, block, dtype=dtype)
 
 
 def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype: torch.dtype | None = None,
@@ -223,7 +206,7 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
         if len(declared) != 2 or declared[0] != t.shape[0] or not (t.shape[1] - 8 < declared[1] <= t.shape[1]):
             raise CheckpointError(f"weight_shape {list(declared)} disagrees with weight_packed {list(t.parts['packed'].shape)}",
                                   file=str(t.parts["shape"].file), tensor=t.parts["shape"].name)
-        return unpack_int4(packed, scale, (packed.shape[0], declared[1]), group, dtype=out_dtype)
+        return dequant_int4_packed(packed, scale, (packed.shape[0], declared[1]), group, dtype=out_dtype)
     w = read_tensor(t.parts["weight"], rows)
     kind = scale_kind(t)
     srows = None
@@ -233,7 +216,7 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
         srows = rows
     scale = read_tensor(t.parts["scale"], srows)
     if kind == "block":
-        return dequant_block_fp8(w, scale, block, row_offset=a, dtype=out_dtype)
+        return dequantize_fp8_block(w, scale, block, row_offset=a, dtype=out_dtype)
     return dequant_scaled(w, scale, block, dtype=out_dtype)
 
 

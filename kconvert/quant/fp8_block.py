@@ -1,0 +1,88 @@
+"""`fp8`: float8_e4m3fn weights with one float32 scale per 128x128 block, DeepSeek's naming
+(`X.weight`, `X.weight_scale_inv` [ceil(R/128), ceil(C/128)], dequant = q * scale). With `ue8m0` the
+scale is rounded up to a power of two (2^ceil(log2(amax/448))), as DeepSeek-V3.1/V3.2 store it.
+Export's `fp8-block` is this scheme. A block-FP8 source with 128x128 blocks is copied, not requantized."""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.io.dtypes import FP8_BLOCK
+from kconvert.quant.chunks import FP8_MAX, TINY, check_scales, fold_max, row_chunks
+from kconvert.quant.scheme import LosslessCopy, Options, Scheme, SourceQuant, Spec
+
+
+def divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    """out = e4m3(x / s[r // block, c // block]), the scale broadcast over each block. No clamp to ±448
+    is needed: s >= amax / 448 up to one rounding, so |x / s| <= 448 (1 + 2^-22), which e4m3's
+    round-to-nearest-even maps to ±448 exactly as the clamped value (tests/test_export.py checks)."""
+    r, c = x.shape
+    s_rows = s.repeat_interleave(block, 0)[:r]  # [r, blocks across]: small
+    full = c - c % block
+    if full:
+        y = x[:, :full].unflatten(1, (full // block, block)) / s_rows[:, : full // block, None]
+        out[:, :full].unflatten(1, (full // block, block)).copy_(y)
+    if c > full:
+        out[:, full:].copy_(x[:, full:] / s_rows[:, -1:])
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, scale_format: str = "fp32",
+                       name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] float -> (fp8 [R, C], float32 scale [ceil(R/b), ceil(C/b)]) with w ≈ q * scale."""
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale = torch.full((-(-rows // block), -(-cols // block)), TINY, dtype=torch.float32)
+    if not q.numel():
+        return q, scale
+    for r0, r1 in row_chunks(rows, cols, block):
+        x = w[r0:r1].to(torch.float32)  # w itself when already float32: only read below
+        s = (fold_max(fold_max(x, 1, block, signed=True), 0, block) / FP8_MAX).clamp_min_(TINY)
+        if scale_format == "ue8m0":
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        scale[r0 // block: r0 // block + s.shape[0]] = s
+        divide_blocks(x, s, block, q[r0:r1])
+    check_scales(scale, w, name)
+    return q, scale
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
+                         *, row_offset: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [R, C] fp8 times the scale of each element's (row_offset + r) // B0, c // B1 block.
+
+    `row_offset` lets a row slice starting mid-checkpoint use the right scale rows (scale_inv must
+    then start at block row row_offset // B0)."""
+    b0, b1 = block
+    rows, cols = weight.shape
+    r_idx = (torch.arange(rows) + row_offset) // b0 - row_offset // b0
+    c_idx = torch.arange(cols) // b1
+    s = scale_inv.to(torch.float32)[r_idx][:, c_idx]
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+class Fp8Block(Scheme):
+    name = "fp8"
+    copies = ("fp8_copy",)
+
+    def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
+        r, c = shape
+        return [(src, "F8_E4M3", tuple(shape)), (src + "_scale_inv", "F32", (-(-r // FP8_BLOCK), -(-c // FP8_BLOCK)))]
+
+    def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        return list(quantize_fp8_block(w, FP8_BLOCK, opts.scale_format, name))
+
+    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
+        return dequantize_fp8_block(stored[0], stored[1])
+
+    def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
+        """A 128x128 block-FP8 source, when its scales are valid in the target format: fp32 takes any
+        scale, ue8m0 only power-of-two ones (`same_scale_format`: only the very format asked for)."""
+        if source.format != "block_fp8" or source.block != (FP8_BLOCK, FP8_BLOCK):
+            return None
+        if same_scale_format:
+            ok = source.scale_format == opts.scale_format
+        else:
+            ok = opts.scale_format == "fp32" or source.scale_format == "ue8m0"
+        return LosslessCopy("fp8_copy", ("weight", "scale"), FP8_BLOCK) if ok else None
+
+
+SCHEME = Fp8Block()

@@ -1,0 +1,32 @@
+"""`fp8_channel`: float8_e4m3fn, one float32 scale per output row (`X.weight`, `X.weight_scale` [R, 1]):
+s = max(row amax / 448, 1e-12), q = e4m3(w / s), dequant = q * s. Export's `fp8-channel` (compressed-
+tensors float-quantized). Not offered by `shard`: the engine has no per-channel FP8 path."""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.quant.chunks import FP8_MAX, quantize_rows
+from kconvert.quant.scheme import Options, Scheme, Spec
+
+
+def quantize_fp8_channel(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] float -> (float8_e4m3fn [R, C], float32 scale [R, 1]) with w ≈ q * scale (scale = row amax / 448)."""
+    return quantize_rows(w, FP8_MAX, torch.float8_e4m3fn, False, name)
+
+
+class Fp8Channel(Scheme):
+    name = "fp8_channel"
+    shard = False
+
+    def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
+        return [(src, "F8_E4M3", tuple(shape)), (src + "_scale", "F32", (shape[0], 1))]
+
+    def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        return list(quantize_fp8_channel(w, name))
+
+    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
+        return stored[0].to(torch.float32) * stored[1].to(torch.float32)
+
+
+SCHEME = Fp8Channel()

@@ -1,0 +1,71 @@
+"""Which tensors a conversion quantizes, and what they cost stored.
+
+The default is the scheme's (`Scheme.takes`: the manifest's `quantize` flag; int4 routed experts
+only, as Kimi's INT4 releases). `--keep PATTERN` and `--quantize PATTERN` (fnmatch globs on tensor
+names) override it, keep winning over quantize. Only 2-D weights are ever quantized. `none` keeps
+every tensor as stored (bf16; fp32 tensors such as e_score_correction_bias stay fp32).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+from kconvert.errors import UsageError
+from kconvert.family.manifest import TensorInfo
+from kconvert.quant.int4_group import INT4_SCALES
+from kconvert.quant.registry import NONE, SHARD_SCHEMES, get_scheme
+from kconvert.quant.scheme import SCALE_FORMATS, Options, Scheme
+
+SCHEMES = SHARD_SCHEMES
+
+
+def selected(scheme: Scheme | None, info: TensorInfo, shape: tuple[int, ...], keep: tuple[str, ...] = (),
+             force: tuple[str, ...] = ()) -> bool:
+    """Whether `scheme` quantizes this tensor: 2-D only; then --keep, then --quantize, then the scheme's default."""
+    if scheme is None or len(shape) != 2:
+        return False
+    if any(fnmatch.fnmatchcase(info.name, p) for p in keep):
+        return False
+    if any(fnmatch.fnmatchcase(info.name, p) for p in force):
+        return True
+    return scheme.takes(info)
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    scheme: str = NONE
+    keep: tuple[str, ...] = ()
+    force: tuple[str, ...] = ()
+    scale_format: str = "fp32"
+    group_size: int = 32  # int4
+    int4_scales: str = "mse"  # int4: clipping search ("mse") or plain amax / 7 ("amax")
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise UsageError(f"unknown --quant {self.scheme!r} (choose from {', '.join(SCHEMES)})")
+        if self.scale_format not in SCALE_FORMATS:
+            raise UsageError(f"unknown --scale-format {self.scale_format!r} (choose from {', '.join(SCALE_FORMATS)})")
+        if self.scheme == "int4" and (self.group_size < 2 or self.group_size % 2):
+            raise UsageError(f"--group-size must be an even number >= 2, got {self.group_size}")
+        if self.int4_scales not in INT4_SCALES:
+            raise UsageError(f"unknown --int4-scales {self.int4_scales!r} ({' or '.join(INT4_SCALES)})")
+
+    @property
+    def quant(self) -> Scheme | None:
+        """The scheme object (None for `none`)."""
+        return None if self.scheme == NONE else get_scheme(self.scheme)
+
+    @property
+    def options(self) -> Options:
+        return Options(self.scale_format, self.group_size, self.int4_scales)
+
+    def quantizes(self, info: TensorInfo, shape: tuple[int, ...]) -> bool:
+        return selected(self.quant, info, shape, self.keep, self.force)
+
+    def stored_bytes(self, info: TensorInfo, shape: tuple[int, ...], src_itemsize: int = 2) -> int:
+        """Bytes this tensor takes in the converted checkpoint, scales included."""
+        if not self.quantizes(info, shape):
+            return math.prod(shape) * (4 if src_itemsize == 4 else 2)
+        return self.quant.stored_bytes(tuple(shape), self.options)

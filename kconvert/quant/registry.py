@@ -1,0 +1,33 @@
+"""Every quantization scheme, by name: the one list `shard`, `export`, `plan` and the catalog read.
+Adding a scheme: its module beside this one (a Scheme subclass and `SCHEME = ...`), and one line here."""
+
+from __future__ import annotations
+
+from kconvert.errors import UsageError
+from kconvert.quant import fp8_block, fp8_channel, int4_group, int8_channel
+from kconvert.quant.scheme import Scheme
+
+REGISTRY: dict[str, Scheme] = {s.name: s for s in (
+    fp8_block.SCHEME,
+    int8_channel.SCHEME,
+    int4_group.SCHEME,
+    fp8_channel.SCHEME,
+)}
+NONE = "none"  # no quantization: tensors keep their dtype (dequantized sources become bf16)
+# `kconvert shard --quant` choices and the kconvert.json schemes a reader accepts
+SHARD_SCHEMES: tuple[str, ...] = (NONE,) + tuple(name for name, s in REGISTRY.items() if s.shard)
+
+
+def get_scheme(name: str) -> Scheme:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UsageError(f"unknown quantization scheme {name!r} (choose from {', '.join(REGISTRY)})") from None
+
+
+def scheme_of_transform(transform: str) -> Scheme | None:
+    """The scheme a plan's transform stores: the scheme's own name, or one of its lossless copies;
+    None for `copy` / `bf16` (kept unquantized)."""
+    if transform in REGISTRY:
+        return REGISTRY[transform]
+    return next((s for s in REGISTRY.values() if transform in s.copies), None)

@@ -1,0 +1,98 @@
+"""What a quantization scheme is: the one object `shard`, `export`, `plan` and the catalog ask.
+
+A Scheme answers, for one 2-D weight:
+- `takes(info)`: whether the default policy quantizes it (the manifest's `quantize` flag; schemes with
+  `experts_only` take routed experts only). `--keep` / `--quantize` globs override it (policy.py).
+- `misfit(shape, opts)`: why that shape cannot be stored, if so (shard refuses, export keeps bf16).
+- `specs(src, shape, opts)`: the tensors it stores, as (name, safetensors tag, shape), in write order.
+- `quantize(w, opts, name)`: those tensors from a float weight (chunked, refuses NaN/Inf).
+- `dequantize(stored, opts)`: the float32 weight an engine computes from them (the formula).
+- `stored_bytes(shape, opts)`: the bytes of `specs` (scales included).
+- `lossless_copy(source, opts)`: the stored parts of a source it may copy unchanged instead.
+`opts.encoding` picks how the values are laid out on disk: `kconvert` (the converted format, shard)
+or `compressed-tensors` (export's w4a16 and friends); most schemes store the same either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kconvert.family.manifest import TensorInfo
+from kconvert.io.dtypes import ITEMSIZE, specs_bytes
+
+Spec = tuple[str, str, tuple[int, ...]]  # (tensor name, safetensors dtype tag, shape)
+KCONVERT = "kconvert"
+COMPRESSED_TENSORS = "compressed-tensors"
+SCALE_FORMATS = ("fp32", "ue8m0")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The knobs of one quantization run (each scheme reads the ones it has)."""
+
+    scale_format: str = "fp32"  # block fp8: fp32 | ue8m0 (power-of-two scales)
+    group_size: int = 32  # int4: inputs per scale
+    int4_scales: str = "mse"  # int4, kconvert encoding: clipping search "mse" | plain "amax"
+    encoding: str = KCONVERT  # how values are laid out on disk: KCONVERT | COMPRESSED_TENSORS
+
+
+@dataclass(frozen=True)
+class SourceQuant:
+    """How the source stores one weight, from its headers and config (what a lossless copy depends on)."""
+
+    format: str  # source.formats.LogicalTensor.format: plain | block_fp8 | int4_packed | scaled
+    block: tuple[int, int] = (0, 0)  # block_fp8: the scale block
+    scale_format: str = "fp32"  # block_fp8: fp32 | ue8m0
+    group: int = 0  # int4_packed: inputs per scale
+
+
+@dataclass(frozen=True)
+class LosslessCopy:
+    """Stored source parts written unchanged instead of quantizing (no rounding twice)."""
+
+    transform: str  # the plan's and kconvert.json's name for it: fp8_copy, int4_copy
+    roles: tuple[str, ...]  # source parts (LogicalTensor.parts keys), in the order of the scheme's specs
+    block: int = 0  # > 0: a slice must start on a multiple of it and end on one or at the tensor's end
+
+
+class Scheme:
+    name: str = ""  # `--quant` value, kconvert.json quantization.scheme and tensors[*].transform
+    shard: bool = True  # offered by `kconvert shard` (the loader and engine read it)
+    experts_only: bool = False  # default policy: routed experts only (weight-only int4, as released)
+    copies: tuple[str, ...] = ()  # the LosslessCopy transforms `lossless_copy` may return
+
+    def takes(self, info: TensorInfo) -> bool:
+        return info.quantize and (info.expert is not None or not self.experts_only)
+
+    def misfit(self, shape: tuple[int, ...], opts: Options) -> str | None:
+        """Why a weight of this shape cannot be stored in this scheme, or None."""
+        return None
+
+    def fits(self, shape: tuple[int, ...], opts: Options) -> bool:
+        return self.misfit(shape, opts) is None
+
+    def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
+        raise NotImplementedError
+
+    def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stored_bytes(self, shape: tuple[int, ...], opts: Options) -> int:
+        return specs_bytes(self.specs("w", tuple(shape), opts))
+
+    def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
+        return None
+
+
+def input_bytes(shape: tuple[int, ...], src_dtype: str) -> int:
+    """Bytes of the stored source values behind a tensor (or slice) of `shape`: what a conversion
+    reads for it. `I4` (compressed-tensors packed int4) holds two values a byte; scales are not counted."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n // 2 if src_dtype == "I4" else n * ITEMSIZE.get(src_dtype, 2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kconvert.convert.layout import Layout
-from kconvert.convert.quant_policy import QuantPolicy
+from kconvert.quant.policy import QuantPolicy
 from kconvert.plan.device_presets import GIB, DevicePreset
 from kconvert.plan.kv_bytes import KVBytes
 from kconvert.plan.rank_bytes import TensorGroup, fp8_misaligned, rank_bytes

@@ -38,7 +38,7 @@ from kconvert.plan.pipeline import GPUS_PER_NODE, pipeline_fit, search, stage_in
 from kconvert.plan.rank_bytes import COMPONENTS, checkpoint_groups, config_groups
 from kconvert.convert.layout import TP_DEGREES, Layout, check, layout_problem
 from kconvert.family.manifest import ModelMap, manifests_dir
-from kconvert.convert.quant_policy import QuantPolicy
+from kconvert.quant.policy import QuantPolicy
 
 
 # ---------------------------------------------------------------------------------------------- the plan

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.convert.layout import Layout, pieces
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
-from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
-from kconvert.io.dtypes import ITEMSIZE
+from kconvert.quant.policy import QuantPolicy
+from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE
 
 COMPONENTS = ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp", "router", "norm", "embed",
               "head", "vision", "projector")

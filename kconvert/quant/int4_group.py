@@ -89,6 +89,11 @@ class Int4Group(Scheme):
     copies = ("int4_copy",)
     experts_only = True
 
+    def option_problem(self, opts: Options) -> str | None:
+        if opts.group_size < 2 or opts.group_size % 2:  # two codes a byte: groups must not split one
+            return f"--group-size must be an even number >= 2, got {opts.group_size}"
+        return None
+
     def misfit(self, shape: tuple[int, ...], opts: Options) -> str | None:
         if shape[1] % opts.group_size:
             return f"{shape[1]} inputs per rank do not divide into groups of {opts.group_size}; choose another --group-size"

@@ -47,8 +47,9 @@ class QuantPolicy:
             raise UsageError(f"unknown --quant {self.scheme!r} (choose from {', '.join(SCHEMES)})")
         if self.scale_format not in SCALE_FORMATS:
             raise UsageError(f"unknown --scale-format {self.scale_format!r} (choose from {', '.join(SCALE_FORMATS)})")
-        if self.scheme == "int4" and (self.group_size < 2 or self.group_size % 2):
-            raise UsageError(f"--group-size must be an even number >= 2, got {self.group_size}")
+        problem = self.quant.option_problem(self.options) if self.quant else None
+        if problem:
+            raise UsageError(problem)
         if self.int4_scales not in INT4_SCALES:
             raise UsageError(f"unknown --int4-scales {self.int4_scales!r} ({' or '.join(INT4_SCALES)})")
 

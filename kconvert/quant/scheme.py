@@ -66,6 +66,10 @@ class Scheme:
     def takes(self, info: TensorInfo) -> bool:
         return info.quantize and (info.expert is not None or not self.experts_only)
 
+    def option_problem(self, opts: Options) -> str | None:
+        """What is wrong with `opts` for this scheme (a usage error), or None."""
+        return None
+
     def misfit(self, shape: tuple[int, ...], opts: Options) -> str | None:
         """Why a weight of this shape cannot be stored in this scheme, or None."""
         return None

@@ -49,7 +49,6 @@ EXPORT_FORMATS = {f.name: f for f in (
     ExportFormat("fp8-channel", "fp8_channel", "fp8_channel"),
 )}
 FORMATS = tuple(EXPORT_FORMATS)
-FORMAT_TRANSFORM = {f.name: f.transform for f in EXPORT_FORMATS.values()}
 
 
 @dataclass(frozen=True)

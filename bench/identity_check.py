@@ -8,7 +8,7 @@ engine's logits (raw float bytes) on one prompt for a few conversions. Run it on
     .venv/bin/python bench/identity_check.py --out /tmp/after.json      # on the new one
     .venv/bin/python bench/identity_check.py --diff /tmp/before.json /tmp/after.json
 
-Run with the same --work folder name relative layout on both (paths are not part of the fingerprint).
+Paths are not part of the fingerprint (JSON files have the work folder and kconvert.json's digest masked).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import io
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -55,10 +56,16 @@ def run_cli(args: list[str]) -> int:
 
 
 def digest(folder: Path) -> dict:
+    """sha256 per file. JSON files name the source's folder (and kconvert.json digests itself with it):
+    those two are masked, every other byte counts."""
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file():
-            files[str(p.relative_to(folder))] = hashlib.sha256(p.read_bytes()).hexdigest()
+            data = p.read_bytes()
+            if p.suffix == ".json":
+                text = data.decode().replace(str(folder.parent), "<work>")
+                data = re.sub(r'"digest": "sha256:[0-9a-f]+"', '"digest": "<masked>"', text).encode()
+            files[str(p.relative_to(folder))] = hashlib.sha256(data).hexdigest()
     return files
 
 

@@ -22,7 +22,7 @@ from engine import pipeline
 from engine.cache import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
 from engine.layers import decoder_layer
-from engine.linear import PlainLinear, RMSNorm, format_of, materialize, resolve_linears
+from engine.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, resolve_linears
 from engine.rope import Rotary
 from engine.slots import load_unit, slot
 from engine.vision import ImageEncoder, Projector, VisionTower, tokens_per_image
@@ -73,6 +73,7 @@ class Model(nn.Module):
         text.model = nn.Module()
         text.model.embed_tokens = text.model.norm = text.lm_head = None  # the globals unit fills them
         text.model.layers = nn.ModuleDict()  # str(L) -> layer L, for this stage's layers
+        self.layers_prefix = self.prefix_of(text.model.layers)  # "language_model.model.layers."
         self.vision_tower = self.mm_projector = None  # the vision unit fills them (first stage)
         self.vision: ImageEncoder | None = None
         self.has_vision = self.mc.vision is not None  # on every stage; the tower itself lives on the first
@@ -91,6 +92,10 @@ class Model(nn.Module):
 
     def layer(self, L: int) -> nn.Module:
         return self.layers[str(L)]
+
+    def prefix_of(self, module: nn.Module) -> str:
+        """The checkpoint prefix of `module`'s tensors: its path in this tree (attribute names are the stored ones)."""
+        return next(path for path, m in self.named_modules() if m is module) + "."
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -147,7 +152,7 @@ class Model(nn.Module):
         """Decoder layer L filled from its unit's tensors (not attached to the model). use_catalog=False
         reads every linear's format off the tensors given (e.g. with some replaced by dense ones)."""
         layer = decoder_layer(self.cfg, L, self.par)
-        prefix = f"{self.prefix}model.layers.{L}."
+        prefix = f"{self.layers_prefix}{L}."
         resolve_linears(layer, prefix, self._linear_format(tensors, use_catalog))
         load_unit(layer_unit(L), {prefix: layer}, tensors, ignore=self._is_mtp)
         return layer
@@ -159,8 +164,8 @@ class Model(nn.Module):
             if self.par.first:  # the tower lives on the first stage
                 vc = self.mc.vision
                 self.vision_tower, self.mm_projector = VisionTower(vc), Projector(vc)
-                load_unit(unit, {"vision_tower.": self.vision_tower, "mm_projector.": self.mm_projector}, t,
-                          ignore=self._is_mtp)
+                parts = {self.prefix_of(m): m for m in (self.vision_tower, self.mm_projector)}
+                load_unit(unit, parts, t, ignore=self._is_mtp)
                 self.vision = ImageEncoder(self.vision_tower, self.mm_projector)
         elif is_unit(unit):
             L = unit_layer(unit)
@@ -172,21 +177,26 @@ class Model(nn.Module):
     def _take_globals(self, t: dict) -> None:
         """With pp > 1 a stage's globals hold what it uses: the embeddings on the first stage, the final norm
         and head on the last (the embeddings there too for a head tied to them); every slot is optional."""
-        text, p, par = self.text, self.prefix, self.par
-        embed, norm = StoredTensor(), RMSNorm(self.cfg.rms_norm_eps)
-        slot(norm, "weight", optional=True)
-        head = None
-        if any(n.startswith(f"{p}lm_head.") for n in t):
-            head = format_of(f"{p}lm_head", self.formats, t)()
-        parts = {f"{p}model.embed_tokens.": embed, f"{p}model.norm.": norm}
-        if head is not None:
-            parts[f"{p}lm_head."] = head
+        text, par = self.text, self.par
+        text.model.embed_tokens, text.model.norm = StoredTensor(), RMSNorm(self.cfg.rms_norm_eps)
+        slot(text.model.norm, "weight", optional=True)
+        text.lm_head = LinearSlot()
+        head = self.prefix_of(text.lm_head)
+        if any(n.startswith(head) for n in t):
+            resolve_linears(text, self.prefix, self._linear_format(t))
+        else:
+            text.lm_head = None  # tied to the embeddings
+        parts = {self.prefix_of(m): m for m in (text.model.embed_tokens, text.model.norm, text.lm_head) if m is not None}
         load_unit(GLOBALS, parts, t, ignore=self._is_mtp)
-        if head is None and embed.weight is not None:
-            head = PlainLinear.holding(embed.weight)  # tied to the embeddings
-        text.model.embed_tokens = embed if par.first and embed.weight is not None else None
-        text.model.norm = norm if par.last and norm.weight is not None else None
-        text.lm_head = head if par.last else None
+        embed, norm = text.model.embed_tokens.weight, text.model.norm.weight
+        if text.lm_head is None and embed is not None:
+            text.lm_head = PlainLinear.holding(embed)
+        if not par.first or embed is None:
+            text.model.embed_tokens = None
+        if not par.last or norm is None:
+            text.model.norm = None
+        if not par.last:
+            text.lm_head = None
 
     def check_complete(self) -> None:
         stack = self.text.model

@@ -16,6 +16,7 @@ from engine.config import TextConfig
 from engine.indexer import Indexer
 from engine.linear import LinearSlot, RMSNorm
 from engine.rope import rotate_interleaved, softmax_scale
+from kconvert.distributed import Group
 from kconvert.errors import EngineError
 
 GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once during prefill
@@ -25,11 +26,11 @@ class MLA(nn.Module):
     """Stored as `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj` without a q LoRA), `kv_a_proj_with_mqa`,
     `kv_a_layernorm`, `kv_b_proj`, `o_proj` and, with DSA, `indexer`."""
 
-    def __init__(self, cfg: TextConfig, tp: int):
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
         super().__init__()
-        if cfg.num_heads % tp:
-            raise EngineError(f"{cfg.num_heads} heads do not split over tp={tp}")
-        self.cfg, self.heads = cfg, cfg.num_heads // tp
+        if cfg.num_heads % par.tp:
+            raise EngineError(f"{cfg.num_heads} heads do not split over tp={par.tp}")
+        self.cfg, self.heads = cfg, cfg.num_heads // par.tp
         self.eps = cfg.rms_norm_eps
         if cfg.q_lora_rank:
             self.q_a_proj = LinearSlot()

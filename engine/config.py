@@ -5,7 +5,7 @@ image placeholder come from the family manifests (`[family.engine]` in manifests
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kconvert.errors import CheckpointError, EngineError
 from kconvert.family.manifest import families
@@ -58,6 +58,7 @@ class TextConfig:
     attention_kind: str = "mla"
     dense_mlp_kind: str = "swiglu"
     moe_kind: str = "deepseek_moe"
+    section: dict = field(default_factory=dict, compare=False, repr=False)  # the config.json text section as is
 
     @property
     def qk_head_dim(self) -> int:
@@ -182,8 +183,8 @@ def model_config(config: dict, family: str) -> ModelConfig:
                           file="kconvert.json")
     fam = known[family]
     engine = fam["engine"]
-    text = _text(_section(config, fam.get("text_config", "."), family))
-    text = replace(text, **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
+    section = _section(config, fam.get("text_config", "."), family)
+    text = replace(_text(section), section=section, **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
     vision = None
     if engine.get("vision_config"):
         v = _section(config, engine["vision_config"], family)

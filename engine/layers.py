@@ -5,7 +5,8 @@ defaults below are DeepSeek-V3/V3.2's); engine/config.py reads them into TextCon
 layers adds their module (an nn.Module whose attribute paths are the stored tensor names, weights declared
 with engine.linear.LinearSlot / engine.slots.slot) and one line in a table here; engine/model.py does not change.
 
-Constructors: attention `cls(cfg, tp)`, feed-forward `cls(cfg, layer, par)`, block `cls(cfg, layer, par)`."""
+Every kind is constructed as `cls(cfg, layer, par)`: the TextConfig (its `section` holds the config.json
+keys a new kind reads), the decoder layer's index, the process group (tp rank and size)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class PreNormDecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer: int, par: Group):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps)
-        self.self_attn = kind(ATTENTION, cfg.attention_kind, "attention")(cfg, par.tp)
+        self.self_attn = kind(ATTENTION, cfg.attention_kind, "attention")(cfg, layer, par)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps)
         mlp = cfg.moe_kind if cfg.is_moe(layer) else cfg.dense_mlp_kind
         self.mlp = kind(FEED_FORWARD, mlp, "feed-forward")(cfg, layer, par)

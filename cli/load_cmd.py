@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import resource
-import time
 
 import click
 from rich.console import Console
@@ -50,93 +48,33 @@ def load(out, rank, stage, tp_rank, world_size, device, verify, prefetch, thread
     """
     if warmup and _launched_ranks(out, device):
         return
-    from kconvert import devices
-    from kconvert.load.loader import open_converted
-
     import os
 
-    from kconvert.errors import UsageError
+    from engine.time_to_ready import load_rank
 
-    t0 = time.perf_counter()
-    dev = devices.resolve(device)
-    if dev.type != "cpu" and "LOCAL_RANK" in os.environ:  # one accelerator per torchrun process
-        dev = devices.resolve(f"{dev.type}:{os.environ['LOCAL_RANK']}")
-    par = None
-    if warmup:
-        from kconvert.distributed import Group
-
-        par = Group.from_env(dev)
-        rank, world_size = par.rank, par.world
-    conv = open_converted(out, rank=rank, world_size=world_size, stage=stage, tp_rank=tp_rank)
-    rank = conv.rank
-    if warmup and conv.world_size != par.world:
-        raise UsageError(f"--warmup runs the model: launch all {conv.world_size} ranks "
-                         f"(torchrun --nproc-per-node {conv.world_size} -m cli.main load ... --warmup {warmup})",
-                         file=str(out))
-    t_open = time.perf_counter() - t0
-    held = {}
-    model = None
-    if warmup:
-        import torch
-
-        from engine.model import Model
-
-        from engine.kv_budget import kv_options
-
-        kv = kv_options(kv_dtype, kv_budget, kv_device_budget, dev)
-        cat = conv.catalog  # this rank's stage of the tp x pp layout; holds no weights until units arrive
-        model = Model(conv.config, conv.family, par.layout(cat.tp, cat.pp), dev, torch.bfloat16,
-                      stages=[cat.stage_layers(s) for s in range(cat.pp)])
-        model.kv = kv
-    t1 = time.perf_counter()
-    with byte_progress(f"load rank {rank} → {dev}", enabled=not as_json and os.environ.get("RANK", "0") == "0") as cb:
-        cb("start", total=conv.total_bytes)
-        for unit, tensors in conv.stream(dev, prefetch=prefetch, verify=verify, threads=threads):
-            if model is not None:
-                model.take_unit(unit, tensors)  # each layer materialised as its tensors arrive
-                held[unit] = tensors
-            else:
-                held[unit] = tensors  # keep them, as an engine would
-            cb("advance", n=conv.files[str(conv.file_of(unit).relative_to(conv.root))]["bytes"])
-            cb("file", path=unit)
-    devices.synchronize(dev)
-    t_load = time.perf_counter() - t1
-    t_warm = 0.0
-    if model is not None:
-        import torch
-
-        model.check_complete()
-        t2 = time.perf_counter()
-        ids = torch.arange(32).remainder(model.cfg.vocab_size)[None]
-        for _ in range(warmup):
-            model.forward(ids, last_only=True)
-        devices.synchronize(dev)
-        t_warm = time.perf_counter() - t2
-    if par is not None:
-        par.close()
-    s = conv.stats
-    report = {
-        "out": str(out), "rank": rank, "stage": conv.stage, "tp_rank": conv.tp_rank, "device": str(dev), "files": s.files, "bytes": s.bytes,
-        "tensors": sum(len(t) for t in held.values()),
-        "seconds": {"open": t_open, "load": t_load, "read": s.read_seconds, "verify": s.verify_seconds,
-                    "copy": s.copy_seconds, "warmup": t_warm, "ready": t_open + t_load + t_warm},
-        "GBps": s.bytes / t_load / 1e9 if t_load else 0.0,
-        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "peak_device_bytes": devices.memory_allocated_peak(dev),
-        "verified": verify,
-    }
-    if os.environ.get("RANK", "0") != "0":
+    rank0 = os.environ.get("RANK", "0") == "0"
+    with byte_progress("load", enabled=not as_json and rank0) as cb:
+        report = load_rank(out, rank=rank, stage=stage, tp_rank=tp_rank, world_size=world_size, device=device,
+                           verify=verify, prefetch=prefetch, threads=threads, warmup=warmup, kv_dtype=kv_dtype,
+                           kv_budget=kv_budget, kv_device_budget=kv_device_budget, progress=cb)
+    if not rank0:
         return
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    where = f" (stage {conv.stage}, tp rank {conv.tp_rank})" if conv.pp > 1 else ""
-    click.echo(f"rank {rank} of {conv.world_size}{where} → {dev}: {s.files} files, {fmt_bytes(s.bytes)}, {report['tensors']} tensors")
+    _print_table(report, warmup)
+
+
+def _print_table(report: dict, warmup: int) -> None:
+    where = f" (stage {report['stage']}, tp rank {report['tp_rank']})" if report["pp"] > 1 else ""
+    click.echo(f"rank {report['rank']} of {report['world_size']}{where} → {report['device']}: {report['files']} files, "
+               f"{fmt_bytes(report['bytes'])}, {report['tensors']} tensors")
     t = Table()
     t.add_column("phase")
     t.add_column("seconds", justify="right")
     for phase in ("open", "read", "verify", "copy", "load", "warmup", "ready"):
-        if (phase == "verify" and not verify) or (phase == "copy" and dev.type == "cpu") or (phase == "warmup" and not warmup):
+        if (phase == "verify" and not report["verified"]) or (phase == "copy" and report["device"] == "cpu") \
+                or (phase == "warmup" and not warmup):
             continue
         t.add_row(phase, f"{report['seconds'][phase]:.3f}")
     Console().print(t)

@@ -1,18 +1,18 @@
 """Entry point: the click group, and the one place that turns errors into exit codes.
 
 Exit codes: 0 success, 1 a check that ran and failed (verify), 2 bad input (one line, no traceback),
-130 interrupted. Set KCONVERT_DEBUG=1 to see tracebacks of unexpected errors.
+3 internal error, 130 interrupted (kconvert/exit_codes.py). Set KCONVERT_DEBUG=1 to see tracebacks of
+unexpected errors.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
 from kconvert import __version__
-from kconvert.errors import KConvertError
+from kconvert.exit_codes import run_reporting_errors
 
 from . import export_cmd, fixture_cmd, inspect_cmd, pack_cmd, shard_cmd
 from . import load_cmd, plan_cmd, verify_cmd
@@ -44,41 +44,18 @@ app.add_command(export_cmd.export)
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        rv = app.main(args=argv, prog_name="kconvert", standalone_mode=False)
-        return rv if type(rv) is int else 0  # click returns the code of a raised click.exceptions.Exit
-    except KConvertError as e:
-        click.echo(f"kconvert: error: {e.one_line()}", err=True)
-        return e.exit_code
-    except click.exceptions.Abort:
-        click.echo("kconvert: interrupted", err=True)
-        return 130
-    except click.ClickException as e:
-        e.show()
-        return 2
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except KeyboardInterrupt:
-        click.echo("kconvert: interrupted", err=True)
-        return 130
-    except ModuleNotFoundError as e:  # an optional package (the `ref` extra, matplotlib...) is not installed
-        from kconvert.deps import from_import_error
+    def run() -> int:
+        try:
+            rv = app.main(args=argv, prog_name="kconvert", standalone_mode=False)
+            return rv if type(rv) is int else 0  # click returns the code of a raised click.exceptions.Exit
+        except click.ClickException as e:  # click's own usage errors
+            e.show()
+            return 2
+        except click.exceptions.Exit as e:
+            return e.exit_code
 
-        dep = from_import_error(e)
-        if dep is None:
-            return _internal(e)
-        click.echo(f"kconvert: error: {dep.one_line()}", err=True)
-        return dep.exit_code
-    except Exception as e:
-        return _internal(e)
-
-
-def _internal(e: Exception) -> int:
-    """A bug of ours: still one line, with a way to get the traceback."""
-    if os.environ.get("KCONVERT_DEBUG"):
-        raise e
-    click.echo(f"kconvert: internal error: {e.__class__.__name__}: {e} (set KCONVERT_DEBUG=1 for a traceback)", err=True)
-    return 3
+    return run_reporting_errors(run, lambda line: click.echo(f"kconvert: {line}", err=True),
+                                interrupts=(KeyboardInterrupt, click.exceptions.Abort))
 
 
 def entry() -> None:

@@ -9,34 +9,40 @@ the step's row map, so ragged batches and the host tier need nothing here."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from engine.cache import LayerKV
 from engine.config import TextConfig
 from engine.indexer import Indexer
-from engine.linear import Weight, rms_norm
+from engine.linear import LinearSlot, RMSNorm
 from engine.rope import rotate_interleaved, softmax_scale
+from kconvert.distributed import Group
 from kconvert.errors import EngineError
 
 GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once during prefill
 
 
-class MLA:
-    def __init__(self, cfg: TextConfig, t: dict, p: str, tp: int):
-        if cfg.num_heads % tp:
-            raise EngineError(f"{cfg.num_heads} heads do not split over tp={tp}")
-        self.cfg, self.heads = cfg, cfg.num_heads // tp
+class MLA(nn.Module):
+    """Stored as `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj` without a q LoRA), `kv_a_proj_with_mqa`,
+    `kv_a_layernorm`, `kv_b_proj`, `o_proj` and, with DSA, `indexer`."""
+
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+        super().__init__()
+        if cfg.num_heads % par.tp:
+            raise EngineError(f"{cfg.num_heads} heads do not split over tp={par.tp}")
+        self.cfg, self.heads = cfg, cfg.num_heads // par.tp
         self.eps = cfg.rms_norm_eps
         if cfg.q_lora_rank:
-            self.q_a = Weight.take(t, f"{p}q_a_proj")
-            self.q_a_norm = t.pop(f"{p}q_a_layernorm.weight")
-            self.q_b = Weight.take(t, f"{p}q_b_proj")
+            self.q_a_proj = LinearSlot()
+            self.q_a_layernorm = RMSNorm(self.eps)
+            self.q_b_proj = LinearSlot()
         else:
-            self.q_proj = Weight.take(t, f"{p}q_proj")
-        self.kv_a = Weight.take(t, f"{p}kv_a_proj_with_mqa")
-        self.kv_a_norm = t.pop(f"{p}kv_a_layernorm.weight")
-        self.kv_b = Weight.take(t, f"{p}kv_b_proj")
-        self.o_proj = Weight.take(t, f"{p}o_proj")
-        self.indexer = Indexer(cfg, t, f"{p}indexer.") if cfg.index_topk else None
+            self.q_proj = LinearSlot()
+        self.kv_a_proj_with_mqa = LinearSlot()
+        self.kv_a_layernorm = RMSNorm(self.eps)
+        self.kv_b_proj = LinearSlot()
+        self.o_proj = LinearSlot()
+        self.indexer = Indexer(cfg) if cfg.index_topk else None
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
 
     def forward(self, x: torch.Tensor, start: int, cache: LayerKV, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,17 +52,17 @@ class MLA:
         dt = x.dtype
         nope, rope, lat = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if c.q_lora_rank:
-            q_lat = rms_norm(self.q_a(x), self.q_a_norm, self.eps)
-            q = self.q_b(q_lat)
+            q_lat = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_lat)
         else:
             q_lat, q = None, self.q_proj(x)
         q = q.view(B, S, self.heads, nope + rope)
         q_rope = rotate_interleaved(q[..., nope:], cos[:, :, None], sin[:, :, None])
-        kv = self.kv_a(x)
+        kv = self.kv_a_proj_with_mqa(x)
         step = cache.step_for(start, B, S)
-        cache.write(step, rms_norm(kv[..., :lat], self.kv_a_norm, self.eps), rotate_interleaved(kv[..., lat:], cos, sin))
+        cache.write(step, self.kv_a_layernorm(kv[..., :lat]), rotate_interleaved(kv[..., lat:], cos, sin))
 
-        wkv = self.kv_b.dense(dt).view(self.heads, nope + c.v_head_dim, lat)
+        wkv = self.kv_b_proj.dense(dt).view(self.heads, nope + c.v_head_dim, lat)
         q_abs = torch.einsum("bshd,hdc->bshc", q[..., :nope], wkv[:, :nope])  # [B,S,h,lat]
         if self.indexer is not None:
             idx, valid = self.indexer.select(x, q_lat, cache, step, cos, sin)

@@ -20,7 +20,6 @@ Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 13
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -34,6 +33,7 @@ from engine.stream import TextStream
 from engine.tokenizer import Tokenizer
 from kconvert.distributed import Group
 from kconvert.errors import EngineError, KConvertError, UsageError
+from kconvert.exit_codes import run_reporting_errors
 from kconvert.plan.kv_bytes import KV_DTYPES
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -158,51 +158,28 @@ def _parse(argv):
     return ap.parse_args(argv)
 
 
-def _fail(e: KConvertError) -> int:
-    launch.say_once(f"error: {e.one_line()}")
-    return e.exit_code
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parse(argv)
-    try:
+    world = None
+
+    def size_the_world() -> int:
+        nonlocal world
         from kconvert.load.loader import open_converted
 
         world = launch.world_for(open_converted(a.path).catalog.world_size, a.nproc, a.device)
-    except KConvertError as e:
-        return _fail(e)
+        return 0
+
+    code = run_reporting_errors(size_the_world, launch.say_once)
+    if code:
+        return code
     return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
 
 
 def _guarded(a) -> int:
-    """One rank's run; every way it can end is one line and an exit code."""
-    try:
-        return _run(a)
-    except KConvertError as e:
-        return _fail(e)
-    except KeyboardInterrupt:
-        launch.say_once("interrupted")
-        return 130
-    except ModuleNotFoundError as e:
-        from kconvert.deps import from_import_error
-
-        dep = from_import_error(e)
-        if dep is None:
-            return _internal(e)
-        return _fail(dep)
-    except Exception as e:
-        return _internal(e)
-
-
-def _internal(e: Exception) -> int:
-    peer = launch.peer_failure()  # a collective fails when another rank died: its error is the one to show
-    if peer is not None:
-        return peer
-    if os.environ.get("KCONVERT_DEBUG"):
-        raise e
-    launch.say_once(f"internal error: {e.__class__.__name__}: {e} (set KCONVERT_DEBUG=1 for a traceback)")
-    return 3
+    """One rank's run; every way it can end is one line and an exit code. A collective fails when another
+    rank died: that rank's error is the one to show (launch.peer_failure)."""
+    return run_reporting_errors(lambda: _run(a), launch.say_once, on_internal=lambda e: launch.peer_failure())
 
 
 def _context(requested: int | None, model: Model) -> int:

@@ -5,7 +5,7 @@ image placeholder come from the family manifests (`[family.engine]` in manifests
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from kconvert.errors import CheckpointError, EngineError
 from kconvert.family.manifest import families
@@ -53,6 +53,12 @@ class TextConfig:
     index_n_heads: int
     index_head_dim: int
     hidden_act: str
+    # layer kinds (engine/layers.py tables), named by the manifest's [family.engine]; defaults: DeepSeek V3/V3.2
+    block_kind: str = "pre_norm"
+    attention_kind: str = "mla"
+    dense_mlp_kind: str = "swiglu"
+    moe_kind: str = "deepseek_moe"
+    section: dict = field(default_factory=dict, compare=False, repr=False)  # the config.json text section as is
 
     @property
     def qk_head_dim(self) -> int:
@@ -133,6 +139,9 @@ def _text(c: dict) -> TextConfig:
         raise CheckpointError(f"a text config value has the wrong type ({e})", file="config.json") from None
 
 
+LAYER_KINDS = ("block", "attention", "dense_mlp", "moe")  # [family.engine] keys naming engine/layers.py kinds
+
+
 def engine_families() -> dict[str, dict]:
     """name -> [family] table of every manifest with an `[family.engine]` table."""
     return {spec["family"]["name"]: spec["family"] for _, spec in families() if "engine" in spec["family"]}
@@ -174,7 +183,8 @@ def model_config(config: dict, family: str) -> ModelConfig:
                           file="kconvert.json")
     fam = known[family]
     engine = fam["engine"]
-    text = _text(_section(config, fam.get("text_config", "."), family))
+    section = _section(config, fam.get("text_config", "."), family)
+    text = replace(_text(section), section=section, **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
     vision = None
     if engine.get("vision_config"):
         v = _section(config, engine["vision_config"], family)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.config import TextConfig
-from engine.linear import Weight
+from engine.linear import LinearSlot, WeightAndBias
 from engine.rope import rotate_half
 
 SCORE_BUDGET = 1 << 25  # elements of the [queries, heads, keys] score block computed at once
@@ -23,14 +24,17 @@ def top_keys(index: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(chosen.to(torch.int8), k, dim=-1).indices
 
 
-class Indexer:
-    def __init__(self, cfg: TextConfig, t: dict, p: str):
+class Indexer(nn.Module):
+    """Stored as `wq_b`, `wk`, `k_norm` (a LayerNorm: weight + bias) and `weights_proj`."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         self.topk = cfg.index_topk
-        self.wq_b = Weight.take(t, f"{p}wq_b")
-        self.wk = Weight.take(t, f"{p}wk")
-        self.weights_proj = Weight.take(t, f"{p}weights_proj")
-        self.k_norm_w, self.k_norm_b = t.pop(f"{p}k_norm.weight"), t.pop(f"{p}k_norm.bias")
+        self.wq_b = LinearSlot()
+        self.wk = LinearSlot()
+        self.k_norm = WeightAndBias()
+        self.weights_proj = LinearSlot()
         self.scale = self.head_dim ** -0.5
 
     def _rope(self, x, cos, sin):
@@ -46,7 +50,7 @@ class Indexer:
         dt = x.dtype
         q = self.wq_b(q_lat).view(B, S, self.n_heads, self.head_dim)
         q = self._rope(q, cos[:, :, None], sin[:, :, None])
-        k = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm_w.to(dt), self.k_norm_b.to(dt), 1e-6)
+        k = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm.weight.to(dt), self.k_norm.bias.to(dt), 1e-6)
         cache.write_index(step, self._rope(k, cos, sin))
         keys = cache.read_index(step.rows, torch.float32)  # [B,T,D]
         T = keys.shape[1]

@@ -1,7 +1,11 @@
-"""The model assembled from a converted checkpoint's units as the loader streams them.
+"""The model assembled from a converted checkpoint's units as the loader streams them: an nn.Module tree
+whose attribute paths are the stored tensor names under the family's prefix (`language_model.model.layers.3.
+self_attn.q_b_proj.weight_scale_inv`), so its state_dict keys are the checkpoint's.
 
-Nothing is allocated before its unit arrives: `Model(...)` holds only the config; `load()` builds each
-decoder layer from its tensors (kept in stored form) and drops the loader's dict.
+Nothing is allocated before its unit arrives: `Model(...)` holds only the config and empty containers; each
+unit builds its modules with empty slots (engine/slots.py), picks every linear's class from the catalog's
+record of its stored format (engine/linear.py) and assigns the loader's tensors to them without a copy.
+Which layer modules a family uses comes from engine/layers.py, by the kinds its manifest names.
 
 Pipeline stages (tp x pp, kconvert.distributed): a rank builds only its stage's layers, the embeddings
 (and vision tower) on the first stage, the final norm and head on the last; `forward` receives the
@@ -12,44 +16,49 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from engine import pipeline
-from engine.attention import MLA
 from engine.cache import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
-from engine.linear import Weight, rms_norm
-from engine.moe import MLP, MoE
-from kconvert.distributed import Group
+from engine.layers import decoder_layer
+from engine.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, resolve_linears
 from engine.rope import Rotary
-from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_layer
+from engine.slots import load_unit, slot
+from engine.vision import ImageEncoder, Projector, VisionTower, tokens_per_image
+from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
+from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
-from kconvert.load.loader import open_converted
 from kconvert.family.manifest import bind
+from kconvert.load.loader import ConvertedCheckpoint, open_converted
 
 
-class Layer:
-    def __init__(self, mc: ModelConfig, index: int, t: dict, p: str, par: Group):
-        cfg = mc.text
-        self.eps = cfg.rms_norm_eps
-        self.in_norm = t.pop(f"{p}input_layernorm.weight")
-        self.post_norm = t.pop(f"{p}post_attention_layernorm.weight")
-        self.attn = MLA(cfg, t, f"{p}self_attn.", par.tp)
-        self.mlp = MoE(cfg, t, f"{p}mlp.", par.tp_rank, par.tp) if cfg.is_moe(index) else MLP(t, f"{p}mlp.")
+class StoredTensor(nn.Module):
+    """One stored `weight` a stage's `globals` unit may or may not hold (embeddings)."""
 
-    def forward(self, x, start, cache, cos, sin, par: Group):
-        x = x + par.all_reduce(self.attn.forward(rms_norm(x, self.in_norm, self.eps), start, cache, cos, sin))
-        return x + par.all_reduce(self.mlp(rms_norm(x, self.post_norm, self.eps)))
+    def __init__(self):
+        super().__init__()
+        slot(self, "weight", optional=True)
 
 
-class Model:
+def stored_formats(conv: ConvertedCheckpoint) -> dict[str, str]:
+    """{stored tensor name: its kconvert.json `transform`} of this rank (what each linear is stored as)."""
+    return {t["name"]: t["transform"] for t in conv.catalog.tensors if t["rank"] == conv.rank and "transform" in t}
+
+
+class Model(nn.Module):
     def __init__(self, config: dict, family: str, par: Group | None = None, device="cpu",
-                 dtype: torch.dtype = torch.bfloat16, stages: list[list[int]] | None = None):
+                 dtype: torch.dtype = torch.bfloat16, stages: list[list[int]] | None = None,
+                 formats: dict[str, str] | None = None):
         """`stages`: the decoder layers of every pipeline stage (default: all layers, one stage); `par` must be
-        laid out as (tp, len(stages)). MTP layers (index >= num_layers) are dropped from them."""
+        laid out as (tp, len(stages)). MTP layers (index >= num_layers) are dropped from them. `formats`:
+        stored_formats() of this rank's catalog (without it, each linear's format is read off its tensors)."""
+        super().__init__()
         self.mc = model_config(config, family)
         self.cfg = self.mc.text
         self.par = par or Group()
         self.device, self.dtype = torch.device(device), dtype
+        self.formats = formats or {}
         self.names = bind(config)
         self.prefix = self.names.text.prefix
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in (stages or [range(self.cfg.num_layers)])]
@@ -57,13 +66,36 @@ class Model:
             raise EngineError(f"{len(self.stages)} stage(s) of layers for a run of pp {self.par.pp}")
         self.stage_layers = self.stages[self.par.stage]  # the layers this rank runs
         self.slot = {L: i for i, L in enumerate(self.stage_layers)}  # layer -> its place in this rank's cache
-        self.layers: list[Layer | None] = [None] * self.cfg.num_layers
-        self.embed = self.norm = self.head = None
-        self.vision = None
+        text = self
+        for part in self.prefix.split(".")[:-1]:  # "language_model." -> self.language_model
+            text.add_module(part, nn.Module())
+            text = text.get_submodule(part)
+        text.model = nn.Module()
+        text.model.embed_tokens = text.model.norm = text.lm_head = None  # the globals unit fills them
+        text.model.layers = nn.ModuleDict()  # str(L) -> layer L, for this stage's layers
+        self.layers_prefix = self.prefix_of(text.model.layers)  # "language_model.model.layers."
+        self.vision_tower = self.mm_projector = None  # the vision unit fills them (first stage)
+        self.vision: ImageEncoder | None = None
         self.has_vision = self.mc.vision is not None  # on every stage; the tower itself lives on the first
         self.rotary = Rotary(self.cfg.rope, self.cfg.qk_rope_head_dim, self.device)
         self.kv = KVOptions()  # the KV format/budgets every new cache takes (chat/verify/load set them)
         self.prefill_chunk = pipeline.PREFILL_CHUNK  # tokens per prefill micro-batch when pp > 1 (0: no split)
+
+    @property
+    def text(self) -> nn.Module:
+        """The module under the family's text prefix (holds `model.*` and `lm_head`)."""
+        return self.get_submodule(self.prefix[:-1]) if self.prefix else self
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        return self.text.model.layers
+
+    def layer(self, L: int) -> nn.Module:
+        return self.layers[str(L)]
+
+    def prefix_of(self, module: nn.Module) -> str:
+        """The checkpoint prefix of `module`'s tensors: its path in this tree (attribute names are the stored ones)."""
+        return next(path for path, m in self.named_modules() if m is module) + "."
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -83,58 +115,95 @@ class Model:
         """(model holding no weights yet, this rank's loader): checks the launched world against the layout."""
         probe = open_converted(path)
         cat = probe.catalog
-        where = str(probe.root / "kconvert.json")
         if stages is None:
-            par = par.layout(cat.tp, cat.pp, where)
-            stages, rank = [cat.stage_layers(s) for s in range(cat.pp)], par.rank
+            rank = par.layout(cat.tp, cat.pp, str(probe.root / "kconvert.json")).rank
         else:
             if cat.pp != 1:
                 raise UsageError(f"explicit stages need a pp = 1 conversion; this one has pp {cat.pp}", file=str(path))
-            par = par.layout(cat.tp, len(stages), where)
-            rank = par.tp_rank
+            rank = par.layout(cat.tp, len(stages), str(probe.root / "kconvert.json")).tp_rank
         conv = probe if rank == 0 else open_converted(path, rank=rank)
-        return cls(conv.config, conv.family, par, device, dtype, stages), conv
+        return cls.for_rank(conv, par, device, dtype, stages), conv
+
+    @classmethod
+    def for_rank(cls, conv: ConvertedCheckpoint, par: Group, device="cpu", dtype=torch.bfloat16,
+                 stages: list[list[int]] | None = None) -> "Model":
+        """The empty model of the rank `conv` reads, `par` laid out as its conversion (or as `stages`)."""
+        cat = conv.catalog
+        where = str(conv.root / "kconvert.json")
+        if stages is None:
+            stages = [cat.stage_layers(s) for s in range(cat.pp)]
+        par = par.layout(cat.tp, len(stages), where)
+        return cls(conv.config, conv.family, par, device, dtype, stages, stored_formats(conv))
 
     def stage_of_layer(self, L: int) -> int:
-        return next(s for s, layers in enumerate(self.stages) if L in layers)
+        """The stage running decoder layer L; MTP layers (L >= num_layers) belong to the last stage, as in
+        kconvert.convert.stages."""
+        return next((s for s, layers in enumerate(self.stages) if L in layers), len(self.stages) - 1)
+
+    def _is_mtp(self, name: str) -> bool:
+        info = self.names.classify(name)
+        return info is not None and info.component == "mtp"
+
+    def _linear_format(self, tensors: dict, use_catalog: bool = True):
+        formats = self.formats if use_catalog else {}
+        return lambda name: format_of(name, formats, tensors)
+
+    def build_layer(self, L: int, tensors: dict, use_catalog: bool = True) -> nn.Module:
+        """Decoder layer L filled from its unit's tensors (not attached to the model). use_catalog=False
+        reads every linear's format off the tensors given (e.g. with some replaced by dense ones)."""
+        layer = decoder_layer(self.cfg, L, self.par)
+        prefix = f"{self.layers_prefix}{L}."
+        resolve_linears(layer, prefix, self._linear_format(tensors, use_catalog))
+        load_unit(layer_unit(L), {prefix: layer}, tensors, ignore=self._is_mtp)
+        return layer
 
     def take_unit(self, unit: str, t: dict) -> None:
-        t = dict(t)
-        par = self.par
-        if unit == GLOBALS:  # with pp > 1: embeddings on the first stage, norm + head on the last
-            p = self.prefix
-            embed = t.pop(f"{p}model.embed_tokens.weight", None)
-            norm = t.pop(f"{p}model.norm.weight", None)
-            head = t.pop(f"{p}lm_head.weight", None)
-            if par.first:
-                self.embed = embed
-            if par.last:
-                self.norm = norm
-                head = head if head is not None else embed  # tied to the embeddings
-                self.head = Weight(head) if head is not None else None
+        if unit == GLOBALS:
+            self._take_globals(t)
         elif unit == VISION:
-            if par.first:
-                from engine.vision import VisionTower
-
-                self.vision = VisionTower(self.mc.vision, t)
-            else:
-                t = {}
+            if self.par.first:  # the tower lives on the first stage
+                vc = self.mc.vision
+                self.vision_tower, self.mm_projector = VisionTower(vc), Projector(vc)
+                parts = {self.prefix_of(m): m for m in (self.vision_tower, self.mm_projector)}
+                load_unit(unit, parts, t, ignore=self._is_mtp)
+                self.vision = ImageEncoder(self.vision_tower, self.mm_projector)
         elif is_unit(unit):
             L = unit_layer(unit)
-            if L not in self.slot:
-                return  # MTP layers kept by --keep-mtp (not used for decoding), or another stage's layer
-            self.layers[L] = Layer(self.mc, L, t, f"{self.prefix}model.layers.{L}.", par)
+            if L in self.slot:  # not: MTP layers kept by --keep-mtp (not used for decoding), another stage's layer
+                self.layers[str(L)] = self.build_layer(L, t)
         else:
             raise CheckpointError(f"unknown unit {unit!r} in the converted checkpoint")
-        left = [n for n in t if self.names.classify(n) is None or self.names.classify(n).component != "mtp"]
-        if left:
-            raise CheckpointError(f"unit {unit}: {len(left)} tensor(s) the engine does not use", tensor=left[0])
+
+    def _take_globals(self, t: dict) -> None:
+        """With pp > 1 a stage's globals hold what it uses: the embeddings on the first stage, the final norm
+        and head on the last (the embeddings there too for a head tied to them); every slot is optional."""
+        text, par = self.text, self.par
+        text.model.embed_tokens, text.model.norm = StoredTensor(), RMSNorm(self.cfg.rms_norm_eps)
+        slot(text.model.norm, "weight", optional=True)
+        text.lm_head = LinearSlot()
+        head = self.prefix_of(text.lm_head)
+        if any(n.startswith(head) for n in t):
+            resolve_linears(text, self.prefix, self._linear_format(t))
+        else:
+            text.lm_head = None  # tied to the embeddings
+        parts = {self.prefix_of(m): m for m in (text.model.embed_tokens, text.model.norm, text.lm_head) if m is not None}
+        load_unit(GLOBALS, parts, t, ignore=self._is_mtp)
+        embed, norm = text.model.embed_tokens.weight, text.model.norm.weight
+        if text.lm_head is None and embed is not None:
+            text.lm_head = PlainLinear.holding(embed)
+        if not par.first or embed is None:
+            text.model.embed_tokens = None
+        if not par.last or norm is None:
+            text.model.norm = None
+        if not par.last:
+            text.lm_head = None
 
     def check_complete(self) -> None:
-        missing = [L for L in self.stage_layers if self.layers[L] is None]
-        lacks = [what for what, need, got in (("embeddings", self.par.first, self.embed),
-                                              ("final norm", self.par.last, self.norm),
-                                              ("lm_head", self.par.last, self.head)) if need and got is None]
+        stack = self.text.model
+        missing = [L for L in self.stage_layers if str(L) not in self.layers]
+        lacks = [what for what, need, got in (("embeddings", self.par.first, stack.embed_tokens),
+                                              ("final norm", self.par.last, stack.norm),
+                                              ("lm_head", self.par.last, self.text.lm_head)) if need and got is None]
         if lacks or missing:
             raise CheckpointError(f"converted checkpoint is incomplete for stage {self.par.stage} (missing: "
                                   f"{', '.join(lacks + [f'layers {missing[:5]}'] * bool(missing))})")
@@ -144,16 +213,8 @@ class Model:
             self.has_vision = self.vision is not None
 
     def materialize(self, dtype: torch.dtype | None = None) -> None:
-        """Dequantize every weight once (speed over memory, e.g. on CPU)."""
-        dtype = dtype or self.dtype
-        for layer in (self.layers[L] for L in self.stage_layers):
-            for obj in (layer.attn, layer.attn.indexer, layer.mlp, getattr(layer.mlp, "shared", None),
-                        *getattr(layer.mlp, "experts", {}).values()):
-                for v in vars(obj).values() if obj is not None and hasattr(obj, "__dict__") else ():
-                    if isinstance(v, Weight):
-                        v.materialize(dtype)
-        if self.head is not None:
-            self.head.materialize(dtype)
+        """Dequantize every linear once (speed over memory, e.g. on CPU)."""
+        materialize(self, dtype or self.dtype)
 
     # ---- compute -------------------------------------------------------------------------------
     def new_cache(self, batch: int = 1, max_len: int | None = None, reserve: int | None = None,
@@ -167,11 +228,13 @@ class Model:
         return KVCache(cfg, batch, max_len, self.dtype, self.device, reserve, kv or self.kv)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        n = self.embed.shape[0]
+        """Vocab-parallel lookup: this rank's rows of the embeddings, the rest summed in from the others."""
+        embed = self.text.model.embed_tokens.weight
+        n = embed.shape[0]
         lo = self.par.tp_rank * n
         local = ids - lo
         inside = (local >= 0) & (local < n)
-        x = self.embed[local.clamp(0, n - 1)].to(self.dtype) * inside[..., None].to(self.dtype)
+        x = embed[local.clamp(0, n - 1)].to(self.dtype) * inside[..., None].to(self.dtype)
         return self.par.all_reduce(x)
 
     def stage_input(self, ids: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
@@ -184,13 +247,19 @@ class Model:
         cos, sin = self.rotary(positions, self.dtype)  # [B,S,rope/2]: each sequence at its own position
         start = int(positions[0, 0])
         for L in self.stage_layers:
-            x = self.layers[L].forward(x, start, cache.layers[self.slot[L]], cos, sin, self.par)
+            x = self.layer(L).forward(x, start, cache.layers[self.slot[L]], cos, sin, self.par)
         return x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.text.model.norm(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab slice of the head's output (last stage)."""
+        return self.text.lm_head(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Last stage: the final norm and the (vocab-parallel) head."""
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return self.par.all_gather_last(self.head(x)).float()
+        return self.par.all_gather_last(self.head(self.final_norm(x))).float()
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, image_embeds: torch.Tensor | None = None,
@@ -205,8 +274,8 @@ class Model:
         return pipeline.forward(self, ids, cache, image_embeds, last_only, seqs, everywhere)
 
     def tokens_per_image(self, grid_hw: tuple[int, int]) -> int:
-        kh, kw = self.mc.vision.merge_kernel
-        return (grid_hw[0] // kh) * (grid_hw[1] // kw)
+        """Known on every stage (the tower itself lives on the first)."""
+        return tokens_per_image(self.mc.vision, grid_hw)
 
     def scatter_images(self, ids, x, image_embeds):
         mask = ids == self.mc.vision.image_token_id

@@ -5,18 +5,33 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.config import TextConfig
-from engine.linear import Weight
+from engine.linear import LinearSlot
+from engine.slots import slot
+from kconvert.distributed import Group
 from kconvert.errors import EngineError
 
 
-class MLP:
-    def __init__(self, t: dict, p: str):
-        self.gate, self.up, self.down = (Weight.take(t, f"{p}{n}") for n in ("gate_proj", "up_proj", "down_proj"))
+class MLP(nn.Module):
+    """SwiGLU: `gate_proj`, `up_proj`, `down_proj` (a dense layer's MLP, a routed or the shared expert)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+    def __init__(self, cfg: TextConfig | None = None, layer: int | None = None, par: Group | None = None):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = LinearSlot(), LinearSlot(), LinearSlot()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """`weight` [experts, hidden] and, where the checkpoint has it, `e_score_correction_bias` [experts]."""
+
+    def __init__(self):
+        super().__init__()
+        slot(self, "weight")
+        slot(self, "e_score_correction_bias", optional=True)
 
 
 def route(cfg: TextConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
@@ -38,25 +53,26 @@ def route(cfg: TextConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Te
     return ids, w * cfg.routed_scaling_factor
 
 
-class MoE:
-    def __init__(self, cfg: TextConfig, t: dict, p: str, rank: int, tp: int):
-        self.cfg = cfg
-        self.gate_w = t.pop(f"{p}gate.weight")
-        self.bias = t.pop(f"{p}gate.e_score_correction_bias", None)
-        per = cfg.n_routed_experts // tp
-        self.first = rank * per
-        self.experts = {e: MLP(t, f"{p}experts.{e}.") for e in range(self.first, self.first + per)
-                        if f"{p}experts.{e}.gate_proj.weight" in t or f"{p}experts.{e}.gate_proj.weight_packed" in t}
-        if len(self.experts) != per:
-            raise EngineError(f"rank {rank} holds {len(self.experts)} experts, expected {per} (experts {self.first}..)")
-        self.shared = MLP(t, f"{p}shared_experts.") if cfg.n_shared_experts else None
+class MoE(nn.Module):
+    """`gate` (the router), `experts.E` for this rank's whole experts E (expert parallel) and `shared_experts`."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router()
+        if cfg.n_routed_experts % par.tp:
+            raise EngineError(f"{cfg.n_routed_experts} routed experts do not split over tp={par.tp}")
+        per = cfg.n_routed_experts // par.tp
+        self.first = par.tp_rank * per
+        self.experts = nn.ModuleDict({str(e): MLP() for e in range(self.first, self.first + per)})
+        self.shared_experts = MLP() if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output (local routed experts + its shared-expert slice); caller all-reduces."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, w = route(self.cfg, x, self.gate_w, self.bias)
-        out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        ids, w = route(self.cfg, x, self.gate.weight, self.gate.e_score_correction_bias)
+        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert
@@ -68,7 +84,7 @@ class MoE:
             if n:
                 rows = order[offset:offset + n]
                 tokens = rows // k
-                y = self.experts[e](x[tokens]) * wflat[rows, None]
+                y = self.experts[str(e)](x[tokens]) * wflat[rows, None]
                 out.index_add_(0, tokens, y)
                 offset += n
         return out.view(shape)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.indexer import top_keys
+from engine.linear import BY_TRANSFORM
 from kconvert.convert.shard import ShardJob, shard
 
 TOL = 1e-4  # max |Δ| relative to the reference's max |logit|
@@ -129,7 +130,7 @@ def test_image_prompt_logits_match_transformers(reference, engine):
     patches, grid = preprocess(Image.fromarray(pixels))  # 75x110 -> padded 84x112 -> 6x8 patches -> 12 tokens
     assert grid == (6, 8)
     vc = model.mc.vision
-    n = model.vision.tokens_per_image(grid)
+    n = model.tokens_per_image(grid)
     ids = torch.cat([torch.randint(0, 768, (5,), generator=g), torch.tensor([786]), torch.full((n,), vc.image_token_id),
                      torch.tensor([788]), torch.randint(0, 768, (40,), generator=g)])[None]
     with torch.no_grad(), indexer_ties_by_position():
@@ -159,8 +160,9 @@ def test_quantized_conversion_close_to_bf16(quant, engine):
     ids = torch.randint(0, 768, (1, 48), generator=torch.Generator().manual_seed(seed))
     base = engine("tiny-k3").forward(ids)
     q = engine("tiny-k3", 1, quant)
-    kinds = {w.kind for w in (q.layers[1].attn.q_b, q.layers[1].attn.o_proj)}
-    assert kinds == {quant}, kinds  # weights stay quantized in memory
+    attn = q.layer(1).self_attn
+    kinds = {type(w) for w in (attn.q_b_proj, attn.o_proj)}
+    assert kinds == {BY_TRANSFORM[quant]}, kinds  # weights stay quantized in memory
     out = q.forward(ids)
     kld = torch.nn.functional.kl_div(out.log_softmax(-1), base.log_softmax(-1), log_target=True,
                                      reduction="none").sum(-1).mean().item()

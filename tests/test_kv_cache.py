@@ -28,13 +28,13 @@ def model(checkpoint, tmp_path_factory):
 @pytest.fixture
 def dense(model):
     """The same model without its indexer: the deepseek_v3 path (full attention, full reads)."""
-    saved = [l.attn.indexer for l in model.layers], model.cfg
-    for l in model.layers:
-        l.attn.indexer = None
+    saved = [l.self_attn.indexer for l in model.layers.values()], model.cfg
+    for l in model.layers.values():
+        l.self_attn.indexer = None
     model.cfg = dataclasses.replace(model.cfg, index_topk=0)
     yield model
-    for l, ix in zip(model.layers, saved[0]):
-        l.attn.indexer = ix
+    for l, ix in zip(model.layers.values(), saved[0]):
+        l.self_attn.indexer = ix
     model.cfg = saved[1]
 
 

@@ -147,8 +147,9 @@ def test_a_stage_builds_only_its_layers_and_their_cache(conv):
     model = Model(c.config, c.family, Group(rank=1, world=2, tp=1, pp=2), stages=[[0, 1], [2, 3]])
     for unit, tensors in c.stream():
         model.take_unit(unit, tensors)
-    assert [L for L, layer in enumerate(model.layers) if layer is not None] == [2, 3]
-    assert model.embed is None and model.vision is None and model.norm is not None and model.head is not None
+    assert list(model.layers) == ["2", "3"]
+    stack = model.text.model
+    assert stack.embed_tokens is None and model.vision is None and stack.norm is not None and model.text.lm_head is not None
     cache = model.new_cache(1, 16)
     assert len(cache.layers) == 2 and model.slot == {2: 0, 3: 1}
 

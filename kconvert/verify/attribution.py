@@ -30,8 +30,6 @@ def _exact(meta_tensors: list[dict], ck: Checkpoint, name: str, quantization: di
 def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) -> list[dict] | None:
     """The ranking, on the ranks of the pipeline stage holding the layer (None on the others, which only
     pass the prompts' hidden states along). Every rank of the run calls this."""
-    from engine.model import Layer
-
     L = per_layer["attribute_layer"]
     inputs = []
     for p, tk in zip(prompts, tokens):
@@ -48,7 +46,6 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
     mine = [t for t in conv.meta["tensors"] if t["rank"] == rank and t["unit"] == unit]
     everyone = sorted({t["name"].removesuffix("_packed") for t in conv.meta["tensors"] if t["unit"] == unit
                        and not t["name"].endswith(("_scale_inv", "_scale")) and len(t["shape"]) >= 2})
-    prefix = f"{model.prefix}model.layers.{L}."
 
     def with_exact(names: set[str]) -> dict:
         t = dict(converted)
@@ -69,16 +66,19 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
             outs.append(layer.forward(x.clone(), 0, cache.layers[model.slot[L]], cos[None], sin[None], model.par)[0])
         return outs
 
-    exact = run(Layer(model.mc, L, with_exact(set(everyone)), prefix, model.par))
+    def layer(tensors: dict):  # formats read off the tensors: the faithful ones replace quantized weights
+        return model.build_layer(L, tensors, use_catalog=False)
+
+    exact = run(layer(with_exact(set(everyone))))
     ref_norm = sum(float(e.pow(2).sum()) for e in exact) ** 0.5
 
     def err(outs) -> float:
         return sum(float((o - e).pow(2).sum()) for o, e in zip(outs, exact)) ** 0.5 / max(ref_norm, 1e-30)
 
-    base = err(run(Layer(model.mc, L, dict(converted), prefix, model.par)))
+    base = err(run(layer(dict(converted))))
     ranking = []
     for n in everyone:
-        e = err(run(Layer(model.mc, L, with_exact({n}), prefix, model.par)))
+        e = err(run(layer(with_exact({n}))))
         ranking.append({"tensor": n, "layer_error_without_it": e, "share": (base - e) / base if base > 0 else 0.0})
     ranking.sort(key=lambda r: -r["share"])
     return [{"layer": L, "layer_error": base}] + ranking

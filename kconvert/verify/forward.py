@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.linear import rms_norm
 from kconvert.verify.prompts import prompt_patches
 
 
@@ -36,10 +35,10 @@ def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tens
         x = par.recv_prev((1, T, model.cfg.hidden_size), model.dtype, model.device)
     out = {model.stage_layers[0]: x[0].float()}
     for L in model.stage_layers:
-        x = model.layers[L].forward(x, 0, cache.layers[model.slot[L]], cos[None], sin[None], par)
+        x = model.layer(L).forward(x, 0, cache.layers[model.slot[L]], cos[None], sin[None], par)
         out[L + 1] = x[0].float()
     if par.last:
-        out[model.cfg.num_layers] = rms_norm(x, model.norm, model.cfg.rms_norm_eps)[0].float()
+        out[model.cfg.num_layers] = model.final_norm(x)[0].float()
     else:
         par.send_next(x)
     return out

@@ -1,19 +1,18 @@
-"""Linear weights in their stored form, one module class per format, dequantized to the compute dtype
-on each call (or once, by `materialize`):
+"""Linear weights in their stored form, dequantized to the compute dtype on each call (or once, by
+`materialize`). One module class per stored format:
 
-| class | stored tensors | dequantized |
-|---|---|---|
-| PlainLinear | `weight` | `weight` in the compute dtype |
-| BlockFp8Linear | `weight` e4m3 + `weight_scale_inv` [ceil(out/128), ceil(in/128)] | `weight * scale` per 128x128 block |
-| Int8ChannelLinear | `weight` int8 + `weight_scale` [out, 1] | `weight * scale` per row |
-| Int4GroupLinear | `weight_packed` uint8 [out, in/2] (two nibbles, -8 offset) + `weight_scale` [out, in/G] | `q * scale` per group |
+- `PlainLinear`: `weight` (bf16 / fp32), cast to the compute dtype;
+- one `SchemeLinear` subclass per quantization scheme of `kconvert.quant.registry` (fp8, int8, int4,
+  fp4, and whatever is registered next): its stored tensors are the scheme's `specs`, its dense weight
+  the scheme's `dequantize`, computed in the compute dtype. A new scheme needs nothing here.
 
 Layer modules hold a `LinearSlot` where a linear goes; `resolve_linears` replaces each by the class of its
 stored format, as the converted checkpoint's catalog records it (kconvert.json `tensors[*].transform`),
-or, for tensors the catalog does not describe, as the tensors present show it."""
+or, for tensors the catalog does not describe, as the tensors present (names and dtypes) show it."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -22,7 +21,9 @@ from torch import nn
 
 from engine.slots import slot
 from kconvert.errors import CheckpointError
-from kconvert.io.dtypes import FP8_BLOCK
+from kconvert.io.dtypes import DTYPES
+from kconvert.quant.registry import REGISTRY
+from kconvert.quant.scheme import Options, Scheme
 
 
 class LinearSlot(nn.Module):
@@ -63,57 +64,68 @@ class PlainLinear(StoredLinear):
         return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
 
 
-class BlockFp8Linear(StoredLinear):
-    STORED = ("weight", "weight_scale_inv")
+class SchemeLinear(StoredLinear):
+    """A linear stored by a quantization scheme; `opts` are the conversion's (kconvert.json quantization)."""
+
+    SCHEME: Scheme
+    TAGS: tuple[str, ...] = ()  # safetensors dtype tags of STORED, in order
+
+    def __init__(self, opts: Options | None = None):
+        super().__init__()
+        self.opts = opts or Options()
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        out, inp = self.weight.shape
-        s = self.weight_scale_inv.to(dtype).repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
-        return self.weight.to(dtype) * s
+        return self.SCHEME.dequantize([getattr(self, n) for n in self.STORED], self.opts, dtype)
 
 
-class Int8ChannelLinear(StoredLinear):
-    STORED = ("weight", "weight_scale")
-
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.weight.to(dtype) * self.weight_scale.to(dtype)
-
-
-class Int4GroupLinear(StoredLinear):
-    STORED = ("weight_packed", "weight_scale")
-
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        p = self.weight_packed
-        q = torch.stack([p & 0xF, p >> 4], dim=-1).view(p.shape[0], -1).to(dtype) - 8
-        return q * self.weight_scale.to(dtype).repeat_interleave(q.shape[1] // self.weight_scale.shape[1], 1)
+@functools.cache
+def linear_class(scheme: Scheme) -> type[SchemeLinear]:
+    """The module class of a scheme's stored linears (one per scheme, made once)."""
+    specs = scheme.specs("weight", (2 * 128, 2 * 128), Options())  # names and tags do not depend on the shape
+    cls_name = "".join(part.capitalize() for part in scheme.name.split("_")) + "Linear"
+    return type(cls_name, (SchemeLinear,), {"SCHEME": scheme, "STORED": tuple(n for n, _, _ in specs),
+                                            "TAGS": tuple(t for _, t, _ in specs), "__module__": __name__})
 
 
 # kconvert.json `tensors[*].transform` of a weight -> the class that reads it (convert/shard_plan.py writes them)
-BY_TRANSFORM: dict[str, type[StoredLinear]] = {
-    "copy": PlainLinear, "bf16": PlainLinear, "fp8": BlockFp8Linear, "fp8_copy": BlockFp8Linear,
-    "int8": Int8ChannelLinear, "int4": Int4GroupLinear,
-}
+BY_TRANSFORM: dict[str, type[StoredLinear]] = {"copy": PlainLinear, "bf16": PlainLinear}
+for _scheme in REGISTRY.values():
+    if _scheme.shard:  # what a converted checkpoint can hold
+        BY_TRANSFORM[_scheme.name] = linear_class(_scheme)
+        for _copy in _scheme.copies:
+            BY_TRANSFORM[_copy] = linear_class(_scheme)
 
 
-def format_of(name: str, transforms: dict[str, str], tensors: dict[str, torch.Tensor]) -> type[StoredLinear]:
-    """The class of linear `name` (its path, without `.weight`): the catalog's record of `name.weight` (or
-    `name.weight_packed`), else what the unit holds."""
-    for stored in (f"{name}.weight", f"{name}.weight_packed"):
-        if transforms.get(stored) in BY_TRANSFORM:
-            return BY_TRANSFORM[transforms[stored]]
-    if f"{name}.weight_packed" in tensors:
-        return Int4GroupLinear
-    if f"{name}.weight_scale_inv" in tensors:
-        return BlockFp8Linear
-    if f"{name}.weight_scale" in tensors:
-        return Int8ChannelLinear
+def options_of(quantization: dict | None) -> Options:
+    """The scheme options a conversion recorded (kconvert.json `quantization`)."""
+    q = quantization or {}
+    base = Options()
+    return Options(q.get("scale_format") or base.scale_format, q.get("group_size") or base.group_size,
+                   q.get("int4_scales") or base.int4_scales)
+
+
+def format_of(name: str, transforms: dict[str, str], tensors: dict[str, torch.Tensor],
+              opts: Options | None = None) -> Callable[[], StoredLinear]:
+    """A maker of linear `name` (its path, without `.weight`): the class of the catalog's record of its
+    stored tensors, else the scheme whose stored names and dtypes the unit holds, else plain."""
+    for stored, transform in ((f"{name}.{s}", transforms.get(f"{name}.{s}")) for s in ("weight", "weight_packed")):
+        if transform in BY_TRANSFORM:
+            return _maker(BY_TRANSFORM[transform], opts)
+    for cls in dict.fromkeys(BY_TRANSFORM.values()):
+        if cls is not PlainLinear and all(tensors.get(f"{name}.{n}") is not None and tensors[f"{name}.{n}"].dtype == DTYPES[t]
+                                          for n, t in zip(cls.STORED, cls.TAGS)):
+            return _maker(cls, opts)
     w = tensors.get(f"{name}.weight")
     if w is not None and w.dtype in (torch.float8_e4m3fn, torch.int8):
         raise CheckpointError("quantized weight without its scale", tensor=f"{name}.weight")
     return PlainLinear
 
 
-def resolve_linears(module: nn.Module, prefix: str, choose: Callable[[str], type[StoredLinear]]) -> None:
+def _maker(cls: type[StoredLinear], opts: Options | None) -> Callable[[], StoredLinear]:
+    return functools.partial(cls, opts) if issubclass(cls, SchemeLinear) else cls
+
+
+def resolve_linears(module: nn.Module, prefix: str, choose: Callable[[str], Callable[[], StoredLinear]]) -> None:
     """Replace every LinearSlot under `module` (checkpoint prefix `prefix`) by `choose(its stored name)`()."""
     for path, parent in list(module.named_modules()):
         for name, child in list(parent.named_children()):

@@ -22,7 +22,7 @@ from engine import pipeline
 from engine.cache import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
 from engine.layers import decoder_layer
-from engine.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, resolve_linears
+from engine.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.rope import Rotary
 from engine.slots import load_unit, slot
 from engine.vision import ImageEncoder, Projector, VisionTower, tokens_per_image
@@ -31,6 +31,7 @@ from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
 from kconvert.family.manifest import bind
 from kconvert.load.loader import ConvertedCheckpoint, open_converted
+from kconvert.quant.scheme import Options
 
 
 class StoredTensor(nn.Module):
@@ -49,16 +50,18 @@ def stored_formats(conv: ConvertedCheckpoint) -> dict[str, str]:
 class Model(nn.Module):
     def __init__(self, config: dict, family: str, par: Group | None = None, device="cpu",
                  dtype: torch.dtype = torch.bfloat16, stages: list[list[int]] | None = None,
-                 formats: dict[str, str] | None = None):
+                 formats: dict[str, str] | None = None, quant_options: Options | None = None):
         """`stages`: the decoder layers of every pipeline stage (default: all layers, one stage); `par` must be
         laid out as (tp, len(stages)). MTP layers (index >= num_layers) are dropped from them. `formats`:
-        stored_formats() of this rank's catalog (without it, each linear's format is read off its tensors)."""
+        stored_formats() of this rank's catalog (without it, each linear's format is read off its tensors);
+        `quant_options`: the scheme options the conversion recorded (int4's group size ...)."""
         super().__init__()
         self.mc = model_config(config, family)
         self.cfg = self.mc.text
         self.par = par or Group()
         self.device, self.dtype = torch.device(device), dtype
         self.formats = formats or {}
+        self.quant_options = quant_options or Options()
         self.names = bind(config)
         self.prefix = self.names.text.prefix
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in (stages or [range(self.cfg.num_layers)])]
@@ -133,7 +136,8 @@ class Model(nn.Module):
         if stages is None:
             stages = [cat.stage_layers(s) for s in range(cat.pp)]
         par = par.layout(cat.tp, len(stages), where)
-        return cls(conv.config, conv.family, par, device, dtype, stages, stored_formats(conv))
+        return cls(conv.config, conv.family, par, device, dtype, stages, stored_formats(conv),
+                   options_of(cat.doc.get("quantization")))
 
     def stage_of_layer(self, L: int) -> int:
         """The stage running decoder layer L; MTP layers (L >= num_layers) belong to the last stage, as in
@@ -146,7 +150,7 @@ class Model(nn.Module):
 
     def _linear_format(self, tensors: dict, use_catalog: bool = True):
         formats = self.formats if use_catalog else {}
-        return lambda name: format_of(name, formats, tensors)
+        return lambda name: format_of(name, formats, tensors, self.quant_options)
 
     def build_layer(self, L: int, tensors: dict, use_catalog: bool = True) -> nn.Module:
         """Decoder layer L filled from its unit's tensors (not attached to the model). use_catalog=False

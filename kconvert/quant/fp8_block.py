@@ -70,8 +70,11 @@ class Fp8Block(Scheme):
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
         return list(quantize_fp8_block(w, FP8_BLOCK, opts.scale_format, name))
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
-        return dequantize_fp8_block(stored[0], stored[1])
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w, scale = stored
+        rows, cols = w.shape
+        s = scale.to(dtype).repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+        return w.to(dtype) * s
 
     def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
         """A 128x128 block-FP8 source, when its scales are valid in the target format: fp32 takes any

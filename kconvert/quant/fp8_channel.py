@@ -25,8 +25,8 @@ class Fp8Channel(Scheme):
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
         return list(quantize_fp8_channel(w, name))
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
-        return stored[0].to(torch.float32) * stored[1].to(torch.float32)
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return stored[0].to(dtype) * stored[1].to(dtype)
 
 
 SCHEME = Fp8Channel()

@@ -78,10 +78,10 @@ def quantize_int4_packed(w: torch.Tensor, group: int = 32, name: str = "") -> tu
     return pack_int32_words(codes), scale
 
 
-def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """int8 codes [R, C] times the scale of each column's group -> float32 [R, C]."""
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 codes [R, C] times the scale of each column's group -> [R, C] in `dtype` (both cast first)."""
     cols = codes.shape[1]
-    return codes.to(torch.float32) * scale.to(torch.float32).repeat_interleave(group, dim=1)[:, :cols]
+    return codes.to(dtype) * scale.to(dtype).repeat_interleave(group, dim=1)[:, :cols]
 
 
 class Int4Group(Scheme):
@@ -112,12 +112,12 @@ class Int4Group(Scheme):
             return [packed, scale, torch.tensor(list(w.shape), dtype=torch.int32)]
         return list(quantize_int4_group(w, opts.group_size, opts.int4_scales, name))
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if opts.encoding == COMPRESSED_TENSORS:
             codes = unpack_int32_words(stored[0], int(stored[2][1]))
         else:
             codes = unpack_nibble_pairs(stored[0])
-        return dequantize_int4(codes, stored[1], opts.group_size)
+        return dequantize_int4(codes, stored[1], opts.group_size, dtype)
 
     def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
         """A pack-quantized source with the same group, into the same (compressed-tensors) encoding."""

@@ -24,8 +24,8 @@ class Int8Channel(Scheme):
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
         return list(quantize_int8_channel(w, name))
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
-        return stored[0].to(torch.float32) * stored[1].to(torch.float32)
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return stored[0].to(dtype) * stored[1].to(dtype)
 
 
 SCHEME = Int8Channel()

@@ -6,7 +6,8 @@ A Scheme answers, for one 2-D weight:
 - `misfit(shape, opts)`: why that shape cannot be stored, if so (shard refuses, export keeps bf16).
 - `specs(src, shape, opts)`: the tensors it stores, as (name, safetensors tag, shape), in write order.
 - `quantize(w, opts, name)`: those tensors from a float weight (chunked, refuses NaN/Inf).
-- `dequantize(stored, opts)`: the float32 weight an engine computes from them (the formula).
+- `dequantize(stored, opts, dtype)`: the weight an engine computes from them (the formula), every
+  factor cast to `dtype` before the product: exact in float32; in bf16, what an engine computes per call.
 - `stored_bytes(shape, opts)`: the bytes of `specs` (scales included).
 - `lossless_copy(source, opts)`: the stored parts of a source it may copy unchanged instead.
 `opts.encoding` picks how the values are laid out on disk: `kconvert` (the converted format, shard)
@@ -83,7 +84,7 @@ class Scheme:
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options) -> torch.Tensor:
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
     def stored_bytes(self, shape: tuple[int, ...], opts: Options) -> int:

@@ -1,7 +1,7 @@
 """The faithfulness reference's weights: the source with every tensor a conversion quantized replaced by
 its quantize -> dequantize (QDQ) under the same scheme, slice by slice as the conversion stores it.
 
-Independent of kconvert's own quantizers (kconvert/convert/quantize.py): the scales are computed here
+Independent of kconvert's own quantizers (kconvert/quant/): the scales are computed here
 from the formulas in docs/FORMAT.md ("Quantization formulas") and the rounding, clamping and
 dequantization are compressed-tensors' `fake_quantize` (block / channel / group strategies). What a
 conversion claims (scheme, which tensors, which transform, which slice) is read from its kconvert.json;
@@ -22,7 +22,7 @@ import torch
 
 from kconvert.errors import MissingDependency, VerifyFailed
 
-QUANTIZED = ("fp8", "int8", "int4")
+QUANTIZED = ("fp8", "int8", "int4", "fp4")
 FP8_E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-12  # all-zero blocks/rows/groups: any positive scale dequantizes them to 0
 INT4_CLIP_STEPS = 16  # clipping search: scale = (1 - k/50) * amax / 7, k = 0..15, least squared error
@@ -76,6 +76,11 @@ def qdq(x: torch.Tensor, scheme: str, *, scale_format: str = "fp32", group_size:
                 best = torch.where(better, y, best)
                 best_err = torch.minimum(err, best_err)
         return best
+    if scheme == "fp4":  # MXFP4: a power-of-two scale per 32 inputs putting the group's amax at or under 6
+        amax = x.view(R, C // 32, 32).abs().amax(-1)
+        exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+        scale = torch.exp2(torch.where(amax > 0, exp, torch.full_like(exp, -127.0)))
+        return _fq(x, scale, num_bits=4, type="float", strategy="group", group_size=32)
     raise VerifyFailed(f"faithfulness: no reference quantizer for scheme {scheme!r}")
 
 

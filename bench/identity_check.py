@@ -69,12 +69,12 @@ def digest(folder: Path) -> dict:
     return files
 
 
-def logits_digest(conv: Path) -> str:
+def logits_digest(conv: Path, dtype: str = "float32") -> str:
     import torch
 
     from engine.model import Model
 
-    model = Model.from_converted(conv, dtype=torch.float32)
+    model = Model.from_converted(conv, dtype=getattr(torch, dtype))
     ids = torch.tensor([[1, 5, 9, 17, 33, 65, 129, 200, 7, 3, 11, 42]])
     with torch.no_grad():
         logits = model.forward(ids)
@@ -96,10 +96,11 @@ def fingerprint(work: Path, presets, with_logits: bool) -> dict:
             code = run_cli(["shard", str(src), str(out), *args])
             result[f"{preset}/shard/{tag}"] = {"exit": code, **(digest(out) if out.exists() else {})}
             if with_logits and code == 0 and tag in LOGITS:
-                try:
-                    result[f"{preset}/logits/{tag}"] = logits_digest(out)
-                except Exception as e:  # noqa: BLE001
-                    result[f"{preset}/logits/{tag}"] = f"error {type(e).__name__}"
+                for dtype, key in (("float32", tag), ("bfloat16", f"{tag}-bf16")):  # verify's and chat's
+                    try:
+                        result[f"{preset}/logits/{key}"] = logits_digest(out, dtype)
+                    except Exception as e:  # noqa: BLE001
+                        result[f"{preset}/logits/{key}"] = f"error {type(e).__name__}"
             shutil.rmtree(out, ignore_errors=True)
         for tag, args in EXPORTS:
             out = work / f"{preset}.export.{tag}"

@@ -74,3 +74,24 @@ def test_non_finite_statistics_fail():
     assert bad.verdict == "FAIL" and any("nan" in f for f in bad.failures), bad.failures
     good = check_against(prompts, [RefLogprobs(tokens=tokens, full=r)], {"prompt.0.logprobs": r}, limits, "ref", True)
     assert good.verdict == "PASS" and not good.failures
+
+
+def test_first_fault_skips_a_layer_where_only_isolated_positions_depart():
+    """A DSA near-tie decided the other way moves one position in one layer: not a fault there. A damaged
+    tensor moves many positions (or gives NaN): that layer is named."""
+    import torch
+
+    from kconvert.verify.verdict import first_fault, layer_curve
+
+    g = torch.Generator().manual_seed(0)
+    ref = {f"prompt.0.hidden.{L}": torch.randn(1, 600, 32, generator=g) for L in range(4)}
+    meta = {"prompts": [{"id": "p"}]}
+    got = {k: v.clone() for k, v in ref.items()}
+    got["prompt.0.hidden.1"][0, 155] += 0.5  # one position departs after layer 0 ...
+    got["prompt.0.hidden.2"][0, 155] += 0.5
+    got["prompt.0.hidden.2"][0, 200] += 0.5  # ... and one more after layer 1
+    assert first_fault(layer_curve(meta, ref, got), None) == (None, None)
+    got["prompt.0.hidden.3"][0, 300:320] += 0.5  # 20 positions after layer 2: a fault
+    assert first_fault(layer_curve(meta, ref, got), None) == ("layer 2", 2)
+    got["prompt.0.hidden.2"][0, 7] = float("nan")
+    assert first_fault(layer_curve(meta, ref, got), None) == ("layer 1", 1)

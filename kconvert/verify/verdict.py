@@ -38,6 +38,10 @@ from kconvert.verify.reference import load_reference, run_reference
 from kconvert.verify.run import load_result, run_all_ranks
 
 FAULT_REL_ERROR = 1e-4  # hidden-state relative error vs the fake-quantized reference that marks a faulty layer
+# DSA keeps the top-k keys of an indexer score: two correct fp32 implementations can decide a near-tie
+# differently, which changes one position's attention in one layer. A layer whose new departures are that
+# few (positions first over FAULT_REL_ERROR there) is not named as a fault; a damaged tensor moves far more.
+ISOLATED_POSITIONS, ISOLATED_SHARE = 2, 0.002
 WRONG = "the conversion is wrong"
 LOSSY = "the scheme is too lossy for this model"
 CHECKED = ("mean_kld", "p99_kld", "same_top1_pct", "ppl_ratio")
@@ -237,17 +241,26 @@ def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None) -
 
 def layer_curve(ref_meta, ref_tensors, got) -> list[dict]:
     """Relative hidden-state error per layer position (0 = embeddings, last = after the final norm), pooled
-    over prompts."""
+    over prompts, and how many token positions first depart (error over FAULT_REL_ERROR) there."""
     n = sum(1 for k in ref_tensors if k.startswith("prompt.0.hidden."))
+    prompts = range(len(ref_meta["prompts"]))
+    departed = {i: None for i in prompts}  # positions already over FAULT_REL_ERROR at an earlier layer
     curve = []
     for L in range(n):
         num = den = 0.0
-        for i in range(len(ref_meta["prompts"])):
+        new = total = 0
+        for i in prompts:
             r, g = ref_tensors[f"prompt.{i}.hidden.{L}"].float(), got[f"prompt.{i}.hidden.{L}"].float()
             num += float((g - r).pow(2).sum())
             den += float(r.pow(2).sum())
+            per_pos = ((g - r).pow(2).sum(-1) / r.pow(2).sum(-1).clamp_min(1e-30)).sqrt().flatten()
+            over = ~(per_pos <= FAULT_REL_ERROR)  # NaN counts as over
+            new += int((over if departed[i] is None else over & ~departed[i]).sum())
+            departed[i] = over if departed[i] is None else over | departed[i]
+            total += per_pos.numel()
         curve.append({"position": L, "after": "embeddings" if L == 0 else f"layer {L - 1}" if L < n - 1 else
-                      f"layer {L - 1} + final norm", "rel_error": (num / max(den, 1e-30)) ** 0.5})
+                      f"layer {L - 1} + final norm", "rel_error": (num / max(den, 1e-30)) ** 0.5,
+                      "departed_positions": new, "positions": total})
     return curve
 
 
@@ -262,11 +275,13 @@ def largest_step(curve: list[dict]) -> int | None:
 
 def first_fault(curve: list[dict], vision: float | None) -> tuple[str | None, int | None]:
     """Where the conversion first departs from its faithful reference: ("layer N", N), ("embeddings", None),
-    ("vision tower", None) or (None, None). A non-finite error is a fault too."""
+    ("vision tower", None) or (None, None). A non-finite error is a fault too; a layer where only isolated
+    positions depart (a DSA near-tie decided the other way) is not."""
     if vision is not None and not vision <= FAULT_REL_ERROR:
         return "vision tower", None
     for c in curve:
-        if not c["rel_error"] <= FAULT_REL_ERROR:
+        isolated = c.get("departed_positions", math.inf) <= max(ISOLATED_POSITIONS, ISOLATED_SHARE * c.get("positions", 0))
+        if not c["rel_error"] <= FAULT_REL_ERROR and not (math.isfinite(c["rel_error"]) and isolated):
             return (c["after"], None) if c["position"] == 0 else (f"layer {c['position'] - 1}", c["position"] - 1)
     return None, None
 

@@ -136,3 +136,77 @@ def test_indexer_ties_go_to_the_earliest_entries():
     for t in range(30):
         ready = (t + 1) // rate
         assert mask[0, t].nonzero().flatten().tolist() == list(range(min(k, ready))), t
+
+
+class ThreadGroup(Group):
+    """A tp rank run as a thread: all_reduce sums over the ranks' threads (no process group needed)."""
+
+    def __init__(self, rank: int, tp: int, shared: dict):
+        super().__init__(rank=rank, world=tp, tp=tp)
+        self.shared = shared
+
+    def all_reduce(self, x):
+        box, barrier = self.shared["box"], self.shared["barrier"]
+        box[self.rank] = x.clone()
+        barrier.wait()
+        total = sum(box[r] for r in sorted(box))
+        barrier.wait()
+        x.copy_(total)
+        return x
+
+
+def rank_slice(name: str, t: torch.Tensor, rank: int, tp: int, experts: int):
+    """Rank `rank`'s share of a layer tensor under the V4 rules: heads / groups / shared expert split, routed
+    experts whole per rank, the rest replicated (None: not on this rank)."""
+    if ".mlp.experts." in name:
+        e = int(name.split(".mlp.experts.")[1].split(".")[0])
+        return t if e // (experts // tp) == rank else None
+    col = ("self_attn.q_b_proj.weight", "self_attn.o_a_proj.weight", "self_attn.sinks",
+           "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")
+    row = ("self_attn.o_b_proj.weight", "shared_experts.down_proj.weight")
+    if name.endswith(col):
+        return t.chunk(tp, 0)[rank].clone()
+    if name.endswith(row):
+        return t.chunk(tp, 1)[rank].clone()
+    return t
+
+
+def test_tp2_layers_equal_tp1(ref):
+    """Each decoder layer at tp 2 (ranks as threads, the V4 slicing rules) gives the tp 1 output, prefill and
+    a cached decode step."""
+    import threading
+
+    tp, S = 2, 33
+    ids = ids_of(ref, S + 1, seed=4)
+    x = torch.randn(2, S + 1, ref.section["hc_mult"], ref.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    shared = {"box": {}, "barrier": threading.Barrier(tp, timeout=120)}  # a failing rank cannot hang the other
+    for L in range(ref.cfg.num_layers):
+        one = engine_layer(ref, L)
+        st = V4LayerState()
+        with torch.no_grad():
+            want = torch.cat([one(x[:, :S], 0, st, None, None, Group(), ids=ids[:, :S]),
+                              one(x[:, S:], S, st, None, None, Group(), ids=ids[:, S:])], 1)
+        got = [None] * tp
+
+        def run(rank):
+            par = ThreadGroup(rank, tp, shared)
+            layer = decoder_layer(ref.cfg, L, par)
+            prefix = f"model.layers.{L}."
+            resolve_linears(layer, prefix, lambda name: PlainLinear)
+            mine = {k: rank_slice(k, v, rank, tp, ref.cfg.n_routed_experts) for k, v in ref.state.items()
+                    if k.startswith(prefix)}
+            load_unit(layer_unit(L), {prefix: layer}, {k: v for k, v in mine.items() if v is not None})
+            state = V4LayerState()
+            with torch.no_grad():
+                got[rank] = torch.cat([layer(x[:, :S], 0, state, None, None, par, ids=ids[:, :S]),
+                                       layer(x[:, S:], S, state, None, None, par, ids=ids[:, S:])], 1)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(g is not None for g in got), f"a rank of layer {L} failed"
+        errs = [rel(g, want) for g in got]
+        print(f"{ref.name} layer {L}: tp 2 vs tp 1 {max(errs):.1e}")
+        assert max(errs) < TOL, (L, errs)

@@ -81,11 +81,11 @@ class V4Attention(nn.Module):
         return self._output(self._attend(logits, values), cos, sin)
 
     def _attend(self, logits: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """Softmax over [window keys | compressed entries | sink] per head -> [B,S,h,D]."""
+        """Softmax over [window keys | compressed entries | sink] per head -> [B,S,h,D] (in float32: the
+        sink and the scores meet in one row, as wide as the window plus the entries)."""
         B, h, S, _ = logits[0].shape
-        sink = self.sinks.to(logits[0].dtype).view(1, h, 1, 1).expand(B, h, S, 1)
-        scores = torch.cat([t * self.scale for t in logits] + [sink], dim=-1)
-        p = torch.softmax(scores - scores.amax(-1, keepdim=True), dim=-1)
+        sink = self.sinks.float().view(1, h, 1, 1).expand(B, h, S, 1)
+        p = torch.softmax(torch.cat([t.float() * self.scale for t in logits] + [sink], dim=-1), dim=-1)
         out, at = 0, 0
         for v in values:
             out = out + torch.einsum("bhst,btd->bshd", p[..., at:at + v.shape[1]].to(v.dtype), v)

@@ -229,3 +229,91 @@ def test_bf16_with_the_release_dtypes_stays_close(ref, monkeypatch):
     kld = (p.exp() * (p - q)).sum(-1).mean().item()
     print(f"{ref.name}: bf16 engine vs float32 transformers: mean KLD {kld:.1e}")
     assert kld < 2e-2
+
+
+class ThreadStage(Group):
+    """A pipeline stage (tp 1) run as a thread: sends and receives through queues, broadcasts through a box."""
+
+    def __init__(self, rank: int, pp: int, world: dict):
+        super().__init__(rank=rank, world=pp, tp=1, pp=pp)
+        self.w = world
+
+    def send(self, x, dst: int, wait: bool = True):
+        self.w["queues"][(self.rank, dst)].put(x.clone())
+        return None if wait else SimpleNamespace(wait=lambda: None)
+
+    def recv(self, shape, dtype, device, src: int):
+        x = self.w["queues"][(src, self.rank)].get(timeout=120)
+        assert x.shape == shape and x.dtype == dtype, (x.shape, shape)
+        return x
+
+    def broadcast_object(self, obj, src: int = 0):
+        box, barrier = self.w["box"], self.w["barrier"]
+        if self.rank == src:
+            box["obj"] = obj
+        barrier.wait()
+        got = box["obj"]
+        barrier.wait()
+        return got
+
+    def broadcast(self, x, src: int):
+        return x.copy_(self.broadcast_object(x.clone() if self.rank == src else None, src))
+
+
+def test_pipeline_stages_carry_the_streams(ref, monkeypatch):
+    """pp 2 (stages as threads, micro-batched prefill, then decode): the stages send the hc_mult streams, only
+    the last one holds hc_head, and the logits are pp 1's."""
+    import queue
+    import threading
+
+    pp, n = 2, ref.cfg.num_layers
+    stages = [list(range(n // 2)), list(range(n // 2, n))]
+    ids = ids_of(ref, 40, seed=6)
+    one = engine_model_of(ref, monkeypatch)
+    want = torch.cat([one.forward(ids[:, :30], cache := one.new_cache(2, 48))]
+                     + [one.forward(ids[:, t:t + 1], cache) for t in range(30, 40)], 1)
+    world = {"queues": {(a, b): queue.Queue() for a in range(pp) for b in range(pp)}, "box": {},
+             "barrier": threading.Barrier(pp, timeout=120)}
+    got, heads = [None] * pp, [None] * pp
+
+    def run(rank):
+        par = ThreadStage(rank, pp, world)
+        model = engine_model.Model(ref.section, "deepseek_v4", par, dtype=torch.float32, stages=stages)
+        model.prefill_chunk = 16  # 40 tokens: three micro-batches
+        model.take_unit(GLOBALS, {k: v for k, v in ref.state.items() if not k.startswith("model.layers.")})
+        for L in range(n):
+            model.take_unit(layer_unit(L), {k: v for k, v in ref.state.items() if k.startswith(f"model.layers.{L}.")})
+        model.check_complete()
+        heads[rank] = model.residual_head is not None
+        cache = model.new_cache(2, 48)
+        got[rank] = torch.cat([model.forward(ids[:, :30], cache)]
+                              + [model.forward(ids[:, t:t + 1], cache) for t in range(30, 40)], 1)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(pp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert heads == [False, True]
+    errs = [rel(g, want) for g in got]
+    print(f"{ref.name}: pp 2 vs pp 1 {max(errs):.1e}")
+    assert max(errs) < TOL, errs
+
+
+def test_generate_runs_on_the_dense_cache(ref, monkeypatch):
+    """engine.generate over the V4 cache: greedy tokens are those a full forward of the whole text picks; a
+    cache cannot be cut back (the compressors do not rewind), only reset."""
+    from engine.generate import Sampling, generate
+    from kconvert.errors import EngineError
+
+    model = engine_model_of(ref, monkeypatch)
+    prompt = ids_of(ref, 21, seed=7)[0].tolist()
+    res = generate(model, prompt, Sampling(max_new_tokens=8))
+    text = torch.tensor([prompt + res.tokens[:-1]])
+    assert model.forward(text)[0, len(prompt) - 1:].argmax(-1).tolist() == res.tokens
+    cache = model.new_cache(1, 64)
+    model.forward(text, cache)
+    with pytest.raises(EngineError, match="rewind"):
+        cache.length = 5
+    cache.length = 0
+    assert cache.length == 0 and all(s.length == 0 for s in cache.layers)

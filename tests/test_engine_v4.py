@@ -174,3 +174,12 @@ def test_generate_runs_on_the_dense_cache(ref, monkeypatch):
         cache.length = 5
     cache.length = 0
     assert cache.length == 0 and all(s.length == 0 for s in cache.layers)
+
+
+def test_kv_options_of_the_paged_cache_are_refused(ref, monkeypatch):
+    from engine.cache import KVOptions
+    from kconvert.errors import UsageError
+
+    model = engine_model_of(ref, monkeypatch)
+    with pytest.raises(UsageError, match="dense"):
+        model.new_cache(1, 64, kv=KVOptions(kv_dtype="fp8"))

@@ -17,7 +17,7 @@ from engine.indexer import Indexer
 from engine.linear import LinearSlot, RMSNorm
 from engine.rope import rotate_interleaved, softmax_scale
 from kconvert.distributed import Group
-from kconvert.errors import EngineError
+from kconvert.errors import CheckpointError, EngineError
 
 GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once during prefill
 
@@ -28,6 +28,9 @@ class MLA(nn.Module):
 
     def __init__(self, cfg: TextConfig, layer: int, par: Group):
         super().__init__()
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            if not getattr(cfg, key):
+                raise CheckpointError(f"config.json lacks {key!r} needed by the engine", file="config.json")
         if cfg.num_heads % par.tp:
             raise EngineError(f"{cfg.num_heads} heads do not split over tp={par.tp}")
         self.cfg, self.heads = cfg, cfg.num_heads // par.tp

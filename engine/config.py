@@ -119,9 +119,10 @@ def _text(c: dict) -> TextConfig:
         return TextConfig(
             vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]), num_layers=int(c["num_hidden_layers"]),
             num_heads=int(c["num_attention_heads"]), q_lora_rank=int(g("q_lora_rank") or 0),
-            kv_lora_rank=int(c["kv_lora_rank"]), qk_nope_head_dim=int(c["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(c["qk_rope_head_dim"]), v_head_dim=int(c["v_head_dim"]),
-            intermediate_size=int(c["intermediate_size"]), moe_intermediate_size=int(g("moe_intermediate_size") or 0),
+            # MLA's own keys may be absent (DeepSeek-V4 has none); engine/attention.MLA requires them
+            kv_lora_rank=int(g("kv_lora_rank") or 0), qk_nope_head_dim=int(g("qk_nope_head_dim") or 0),
+            qk_rope_head_dim=int(c["qk_rope_head_dim"]), v_head_dim=int(g("v_head_dim") or 0),
+            intermediate_size=int(g("intermediate_size") or 0), moe_intermediate_size=int(g("moe_intermediate_size") or 0),
             n_routed_experts=n_routed, n_shared_experts=int(g("n_shared_experts") or 0),
             experts_per_token=int(g("num_experts_per_tok") or 0), n_group=int(g("n_group") or 1),
             topk_group=int(g("topk_group") or 1), first_k_dense=int(g("first_k_dense_replace") or 0),

@@ -6,7 +6,10 @@ layers adds their module (an nn.Module whose attribute paths are the stored tens
 with engine.linear.LinearSlot / engine.slots.slot) and one line in a table here; engine/model.py does not change.
 
 Every kind is constructed as `cls(cfg, layer, par)`: the TextConfig (its `section` holds the config.json
-keys a new kind reads), the decoder layer's index, the process group (tp rank and size)."""
+keys a new kind reads), the decoder layer's index, the process group (tp rank and size). A block is called
+as `forward(x, start, cache_layer, cos, sin, par, ids=None)` (ids: the token ids, for kinds that route by
+them). A block kind's `stack` class says how the residual enters the decoder layers and leaves them, and
+which cache its layers keep (PlainStack below); engine/model.py asks it, never the family."""
 
 from __future__ import annotations
 
@@ -14,18 +17,24 @@ import torch
 from torch import nn
 
 from engine.attention import MLA
+from engine.cache import KVCache
 from engine.config import TextConfig
 from engine.linear import RMSNorm
+from engine.mhc import MHCBlock, MHCStack
 from engine.moe import MLP, MoE
+from engine.v4_attention import V4Attention
+from engine.v4_moe import V4MoE
 from kconvert.distributed import Group
 from kconvert.errors import EngineError
 
 ATTENTION: dict[str, type[nn.Module]] = {
     "mla": MLA,  # DeepSeek MLA; with `index_topk` in the config, the DSA lightning indexer too
+    "v4": V4Attention,  # DeepSeek-V4: shared-KV MQA + sliding window + sinks; CSA / HCA compressed branches
 }
 FEED_FORWARD: dict[str, type[nn.Module]] = {
     "swiglu": MLP,  # the first `first_k_dense_replace` layers
     "deepseek_moe": MoE,  # sigmoid router + group-limited top-k + shared experts
+    "v4_moe": V4MoE,  # DeepSeek-V4: sqrt(softplus) or hash routing, SwiGLU clamp, shared expert
 }
 
 
@@ -34,6 +43,31 @@ def kind(table: dict, name: str, what: str):
         raise EngineError(f"the engine has no {what} kind {name!r} (known: {', '.join(sorted(table))})",
                           file="kconvert.json")
     return table[name]
+
+
+class PlainStack:
+    """The residual is the hidden state itself, kept in the paged MLA cache (engine/cache.py). A block kind
+    with another residual (several streams, a merge before the final norm) gives its own class, with:
+    `residual_shape` (per token: what pipeline stages send), `enter(x)` (from the embeddings),
+    `make_head()` (a module stored as `model.<head_name>` in the globals unit, or None) and `leave(head, x)`
+    (before the final norm), `new_cache(...)` (the cache of a stage's layers)."""
+
+    head_name: str | None = None
+
+    def __init__(self, cfg: TextConfig):
+        self.residual_shape = (cfg.hidden_size,)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def make_head(self) -> nn.Module | None:
+        return None
+
+    def leave(self, head: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv) -> KVCache:
+        return KVCache(cfg, batch, max_len, dtype, device, reserve, kv)
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -47,14 +81,33 @@ class PreNormDecoderLayer(nn.Module):
         mlp = cfg.moe_kind if cfg.is_moe(layer) else cfg.dense_mlp_kind
         self.mlp = kind(FEED_FORWARD, mlp, "feed-forward")(cfg, layer, par)
 
-    def forward(self, x: torch.Tensor, start: int, cache, cos: torch.Tensor, sin: torch.Tensor, par: Group):
+    stack = PlainStack
+
+    def forward(self, x: torch.Tensor, start: int, cache, cos: torch.Tensor, sin: torch.Tensor, par: Group,
+                ids: torch.Tensor | None = None):
         x = x + par.all_reduce(self.self_attn.forward(self.input_layernorm(x), start, cache, cos, sin))
         return x + par.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
+class MHCDecoderLayer(MHCBlock):
+    """DeepSeek-V4's block (engine/mhc.py) around the attention and MoE kinds the manifest names."""
+
+    stack = MHCStack
+
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+        super().__init__(cfg, kind(ATTENTION, cfg.attention_kind, "attention")(cfg, layer, par),
+                         kind(FEED_FORWARD, cfg.moe_kind, "feed-forward")(cfg, layer, par))
+
+
 BLOCK: dict[str, type[nn.Module]] = {
     "pre_norm": PreNormDecoderLayer,
+    "mhc": MHCDecoderLayer,  # hc_mult residual streams mixed by hyper-connections (DeepSeek-V4)
 }
+
+
+def block_stack(cfg: TextConfig):
+    """The residual hooks of the family's block kind (PlainStack or the kind's own)."""
+    return kind(BLOCK, cfg.block_kind, "decoder block").stack(cfg)
 
 
 def decoder_layer(cfg: TextConfig, layer: int, par: Group) -> nn.Module:

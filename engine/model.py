@@ -21,10 +21,10 @@ from torch import nn
 from engine import pipeline
 from engine.cache import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
-from engine.layers import decoder_layer
+from engine.layers import block_stack, decoder_layer
 from engine.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.rope import Rotary
-from engine.slots import load_unit, slot
+from engine.slots import holds_all, load_unit, slot
 from engine.vision import ImageEncoder, Projector, VisionTower, tokens_per_image
 from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
 from kconvert.distributed import Group
@@ -81,6 +81,8 @@ class Model(nn.Module):
         self.vision: ImageEncoder | None = None
         self.has_vision = self.mc.vision is not None  # on every stage; the tower itself lives on the first
         self.rotary = Rotary(self.cfg.rope, self.cfg.qk_rope_head_dim, self.device)
+        self.stack = block_stack(self.cfg)  # how the residual enters / leaves the layers, their cache
+        self.residual_head: nn.Module | None = None  # the stack's merge (globals unit, last stage), if any
         self.kv = KVOptions()  # the KV format/budgets every new cache takes (chat/verify/load set them)
         self.prefill_chunk = pipeline.PREFILL_CHUNK  # tokens per prefill micro-batch when pp > 1 (0: no split)
 
@@ -184,14 +186,20 @@ class Model(nn.Module):
         text, par = self.text, self.par
         text.model.embed_tokens, text.model.norm = StoredTensor(), RMSNorm(self.cfg.rms_norm_eps)
         slot(text.model.norm, "weight", optional=True)
+        merge = self.stack.make_head()  # the stack's merge before the norm (optional slots), or None
+        if merge is not None:
+            setattr(text.model, self.stack.head_name, merge)
         text.lm_head = LinearSlot()
         head = self.prefix_of(text.lm_head)
         if any(n.startswith(head) for n in t):
             resolve_linears(text, self.prefix, self._linear_format(t))
         else:
             text.lm_head = None  # tied to the embeddings
-        parts = {self.prefix_of(m): m for m in (text.model.embed_tokens, text.model.norm, text.lm_head) if m is not None}
+        parts = {self.prefix_of(m): m for m in (text.model.embed_tokens, text.model.norm, text.lm_head, merge) if m is not None}
         load_unit(GLOBALS, parts, t, ignore=self._is_mtp)
+        if merge is not None:  # kept where it is used (the last stage), and only whole
+            self.residual_head = merge if par.last and holds_all(merge) else None
+            setattr(text.model, self.stack.head_name, self.residual_head)
         embed, norm = text.model.embed_tokens.weight, text.model.norm.weight
         if text.lm_head is None and embed is not None:
             text.lm_head = PlainLinear.holding(embed)
@@ -205,9 +213,10 @@ class Model(nn.Module):
     def check_complete(self) -> None:
         stack = self.text.model
         missing = [L for L in self.stage_layers if str(L) not in self.layers]
-        lacks = [what for what, need, got in (("embeddings", self.par.first, stack.embed_tokens),
-                                              ("final norm", self.par.last, stack.norm),
-                                              ("lm_head", self.par.last, self.text.lm_head)) if need and got is None]
+        last, head = self.par.last, self.stack.head_name
+        parts = (("embeddings", self.par.first, stack.embed_tokens), ("final norm", last, stack.norm),
+                 ("lm_head", last, self.text.lm_head), (f"model.{head}", last and head, self.residual_head))
+        lacks = [what for what, need, got in parts if need and got is None]
         if lacks or missing:
             raise CheckpointError(f"converted checkpoint is incomplete for stage {self.par.stage} (missing: "
                                   f"{', '.join(lacks + [f'layers {missing[:5]}'] * bool(missing))})")
@@ -229,7 +238,7 @@ class Model(nn.Module):
         if max_len is None:
             max_len = self.cfg.max_position_embeddings
         cfg = replace(self.cfg, num_layers=len(self.stage_layers))  # a stage holds only its layers' KV
-        return KVCache(cfg, batch, max_len, self.dtype, self.device, reserve, kv or self.kv)
+        return self.stack.new_cache(cfg, batch, max_len, self.dtype, self.device, reserve, kv or self.kv)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: this rank's rows of the embeddings, the rest summed in from the others."""
@@ -242,20 +251,21 @@ class Model(nn.Module):
         return self.par.all_reduce(x)
 
     def stage_input(self, ids: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
-        """First stage: the embeddings of ids [B,S], image features scattered in."""
+        """First stage: the embeddings of ids [B,S], image features scattered in, entered into the residual."""
         x = self.embed_tokens(ids)
-        return self.scatter_images(ids, x, image_embeds) if image_embeds is not None else x
+        return self.stack.enter(self.scatter_images(ids, x, image_embeds) if image_embeds is not None else x)
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """This stage's layers over x [B,S,H] at `positions` [B,S] (cache.begin opened the step)."""
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ids=None) -> torch.Tensor:
+        """This stage's layers over the residual x at `positions` [B,S] (opened by cache.begin); ids: their tokens."""
         cos, sin = self.rotary(positions, self.dtype)  # [B,S,rope/2]: each sequence at its own position
         start = int(positions[0, 0])
         for L in self.stage_layers:
-            x = self.layer(L).forward(x, start, cache.layers[self.slot[L]], cos, sin, self.par)
+            x = self.layer(L).forward(x, start, cache.layers[self.slot[L]], cos, sin, self.par, ids=ids)
         return x
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.text.model.norm(x)
+        """The residual leaves the layers (the stack's head, if any), then the final norm."""
+        return self.text.model.norm(self.stack.leave(self.residual_head, x))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocab slice of the head's output (last stage)."""

@@ -35,8 +35,8 @@ def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs
         if par.first:
             x = first[:, lo:hi]
         else:
-            x = par.recv_prev((B, hi - lo, model.cfg.hidden_size), model.dtype, model.device)
-        x = model.run_layers(x, step.positions, cache)
+            x = par.recv_prev((B, hi - lo, *model.stack.residual_shape), model.dtype, model.device)
+        x = model.run_layers(x, step.positions, cache, ids[:, lo:hi])
         cache.commit(step)
         if not par.last:
             x = x.contiguous()

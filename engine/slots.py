@@ -33,6 +33,11 @@ def is_filled(module: nn.Module) -> bool:
     return not any(is_lazy(b) for _, b in module.named_buffers(remove_duplicate=False))
 
 
+def holds_all(module: nn.Module) -> bool:
+    """Every slot declared under `module` holds a tensor (none absent, none still empty)."""
+    return all(b is not None and not is_lazy(b) for m in module.modules() for b in m._buffers.values())
+
+
 def load_unit(unit: str, parts: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
               ignore=lambda name: False) -> None:
     """Fill `parts` ({checkpoint prefix: module}) from one loader unit. Every tensor must fill a slot and

@@ -1,0 +1,100 @@
+"""DeepSeek-V4 attention (kind "v4"): shared-KV multi-query attention over a sliding window plus, on CSA and
+HCA layers, compressed entries (engine/v4_compressor.py), with a learned sink per head and a grouped output.
+
+Queries: `q_a_proj` -> `q_a_norm` -> `q_b_proj`, then a weightless RMS norm per head. One K=V head: `kv_proj`
+-> `kv_norm`. RoPE rotates the trailing rope dims of both (main rope on sliding layers, the compress rope
+on CSA / HCA ones); since values carry it too, the output's rope dims are rotated back at the query's
+position. `sinks` [heads] is one more softmax column that takes probability and gives nothing. Output:
+heads in `o_groups` groups, `o_a_proj` maps each group on its own (block-diagonal), `o_b_proj` mixes them.
+
+Tensor parallel: heads (`q_b_proj` rows, `sinks`) and whole groups (`o_a_proj` rows, `o_b_proj` columns) per
+rank; `q_a_proj`, `kv_proj` and the compressors are replicated. The output is this rank's partial sum."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import TextConfig
+from engine.linear import LinearSlot
+from engine.slots import slot
+from engine.v4_cache import V4LayerState
+from engine.v4_compressor import Compressor, Indexer, visible
+from engine.v4_config import CSA, SLIDING, v4_config
+from engine.v4_norm import V4RMSNorm, unweighted_rms_norm
+from engine.v4_rope import V4Rotary, rope_tail
+from kconvert.distributed import Group
+from kconvert.errors import EngineError
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+        super().__init__()
+        c = self.c = v4_config(cfg)
+        if c.heads % c.o_groups or c.o_groups % par.tp:
+            raise EngineError(f"{c.heads} heads in {c.o_groups} output groups do not split over tp={par.tp}")
+        self.heads, self.groups = c.heads // par.tp, c.o_groups // par.tp
+        self.kind, self.rate = c.layer_kinds[layer], c.rate(layer)
+        self.rotary = V4Rotary(c.main_rope if self.kind == SLIDING else c.compress_rope, c.rope_dim)
+        self.q_a_proj = LinearSlot()
+        self.q_a_norm = V4RMSNorm(c.eps)
+        self.q_b_proj = LinearSlot()
+        self.kv_proj = LinearSlot()
+        self.kv_norm = V4RMSNorm(c.eps)
+        self.o_a_proj = LinearSlot()
+        self.o_b_proj = LinearSlot()
+        slot(self, "sinks")
+        self.compressor = None
+        if self.kind != SLIDING:
+            self.compressor = Compressor(c, c.head_dim, self.rate, self.kind == CSA, self.rotary)
+            if self.kind == CSA:
+                self.compressor.indexer = Indexer(c, self.rate, self.rotary)
+        self.scale = c.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, start: int, cache: V4LayerState, cos=None, sin=None) -> torch.Tensor:
+        """x [B,S,hidden] at positions start..start+S-1 (the model's cos/sin are not used: each layer
+        kind has its own rope); returns this rank's partial output."""
+        c, st = self.c, cache.at(start)
+        B, S, _ = x.shape
+        pos = (start + torch.arange(S, device=x.device))[None].expand(B, S)
+        cos, sin = self.rotary(pos, x.dtype)
+        q_lora = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_lora).view(B, S, self.heads, c.head_dim), c.eps)
+        q = rope_tail(q, cos[:, :, None], sin[:, :, None])
+        kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B,S,D]: the one key and value head
+        keys = kv if st.window is None else torch.cat([st.window, kv], 1)
+        T = keys.shape[1]
+        key_pos = start + S - T + torch.arange(T, device=x.device)
+        near = (key_pos <= pos[..., None]) & (key_pos > pos[..., None] - c.window)  # [B,S,T]
+        st.window = keys[:, max(0, T - (c.window - 1)):]
+        logits = [torch.einsum("bshd,btd->bhst", q, keys).masked_fill(~near[:, None], float("-inf"))]
+        values = [keys]
+        if self.compressor is not None:
+            entries = self.compressor(x, st.compressor)  # [B,n,D]
+            if self.kind == CSA:
+                seen = self.compressor.indexer.select(x, q_lora, pos, st.indexer)
+            else:
+                seen = visible(pos, entries.shape[1], self.rate)
+            logits.append(torch.einsum("bshd,bnd->bhsn", q, entries).masked_fill(~seen[:, None], float("-inf")))
+            values.append(entries)
+        st.length += S
+        return self._output(self._attend(logits, values), cos, sin)
+
+    def _attend(self, logits: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """Softmax over [window keys | compressed entries | sink] per head -> [B,S,h,D] (in float32: the
+        sink and the scores meet in one row, as wide as the window plus the entries)."""
+        B, h, S, _ = logits[0].shape
+        sink = self.sinks.float().view(1, h, 1, 1).expand(B, h, S, 1)
+        p = torch.softmax(torch.cat([t.float() * self.scale for t in logits] + [sink], dim=-1), dim=-1)
+        out, at = 0, 0
+        for v in values:
+            out = out + torch.einsum("bhst,btd->bshd", p[..., at:at + v.shape[1]].to(v.dtype), v)
+            at += v.shape[1]
+        return out
+
+    def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S = o.shape[:2]
+        o = rope_tail(o, cos[:, :, None], -sin[:, :, None])  # undo the values' rotation at the query position
+        grouped = o.reshape(B, S, self.groups, -1)
+        w = self.o_a_proj.dense(o.dtype).view(self.groups, -1, grouped.shape[-1])  # [g, o_lora_rank, in/g]
+        return self.o_b_proj(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))

@@ -1,0 +1,112 @@
+"""DeepSeek-V4's compressed branches: the compressor (HCA: one entry per `rate` tokens; CSA: the same over
+overlapping windows of 2 * rate tokens) and the CSA lightning indexer that picks each query's top-k entries.
+
+An entry is a softmax-gated sum over its window (gate + `position_bias` per slot), RMS-normed, with RoPE
+at the window's first token. CSA projects two series per token (width 2 * dim): entry w mixes window w - 1's
+first series with window w's second, so the cache keeps the last full window's first series (`overlap`).
+Entry w covers tokens up to (w + 1) * rate - 1: query t may use entries w < (t + 1) // rate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.indexer import top_keys
+from engine.linear import LinearSlot
+from engine.slots import slot
+from engine.v4_cache import CompressorState
+from engine.v4_config import V4Config
+from engine.v4_norm import V4RMSNorm
+from engine.v4_rope import V4Rotary, rope_tail
+
+
+class Compressor(nn.Module):
+    """`kv_proj`, `gate_proj` [width, hidden], `position_bias` [rate, width], `kv_norm` [dim];
+    width = 2 * dim when `overlap` (CSA), else dim (HCA)."""
+
+    def __init__(self, c: V4Config, dim: int, rate: int, overlap: bool, rotary: V4Rotary):
+        super().__init__()
+        self.dim, self.rate, self.overlap, self.rotary = dim, rate, overlap, rotary
+        self.kv_proj, self.gate_proj = LinearSlot(), LinearSlot()
+        slot(self, "position_bias")
+        self.kv_norm = V4RMSNorm(c.eps)
+
+    def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
+        """All entries so far [B, n, dim] after x [B, S, hidden] (the next tokens of `state`'s sequence)."""
+        B, d, r = x.shape[0], self.dim, self.rate
+        kv, gate, first = state.take(self.kv_proj(x), self.gate_proj(x), r)
+        n = kv.shape[1] // r
+        if n == 0:
+            return state.entries if state.entries is not None else kv.new_zeros(B, 0, d)
+        kv = kv.view(B, n, r, -1)
+        gate = gate.view(B, n, r, -1) + self.position_bias
+        if self.overlap:
+            kv, gate = self._overlapping(kv, gate, state)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        new = self.kv_norm((kv * weights).sum(dim=2))
+        cos, sin = self.rotary(first + r * torch.arange(n, device=x.device), new.dtype)
+        return state.append(rope_tail(new, cos, sin))
+
+    def _overlapping(self, kv, gate, state: CompressorState):
+        """[B, n, 2r, dim]: window w - 1's first series (from the cache for w = 0; none at the start:
+        weight 0) then window w's second series."""
+        B, n, r, _ = kv.shape
+        d = self.dim
+        if state.overlap is not None:
+            prev_kv, prev_gate = state.overlap[0][:, None].to(kv.dtype), state.overlap[1][:, None].to(gate.dtype)
+        else:
+            prev_kv = kv.new_zeros(B, 1, r, d)
+            prev_gate = gate.new_full((B, 1, r, d), float("-inf"))
+        state.overlap = (kv[:, -1, :, :d].clone(), gate[:, -1, :, :d].clone())
+        first_kv = torch.cat([prev_kv, kv[:, :-1, :, :d]], dim=1)
+        first_gate = torch.cat([prev_gate, gate[:, :-1, :, :d]], dim=1)
+        return torch.cat([first_kv, kv[..., d:]], dim=2), torch.cat([first_gate, gate[..., d:]], dim=2)
+
+
+def visible(positions: torch.Tensor, n: int, rate: int) -> torch.Tensor:
+    """[B, S, n]: entry w is complete before query position t (w < (t + 1) // rate)."""
+    return torch.arange(n, device=positions.device) < ((positions + 1) // rate)[..., None]
+
+
+class Scorer(nn.Module):
+    """`weights_proj` [index_heads, hidden]: each indexer head's weight per query."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights_proj = LinearSlot()
+
+
+class Indexer(Compressor):
+    """An overlapping compressor of its own at `index_head_dim` (`kv_proj`, `gate_proj`, `position_bias`,
+    `kv_norm`: on the indexer itself, as transformers names them), `q_b_proj` (from the attention's q LoRA)
+    and `scorer.weights_proj`. Scores entry s for query t as sum_h w[t,h] * ReLU(q[t,h] . k[s]) / sqrt(dim) and
+    keeps the top `index_topk` complete entries.
+
+    Tie rule: entries of exactly equal score (ReLU makes exact zeros common) are taken earliest first
+    (engine.indexer.top_keys), so the choice does not depend on the sequence length or on chunking."""
+
+    def __init__(self, c: V4Config, rate: int, rotary: V4Rotary):
+        super().__init__(c, c.index_head_dim, rate, True, rotary)
+        self.heads, self.topk = c.index_heads, c.index_topk
+        self.q_b_proj = LinearSlot()
+        self.scorer = Scorer()
+
+    def select(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+               state: CompressorState) -> torch.Tensor:
+        """[B, S, n] bool: the entries each query attends to (its top-k among the complete ones)."""
+        B, S, _ = x.shape
+        keys = self.forward(x, state)  # [B, n, dim]
+        n = keys.shape[1]
+        if n == 0:
+            return torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
+        q = self.q_b_proj(q_lora).view(B, S, self.heads, self.dim)
+        cos, sin = self.rotary(positions, q.dtype)
+        q = rope_tail(q, cos[:, :, None], sin[:, :, None])
+        scores = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float())) * self.dim ** -0.5
+        w = self.scorer.weights_proj(x).float() * self.heads ** -0.5
+        index = torch.einsum("bshn,bsh->bsn", scores, w)
+        ok = visible(positions, n, self.rate)
+        chosen = top_keys(index.masked_fill(~ok, float("-inf")), min(self.topk, n))
+        mask = torch.zeros(B, S, n, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
+        return mask & ok

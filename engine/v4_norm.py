@@ -1,0 +1,27 @@
+"""DeepSeek-V4's RMS norms: the weighted one scales in float32 and rounds once (its weights are float32
+in the release), the weightless one (per-head queries, mHC inputs) rounds the factor to the input dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.slots import slot
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class V4RMSNorm(nn.Module):
+    """`weight` [dim]."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+        slot(self, "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)

@@ -32,10 +32,11 @@ def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tens
     if par.first:
         x = model.stage_input(ids.to(model.device), image_embeds)
     else:
-        x = par.recv_prev((1, T, model.cfg.hidden_size), model.dtype, model.device)
+        x = par.recv_prev((1, T, *model.stack.residual_shape), model.dtype, model.device)
     out = {model.stage_layers[0]: x[0].float()}
-    for L in model.stage_layers:
-        x = model.layer(L).forward(x, 0, cache.layers[model.slot[L]], cos[None], sin[None], par)
+    ids = ids.to(model.device)
+    for L in model.stage_layers:  # ids: for layers that route by token (DeepSeek-V4's hash layers)
+        x = model.layer(L).forward(x, 0, cache.layers[model.slot[L]], cos[None], sin[None], par, ids=ids)
         out[L + 1] = x[0].float()
     if par.last:
         out[model.cfg.num_layers] = model.final_norm(x)[0].float()
@@ -55,14 +56,15 @@ def hidden_states(model, ids: torch.Tensor, image_embeds, writer: int = 0):
         logits = par.all_gather_last(model.head(mine[model.cfg.num_layers][None].to(model.dtype))).float()
     if par.pp == 1:
         return (list(mine.values()), logits) if par.rank == writer else (None, None)
-    T, H, V = ids.shape[1], model.cfg.hidden_size, model.cfg.vocab_size
+    T, V = ids.shape[1], model.cfg.vocab_size
+    residual = tuple(model.stack.residual_shape)  # per token: the hidden state, or several streams (mHC)
     if par.rank == writer:
         got = dict(mine)
         for s, layers in enumerate(model.stages):  # each stage's tp rank 0 sends what it computed, in order
             src = par.rank_of(s, 0)
             if src != writer:
                 for L in layers:
-                    got[L + 1] = par.recv((T, H), torch.float32, model.device, src)
+                    got[L + 1] = par.recv((T, *residual), torch.float32, model.device, src)
         if logits is None:
             logits = par.recv((1, T, V), torch.float32, model.device, par.last_rank)
         return [got[k] for k in range(model.cfg.num_layers + 1)], logits

@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, field
 
 from kconvert.source.checkpoint import Checkpoint
 
-COMPONENTS = ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp", "router", "norm",
-              "embed", "head", "mtp", "vision", "projector")
-TEXT_ACTIVE = ("attention", "indexer", "shared_experts", "dense_mlp", "router", "norm", "embed", "head")
+COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
+              "hash_router", "norm", "embed", "head", "mtp", "vision", "projector")
+TEXT_ACTIVE = ("attention", "compressor", "indexer", "mhc", "shared_experts", "dense_mlp", "router", "hash_router",
+               "norm", "embed", "head")
 
 
 @dataclass

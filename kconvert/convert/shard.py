@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert import __version__, distributed
+from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.catalog import FORMAT, FORMAT_VERSION, Catalog
 from kconvert.converted.units import GLOBALS, load_order, unit_layer
@@ -63,6 +64,10 @@ def shard(job: ShardJob, progress=None) -> RunResult:
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
     ck = Checkpoint.open(job.src)
+    refusal = ck.model.family.get("shard")  # a family whose slicing rules are not done: refuse, never guess
+    if refusal:
+        ck.validate()  # a damaged source is named as such first
+        raise UsageError(refusal, file=str(ck.root / "config.json"))
     check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
     policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales)

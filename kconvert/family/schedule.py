@@ -59,7 +59,7 @@ def _read(name: str, spec: Mapping, env: Mapping, prefix: str, file: str) -> lis
             raise ManifestError(f"{prefix}{key} = {_show(count)}: must be an integer in [0, {length}]", file=file)
         found.append((key, [1] * count + [extra] * (length - count)))
     if not found:
-        spellings = " or ".join(prefix + spec[k] for k in ("values_key", "names_key", "count_key") if spec.get(k))
+        spellings = " or ".join(prefix + spec[k] for k in ("values_key", "count_key", "names_key") if spec.get(k))
         raise ManifestError(f"config has no {spellings}: the {name} of each layer is unknown (a default would not be "
                             "the released schedule)", file=file)
     (first, kinds_of), *others = found

@@ -56,6 +56,7 @@ class Rule:
     regex: re.Pattern
     values_below: str | None = None  # an integer table (V4's tid2eid): every entry in [0, this)
     reference: str | None = None  # the transformers name (a released name's `conversion_mapping` target)
+    split_multiple: str | None = None  # each rank's slice a multiple of this (V4's wo_a: whole output groups)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class BoundPart:
             self.rules.append(Rule(pattern, t["component"], split, bool(t.get("quantize", False)),
                                    tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
                                    str(t.get("required", "True")), self, regex, t.get("values_below"),
-                                   t.get("reference")))
+                                   t.get("reference"), t.get("split_multiple")))
 
     def env(self, layer: int | None = None) -> dict:
         return self._env if layer is None else {**self._env, "L": layer}

@@ -57,6 +57,7 @@ class Rule:
     values_below: str | None = None  # an integer table (V4's tid2eid): every entry in [0, this)
     reference: str | None = None  # the transformers name (a released name's `conversion_mapping` target)
     split_multiple: str | None = None  # each rank's slice a multiple of this (V4's wo_a: whole output groups)
+    dtype: str | None = None  # the released dtype tag of a tensor kept as stored (F32 mHC, I64 tid2eid)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ class BoundPart:
             self.rules.append(Rule(pattern, t["component"], split, bool(t.get("quantize", False)),
                                    tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
                                    str(t.get("required", "True")), self, regex, t.get("values_below"),
-                                   t.get("reference"), t.get("split_multiple")))
+                                   t.get("reference"), t.get("split_multiple"),
+                                   t.get("dtype")))
 
     def env(self, layer: int | None = None) -> dict:
         return self._env if layer is None else {**self._env, "L": layer}

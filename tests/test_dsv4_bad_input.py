@@ -1,6 +1,6 @@
 """Damaged DeepSeek-V4 checkpoints through the CLI: one line naming the file and tensor, exit 2, nothing
-written. (Damaged data, an e8m0 scale of 0xFF or a tid2eid entry out of range, is refused where it is
-read: tests/test_dsv4_formats.py.)"""
+written. (Damaged data, an e8m0 scale of 0xFF or a tid2eid entry out of range: tests/test_dsv4_formats.py
+where it is read, tests/test_dsv4_shard.py through shard.)"""
 
 from __future__ import annotations
 
@@ -49,11 +49,3 @@ def test_wrong_shape_is_named(checkpoint, copy_checkpoint):
     rewrite(src, drop="layers.2.attn.compressor.ape")
     rewrite(src, add={"layers.2.attn.compressor.ape": torch.zeros(4, 64)})  # HCA's rate is 8 here
     assert_one_line_error(cli_here("inspect", src), "tensor layers.2.attn.compressor.ape", "implies [8, 64]")
-
-
-def test_shard_refuses_v4_until_its_rules_exist(checkpoint, tmp_path):
-    for preset in ("tiny-dsv4", "tiny-dsv4-flash"):
-        out = tmp_path / preset
-        assert_one_line_error(cli_here("shard", checkpoint(preset), out, "--tp", "2"), "config.json",
-                              "DeepSeek-V4 resharding is not supported yet")
-        assert not out.exists()

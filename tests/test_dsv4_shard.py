@@ -1,0 +1,107 @@
+"""`kconvert shard` of DeepSeek-V4 with --quant none at tp 1 and tp 2: every rank holds exactly the slices
+serving engines use (wq_b / wo_a / attn_sink by heads and output groups, wo_b by rows' inputs, shared
+experts col/row, routed experts whole per rank, everything else replicated), dequantized exactly from
+the FP8 + FP4 release storage, F32 and int64 tensors as stored. The expected slices are written here from
+the rule table (not from kconvert's layout code). Other --quant modes are refused for V4 until tested;
+damaged data is one line, exit 2, no kconvert.json."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from helpers import assert_one_line_error, cli_here
+from kconvert.load.loader import open_converted
+from kconvert.source.checkpoint import Checkpoint
+
+# (pattern, dim cut across tp ranks); routed experts are placed whole; anything else is replicated
+CUT = ((r"\.attn\.wq_b\.weight$", 0), (r"\.attn\.wo_a\.weight$", 0), (r"\.attn\.attn_sink$", 0),
+       (r"\.attn\.wo_b\.weight$", 1), (r"\.shared_experts\.w[13]\.weight$", 0), (r"\.shared_experts\.w2\.weight$", 1),
+       (r"^(embed|head)\.weight$", 0))
+N_EXPERTS = 8
+
+
+def expected(ck: Checkpoint, name: str, rank: int, tp: int) -> torch.Tensor | None:
+    t = ck.read(name)
+    if ck.logical[name].format != "plain":
+        t = t.to(torch.bfloat16)  # --quant none: FP8 / FP4 dequantized exactly, stored as bf16
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    if m:
+        return t if int(m[1]) // (N_EXPERTS // tp) == rank else None
+    for pattern, dim in CUT:
+        if re.search(pattern, name):
+            step = t.shape[dim] // tp
+            return t.narrow(dim, rank * step, step)
+    return t
+
+
+@pytest.mark.parametrize("preset,tp", [("tiny-dsv4-flash", 1), ("tiny-dsv4-flash", 2), ("tiny-dsv4", 2)])
+def test_every_rank_holds_its_slices(checkpoint, tmp_path, preset, tp):
+    src = checkpoint(preset)
+    out = tmp_path / "out"
+    proc = cli_here("shard", src, out, "--tp", tp)
+    assert proc.returncode == 0, proc.stderr
+    ck = Checkpoint.open(src)
+    want_names = {n for n in ck.logical if not n.startswith("mtp.")}  # MTP dropped unless --keep-mtp
+    for rank in range(tp):
+        conv = open_converted(out, rank)
+        got: dict[str, torch.Tensor] = {}
+        for unit in conv.catalog.units:
+            got.update(conv.load_unit(unit, verify=True))
+        mine = {n for n in want_names if expected(ck, n, rank, tp) is not None}
+        assert set(got) == mine, (sorted(set(got) ^ mine)[:5])
+        for name in mine:
+            e = expected(ck, name, rank, tp)
+            assert got[name].dtype == e.dtype and torch.equal(got[name], e), (rank, name)
+    # the groups of wo_a stay whole: rank r holds output groups r * (o_groups / tp) ...
+    if tp == 2:
+        assert got["layers.0.attn.wo_a.weight"].shape[0] == 64  # 1 of 2 groups of o_lora_rank 64
+
+
+def test_keep_mtp_places_the_mtp_block(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    assert cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1, "--keep-mtp").returncode == 0
+    conv = open_converted(out, 0)
+    assert "layer-0004" in conv.catalog.units
+    mtp = conv.load_unit("layer-0004")
+    assert "mtp.0.e_proj.weight" in mtp and "mtp.0.ffn.experts.7.w2.weight" in mtp
+
+
+def test_other_quant_modes_are_refused(checkpoint, tmp_path):
+    for quant in ("fp8", "int8", "int4", "fp4"):
+        out = tmp_path / quant
+        assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1, "--quant", quant),
+                              "config.json", f"--quant {quant} is not supported for deepseek_v4 yet (supported: none)")
+        assert not out.exists()
+
+
+def test_tp_that_cuts_output_groups_is_refused(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4"), out, "--tp", 4), "does not fit this model",
+                          "wo_a.weight", "64-wide groups over 4 ranks", "tp degrees that work: 1, 2")
+    assert not (out / "kconvert.json").exists()
+
+
+def _poke(entry, offset: int, data: bytes) -> None:
+    with open(entry.file, "r+b") as f:
+        f.seek(entry.begin + offset)
+        f.write(data)
+
+
+def test_nan_e8m0_scale_fails_the_shard(checkpoint, copy_checkpoint, tmp_path):
+    src = copy_checkpoint(checkpoint("tiny-dsv4-flash"))
+    _poke(Checkpoint.open(src).stored["layers.3.ffn.experts.2.w2.scale"], 5, b"\xff")
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", src, out, "--tp", 1), "tensor layers.3.ffn.experts.2.w2.scale", "NaN")
+    assert not (out / "kconvert.json").exists()
+
+
+def test_tid2eid_out_of_range_fails_the_shard(checkpoint, copy_checkpoint, tmp_path):
+    src = copy_checkpoint(checkpoint("tiny-dsv4"))
+    _poke(Checkpoint.open(src).stored["layers.0.ffn.gate.tid2eid"], 8 * 11, (-1).to_bytes(8, "little", signed=True))
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", src, out, "--tp", 2), "tensor layers.0.ffn.gate.tid2eid",
+                          "entry -1 at [5, 1] is outside [0, 8)")
+    assert not (out / "kconvert.json").exists()

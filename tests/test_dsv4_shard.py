@@ -70,11 +70,57 @@ def test_keep_mtp_places_the_mtp_block(checkpoint, tmp_path):
 
 
 def test_other_quant_modes_are_refused(checkpoint, tmp_path):
-    for quant in ("fp8", "int8", "int4", "fp4"):
+    for quant in ("fp8", "int8", "int4"):
         out = tmp_path / quant
         assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1, "--quant", quant),
-                              "config.json", f"--quant {quant} is not supported for deepseek_v4 yet (supported: none)")
+                              "config.json", f"--quant {quant} is not supported for deepseek_v4 yet (supported: none, fp4)")
         assert not out.exists()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp4_keeps_the_release_experts_bit_for_bit(checkpoint, tmp_path, tp):
+    """--quant fp4: routed experts are the release's FP4 bytes (int8 pairs as U8, the same e8m0 scales),
+    copied, never re-rounded; everything else as with --quant none."""
+    from safetensors.torch import load_file
+
+    src = checkpoint("tiny-dsv4-flash")
+    out = tmp_path / "out"
+    proc = cli_here("shard", src, out, "--tp", tp, "--quant", "fp4")
+    assert proc.returncode == 0, proc.stderr
+    raw = {}
+    for f in src.glob("model-*.safetensors"):
+        raw.update(load_file(f))
+    ck = Checkpoint.open(src)
+    experts = 0
+    for rank in range(tp):
+        conv = open_converted(out, rank)
+        got = {}
+        for unit in conv.catalog.units:
+            got.update(conv.load_unit(unit, verify=True))
+        for name in ck.logical:
+            if name.startswith("mtp."):
+                continue
+            e = expected(ck, name, rank, tp)
+            if e is None:
+                continue
+            if ".experts." in name:
+                stem = name[: -len(".weight")]
+                assert got[name + "_packed"].dtype == torch.uint8 and got[name + "_scale"].dtype == torch.float8_e8m0fnu
+                assert torch.equal(got[name + "_packed"], raw[name].view(torch.uint8)), name
+                assert torch.equal(got[name + "_scale"].view(torch.uint8), raw[stem + ".scale"].view(torch.uint8)), name
+                experts += 1
+            else:
+                assert torch.equal(got[name], e), name
+    assert experts == 4 * 8 * 3
+    transforms = {t["transform"] for t in open_converted(out, 0).meta["tensors"]}
+    assert "fp4_copy" in transforms and "fp4" not in transforms
+
+
+def test_fp4_refuses_to_cut_packed_experts(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 2, "--ep", 1, "--quant", "fp4"),
+                          "inside a packed FP4 tensor (copied whole only)", "--requantize")
+    assert not (out / "kconvert.json").exists()
 
 
 def test_tp_that_cuts_output_groups_is_refused(checkpoint, tmp_path):

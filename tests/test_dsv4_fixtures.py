@@ -132,3 +132,6 @@ def test_inspect_shows_v4_components(checkpoint, preset):
     assert summary["family"] == "deepseek_v4"
     for c in ("attention", "compressor", "indexer", "mhc", "router", "hash_router", "routed_experts", "mtp"):
         assert summary["params"].get(c, 0) > 0, c
+    assert summary["model"]["layer_kinds"] == {
+        "attn_kind": {"sliding_attention": 1, "compressed_sparse_attention": 2, "heavily_compressed_attention": 1},
+        "mlp_kind": {"hash_moe": 2, "moe": 2}}

@@ -107,8 +107,11 @@ class BoundPart:
         self._env = {**defaults, **{k: v for k, v in config.items() if not (v is None and k in defaults)}}
         check_part(name, config, self._env, defaults, prefix="" if section == "." else f"{section}.",
                    file=config_file, limits_path=manifests_dir() / LIMITS_FILE)
-        self._env.update(read_schedules(spec.get("schedules", {}), self._env,
-                                        prefix="" if section == "." else f"{section}.", file=config_file))
+        schedules = read_schedules(spec.get("schedules", {}), self._env,
+                                   prefix="" if section == "." else f"{section}.", file=config_file)
+        self._env.update(schedules)
+        # per schedule, each layer's kind by name (inspect's layer kinds: sliding / CSA / HCA, hash / top-k)
+        self.schedules = {name: [spec["schedules"][name]["kinds"][k] for k in kinds] for name, kinds in schedules.items()}
         self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
         self.extra_layers = int(self._eval(head["extra_layers"])) if "extra_layers" in head else 0
         self.expert_count = int(self._eval(head["expert_count"])) if "expert_count" in head else 0

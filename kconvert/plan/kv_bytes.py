@@ -41,6 +41,7 @@ class KVBytes:
     layers: int
     latent_bytes: int  # per token per layer
     indexer_bytes: int  # per token per layer
+    cache: str = "mla"  # mla: one latent per token; compressed (V4): entries per rate, averaged over layers
 
     @property
     def per_layer(self) -> int:
@@ -116,7 +117,8 @@ def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
     n = int(tc["num_hidden_layers"])
     latent = sum(entry / r for r in rates)
     index = sum(indexer_bytes(int(tc.get("index_head_dim") or 0), dtype) / r for r in rates if r == csa)
-    return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(latent / n), indexer_bytes=math.ceil(index / n))
+    return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(latent / n), indexer_bytes=math.ceil(index / n),
+                   cache="compressed")
 
 
 TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (newest pages + a page cache)

@@ -151,3 +151,25 @@ def test_tid2eid_out_of_range_fails_the_shard(checkpoint, copy_checkpoint, tmp_p
     assert_one_line_error(cli_here("shard", src, out, "--tp", 2), "tensor layers.0.ffn.gate.tid2eid",
                           "entry -1 at [5, 1] is outside [0, 8)")
     assert not (out / "kconvert.json").exists()
+
+
+def test_tp2_pp2_stages_hold_the_same_slices(checkpoint, tmp_path):
+    """tp 2 x pp 2: each stage's ranks hold exactly their tp rank's slices of their own layers; together
+    the stages hold every tensor once per tp rank (MTP kept on the last stage)."""
+    src = checkpoint("tiny-dsv4-flash")
+    out = tmp_path / "out"
+    assert cli_here("shard", src, out, "--tp", 2, "--pp", 2, "--keep-mtp").returncode == 0
+    ck = Checkpoint.open(src)
+    for tp_rank in range(2):
+        seen: set[str] = set()
+        for stage in range(2):
+            conv = open_converted(out, stage * 2 + tp_rank)
+            for unit in conv.catalog.stage_units(stage):
+                for name, t in conv.load_unit(unit).items():
+                    e = expected(ck, name, tp_rank, 2)
+                    assert e is not None and torch.equal(t, e), (stage, tp_rank, name)
+                    if name in seen:
+                        assert name in ("embed.weight", "head.weight", "norm.weight") or name.startswith("hc_head"), name
+                    seen.add(name)
+        assert seen == {n for n in ck.logical if expected(ck, n, tp_rank, 2) is not None}
+        assert any(n.startswith("mtp.0.") for n in seen)

@@ -40,6 +40,8 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
               f"{m['attention_heads']} heads, {m['routed_experts']} routed experts ({m['experts_per_token']} per token) "
               f"+ {m['shared_experts']} shared, vocab {m['vocab_size']}, DSA top-k {m['sparse_attention_topk']}, "
               f"vision layers {m['vision_layers']}")
+    for kinds in (m.get("layer_kinds") or {}).values():
+        con.print("layers by kind: " + ", ".join(f"{k} {n}" for k, n in kinds.items()))
     t = Table(title="Parameters by component")
     t.add_column("component")
     t.add_column("parameters", justify="right")

@@ -131,7 +131,8 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
     if p.pipeline:
         _stage_table(con, p.pipeline)
     kv = p.kv_cache
-    con.print(f"KV cache ({kv['dtype']}) per token per rank: {kv['layers']} layers x ({kv['latent_bytes']} B MLA latent "
+    latent = "MLA latent" if kv.get("cache", "mla") == "mla" else "compressed K=V entries, layer average"
+    con.print(f"KV cache ({kv['dtype']}) per token per rank: {kv['layers']} layers x ({kv['latent_bytes']} B {latent} "
               f"+ {kv['indexer_bytes']} B indexer key) = {kv['bytes_per_token']:,} B; replicated on every tp rank "
               "(the latent has no heads to split)" + ("; a pipeline stage keeps only its own layers'" if p.pipeline else ""))
     ctx = f"{fmt_tokens(mem['context'])} tokens x batch {mem['batch']}"

@@ -75,6 +75,9 @@ def pieces(info: TensorInfo, shape: tuple[int, ...], layout: Layout, n_experts: 
     if n % ways:
         raise UsageError(f"dim {dim} of {info.name} ({n}) does not divide over {ways} ranks")
     step = n // ways
+    unit = int(info.rule.part._eval(info.rule.split_multiple, info.layer)) if info.rule.split_multiple else 1
+    if step % unit:
+        raise UsageError(f"{info.name} ({n} along dim {dim}) would be cut inside its {unit}-wide groups over {ways} ranks")
     return [Piece(r, dim, i * step, (i + 1) * step) for i, r in enumerate(ranks)]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert import __version__, distributed
+from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.catalog import FORMAT, FORMAT_VERSION, Catalog
 from kconvert.converted.units import GLOBALS, load_order, unit_layer
@@ -63,6 +64,11 @@ def shard(job: ShardJob, progress=None) -> RunResult:
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
     ck = Checkpoint.open(job.src)
+    supported = ck.model.family.get("shard_quant")  # modes not done for this family are refused, never guessed
+    if supported is not None and job.quant not in supported:
+        ck.validate()  # a damaged source is named as such first
+        raise UsageError(f"--quant {job.quant} is not supported for {ck.family} yet (supported: {', '.join(supported)})",
+                         file=str(ck.root / "config.json"))
     check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
     policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales)

@@ -96,6 +96,7 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
     n_experts = ck.model.text.expert_count
     items: dict[tuple[str, int], WorkItem] = {}
     misaligned: list[str] = []
+    whole_copies: set[str] = set()
     scheme, opts = policy.quant, policy.options
     for name, t in ck.logical.items():
         info = ck.info(name)
@@ -109,9 +110,11 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
                 shape[p.dim] = p.stop - p.start
             transform = scheme.name if quant else "copy" if t.format == "plain" else "bf16"
             piece_copy = copy
-            if copy is not None and not _aligned(p, t.shape, copy.block):
+            if copy is not None and not _aligned(p, t.shape, copy.block, copy.whole):
                 if not requantize:
                     misaligned.append(name)
+                    if copy.whole:
+                        whole_copies.add(name)
                     break
                 piece_copy = None
             if piece_copy is not None:
@@ -124,8 +127,10 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
                                        policy.group_size, policy.int4_scales, piece_copy))
     if misaligned:
         works = [tp for tp in TP_DEGREES if _copies_aligned(ck, tp, layout, policy)]
-        raise UsageError(f"block-FP8 source: --tp {layout.tp} cuts {misaligned[0]} (and {len(misaligned) - 1} more) "
-                         f"inside a {FP8_BLOCK}x{FP8_BLOCK} scale block; tp degrees that keep blocks whole: "
+        where = ("a packed FP4 tensor (copied whole only)" if misaligned[0] in whole_copies
+                 else f"a {FP8_BLOCK}x{FP8_BLOCK} scale block")
+        raise UsageError(f"quantized source: --tp {layout.tp} cuts {misaligned[0]} (and {len(misaligned) - 1} more) "
+                         f"inside {where}; tp degrees that keep blocks whole: "
                          f"{', '.join(map(str, works)) or 'none'}; or pass --requantize to re-quantize those slices")
     order = {"globals": -2, "vision": -1}
     for item in items.values():
@@ -186,10 +191,10 @@ def plan_pipeline(items: list[WorkItem], tp: int, pp: int, n_layers: int, *, pp_
     return Pipeline(placed, split, units)
 
 
-def _aligned(p: Piece, shape, block: int) -> bool:
+def _aligned(p: Piece, shape, block: int, copy_whole: bool = False) -> bool:
     """A slice a block-wise copy can take: whole, or starting on a block and ending on one (or at the end)."""
     return (not block or p.dim is None
-            or (p.start % block == 0 and (p.stop % block == 0 or p.stop == shape[p.dim])))
+            or (not copy_whole and p.start % block == 0 and (p.stop % block == 0 or p.stop == shape[p.dim])))
 
 
 def _copies_aligned(ck: Checkpoint, tp: int, layout: Layout, policy: QuantPolicy) -> bool:
@@ -204,7 +209,7 @@ def _copies_aligned(ck: Checkpoint, tp: int, layout: Layout, policy: QuantPolicy
         if not policy.quantizes(info, t.shape):
             continue
         copy = policy.quant.lossless_copy(source_quant(ck, t), policy.options)
-        if copy is not None and not all(_aligned(p, t.shape, copy.block)
+        if copy is not None and not all(_aligned(p, t.shape, copy.block, copy.whole)
                                         for p in pieces(info, t.shape, other, ck.model.text.expert_count)):
             return False
     return True

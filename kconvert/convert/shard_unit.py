@@ -109,7 +109,8 @@ def _produce(o: Output, x):
     specs = o.specs()
     if o.copy is not None:  # stored parts as they are (a scale held in another float type becomes the planned one)
         for (name, tag, _), part in zip(specs, x):
-            yield name, part.to(DTYPES[tag])
+            same_width = part.element_size() == DTYPES[tag].itemsize and not part.is_floating_point()
+            yield name, part.view(DTYPES[tag]) if same_width else part.to(DTYPES[tag])  # int8 codes: the bits
         return
     scheme = o.scheme
     if scheme is not None:  # each quantizer refuses NaN/Inf (found from its scales)

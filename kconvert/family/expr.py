@@ -1,8 +1,8 @@
 """A tiny, safe evaluator for the arithmetic in manifests (shapes and layer conditions).
 
 Allowed: integer/float/bool constants, names looked up in a mapping (config keys, `L`, `E`),
-attribute access into nested dicts (`vision_config.hidden_size`), constant integer subscripts
-(`merge_kernel_size[0]`), + - * // % /, comparisons, and/or/not, and `if ... else ...`.
+attribute access into nested dicts (`vision_config.hidden_size`), integer subscripts
+(`merge_kernel_size[0]`, `attn_kind[L]`), + - * // % /, comparisons, and/or/not, and `if ... else ...`.
 Nothing else: manifests are data, never code. Every operand of arithmetic or a comparison must be
 a number (bools count as 0/1): config.json is untrusted, and a string or list there must not be
 multiplied into a huge value. Results are bounded (|x| < 2**63, finite), division by zero is an error.
@@ -71,11 +71,12 @@ def _eval(node: ast.expr, env: Mapping, text: str):
         if not isinstance(base, Mapping) or node.attr not in base:
             raise MissingKey(f"config has no {node.attr!r} (needed by {text!r})")
         return base[node.attr]
-    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and type(node.slice.value) is int:
+    if isinstance(node, ast.Subscript):  # a constant or a layer index (`compress_kind[L]`)
+        index = _eval(node.slice, env, text)
         base = _eval(node.value, env, text)
-        if not isinstance(base, (list, tuple)) or not -len(base) <= node.slice.value < len(base):
-            raise ManifestError(f"config value {_show(base)} has no item {node.slice.value} (needed by {text!r})")
-        return base[node.slice.value]
+        if type(index) is not int or not isinstance(base, (list, tuple)) or not -len(base) <= index < len(base):
+            raise ManifestError(f"config value {_show(base)} has no item {_show(index)} (needed by {text!r})")
+        return base[index]
     if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
         left = _number(_eval(node.left, env, text), text)
         right = _number(_eval(node.right, env, text), text)

@@ -20,6 +20,7 @@ from pathlib import Path
 from kconvert.errors import ManifestError
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
+from kconvert.family.schedule import read_schedules
 
 SPLITS = ("vocab", "col", "row", "expert", "replicate")
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
@@ -44,7 +45,7 @@ def _read_toml(path: Path) -> dict:
 class Rule:
     """One manifest tensor entry, bound to a part instance (prefix + sub-config)."""
 
-    pattern: str  # full name with {L}/{E}
+    pattern: str  # full name with {L}/{E}, or {M} (MTP block M = layer layer_count + M)
     component: str
     split: str
     quantize: bool
@@ -53,6 +54,10 @@ class Rule:
     required: str
     part: "BoundPart"
     regex: re.Pattern
+    values_below: str | None = None  # an integer table (V4's tid2eid): every entry in [0, this)
+    reference: str | None = None  # the transformers name (a released name's `conversion_mapping` target)
+    split_multiple: str | None = None  # each rank's slice a multiple of this (V4's wo_a: whole output groups)
+    dtype: str | None = None  # the released dtype tag of a tensor kept as stored (F32 mHC, I64 tid2eid)
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,9 @@ class BoundPart:
     """A part (parts/NAME.toml) applied to one config."""
 
     def __init__(self, name: str, spec: dict, prefix: str, config: dict, *, section: str = ".",
-                 config_file: str = "config.json"):
+                 config_file: str = "config.json", decoder_only: bool = False):
         self.name, self.prefix, self.config = name, prefix, config
+        self.decoder_only = decoder_only  # {L} names only decoder layers (V4 names its MTP blocks mtp.{M}.)
         self.config_file = config_file
         head = spec.get("part", {})
         self.group = head.get("group", name)
@@ -101,6 +107,11 @@ class BoundPart:
         self._env = {**defaults, **{k: v for k, v in config.items() if not (v is None and k in defaults)}}
         check_part(name, config, self._env, defaults, prefix="" if section == "." else f"{section}.",
                    file=config_file, limits_path=manifests_dir() / LIMITS_FILE)
+        schedules = read_schedules(spec.get("schedules", {}), self._env,
+                                   prefix="" if section == "." else f"{section}.", file=config_file)
+        self._env.update(schedules)
+        # per schedule, each layer's kind by name (inspect's layer kinds: sliding / CSA / HCA, hash / top-k)
+        self.schedules = {name: [spec["schedules"][name]["kinds"][k] for k in kinds] for name, kinds in schedules.items()}
         self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
         self.extra_layers = int(self._eval(head["extra_layers"])) if "extra_layers" in head else 0
         self.expert_count = int(self._eval(head["expert_count"])) if "expert_count" in head else 0
@@ -113,10 +124,13 @@ class BoundPart:
                 raise ManifestError(f"bad split {split!r} or layer kind {t.get('layers')!r}", file=f"parts/{name}.toml",
                                     tensor=t.get("name"))
             pattern = prefix + t["name"]
-            regex = re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)") + "$")
+            regex = re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+                               .replace(r"\{M\}", r"(?P<M>\d+)") + "$")
             self.rules.append(Rule(pattern, t["component"], split, bool(t.get("quantize", False)),
                                    tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
-                                   str(t.get("required", "True")), self, regex))
+                                   str(t.get("required", "True")), self, regex, t.get("values_below"),
+                                   t.get("reference"), t.get("split_multiple"),
+                                   t.get("dtype")))
 
     def env(self, layer: int | None = None) -> dict:
         return self._env if layer is None else {**self._env, "L": layer}
@@ -129,6 +143,10 @@ class BoundPart:
 
     def layer_matches(self, rule: Rule, layer: int) -> bool:
         if not 0 <= layer < self.layer_count + self.extra_layers:
+            return False
+        if "{M}" in rule.pattern and layer < self.layer_count:
+            return False
+        if "{L}" in rule.pattern and self.decoder_only and layer >= self.layer_count:
             return False
         return bool(self._eval(self.kinds[rule.layers], layer))
 
@@ -164,6 +182,8 @@ class ModelMap:
             if not m:
                 continue
             layer = int(m["L"]) if "L" in rule.regex.groupindex else None
+            if "M" in rule.regex.groupindex:
+                layer = rule.part.layer_count + int(m["M"])
             expert = int(m["E"]) if "E" in rule.regex.groupindex else None
             if layer is not None and not rule.part.layer_matches(rule, layer):
                 continue
@@ -185,11 +205,13 @@ class ModelMap:
                         continue
                     for E in experts:
                         name = rule.pattern.replace("{L}", str(L)).replace("{E}", str(E))
+                        if L is not None:
+                            name = name.replace("{M}", str(L - part.layer_count))
                         yield TensorInfo(name, rule, L, E), required
 
 
 def _key(name: str) -> str:
-    return _NUM.sub("#", name.replace("{L}", "0").replace("{E}", "0"))
+    return _NUM.sub("#", name.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,5 +259,5 @@ def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
             continue
         part_spec = _read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
-                               config_file=config_file))
+                               config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False))))
     return ModelMap(spec["family"], parts, config)

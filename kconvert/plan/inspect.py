@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 from kconvert.source.checkpoint import Checkpoint
 
-COMPONENTS = ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp", "router", "norm",
-              "embed", "head", "mtp", "vision", "projector")
-TEXT_ACTIVE = ("attention", "indexer", "shared_experts", "dense_mlp", "router", "norm", "embed", "head")
+COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
+              "hash_router", "norm", "embed", "head", "mtp", "vision", "projector")
+TEXT_ACTIVE = ("attention", "compressor", "indexer", "mhc", "shared_experts", "dense_mlp", "router", "hash_router",
+               "norm", "embed", "head")
 
 
 @dataclass
@@ -65,6 +66,10 @@ def summarize(ck: Checkpoint) -> Summary:
         "vision_layers": vision.layer_count if vision else 0,
         "max_position_embeddings": tc.get("max_position_embeddings"),
     }
+    scheduled = next((p for p in ck.model.parts if p.schedules), None)
+    if scheduled is not None:  # decoder layers by kind (V4: attention kinds, hash / top-k routing); MTP aside
+        model["layer_kinds"] = {name: dict(Counter(kinds[:scheduled.layer_count]))
+                                for name, kinds in scheduled.schedules.items()}
     sizes = [h.size for h in ck.files.values() if h is not None]
     bytes_on_disk = sum(sizes) if len(sizes) == len(ck.files) else sum(e.nbytes for e in ck.stored.values())
     return Summary(

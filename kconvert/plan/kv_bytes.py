@@ -41,6 +41,7 @@ class KVBytes:
     layers: int
     latent_bytes: int  # per token per layer
     indexer_bytes: int  # per token per layer
+    cache: str = "mla"  # mla: one latent per token; compressed (V4): entries per rate, averaged over layers
 
     @property
     def per_layer(self) -> int:
@@ -78,6 +79,8 @@ def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
     if dtype not in KV_DTYPES:
         raise UsageError(f"unknown --kv-cache-dtype {dtype!r} (choose from {', '.join(KV_DTYPES)})")
     tc = text_config
+    if "kv_lora_rank" not in tc and ("compress_ratios" in tc or "layer_types" in tc):
+        return compressed_kv_bytes(tc, dtype)
     index_dim = int(tc.get("index_head_dim") or 0) if tc.get("index_topk") else 0
     return KVBytes(
         dtype=dtype,
@@ -85,6 +88,37 @@ def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
         latent_bytes=latent_bytes(int(tc["kv_lora_rank"]), int(tc["qk_rope_head_dim"]), dtype),
         indexer_bytes=indexer_bytes(index_dim, dtype),
     )
+
+
+def compressed_rates(tc: dict) -> list[int]:
+    """DeepSeek-V4: each decoder layer's compression rate (0 = sliding window only), from either spelling
+    (the family binding has checked them already)."""
+    n = int(tc["num_hidden_layers"])
+    if tc.get("compress_ratios") is not None:
+        return [int(r) for r in tc["compress_ratios"][:n]]
+    rates = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128,
+             **(tc.get("compress_rates") or {})}
+    return [int(rates[t]) for t in tc["layer_types"][:n]]
+
+
+def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
+    """DeepSeek-V4's cache per token, averaged over the decoder layers (rounded up): a layer of rate m keeps
+    one shared K=V entry per m tokens (head_dim values: bf16, or vLLM's fp8_ds_mla 584 B = e4m3 no-rope part +
+    bf16 rope + one ue8m0 scale per 64, padded to 8 B), a CSA layer (the indexer's rate) also an indexer key per
+    m tokens. Sliding-only layers and every layer's last `sliding_window` tokens are a fixed amount per
+    sequence, not per token, and are not counted here."""
+    head, rope = int(tc["head_dim"]), int(tc.get("qk_rope_head_dim") or 0)
+    if LATENT_CODE[dtype] == "bf16":
+        entry = 2 * head
+    else:
+        entry = -(-((head - rope) + 2 * rope + math.ceil((head - rope) / 64)) // 8) * 8
+    csa = int((tc.get("compress_rates") or {}).get("compressed_sparse_attention", 4))
+    rates = [r for r in compressed_rates(tc) if r]
+    n = int(tc["num_hidden_layers"])
+    latent = sum(entry / r for r in rates)
+    index = sum(indexer_bytes(int(tc.get("index_head_dim") or 0), dtype) / r for r in rates if r == csa)
+    return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(latent / n), indexer_bytes=math.ceil(index / n),
+                   cache="compressed")
 
 
 TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (newest pages + a page cache)

@@ -16,8 +16,8 @@ from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.quant.policy import QuantPolicy
 from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE
 
-COMPONENTS = ("attention", "indexer", "routed_experts", "shared_experts", "dense_mlp", "router", "norm", "embed",
-              "head", "vision", "projector")
+COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
+              "hash_router", "norm", "embed", "head", "vision", "projector")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ def config_groups(config_json: str, config_file: str = "config.json") -> tuple[M
             key = (info.rule.pattern, info.layer)
             if key not in shapes:
                 shapes[key] = info.expected_shape()
-            yield info, shapes[key], 4 if info.name.endswith("e_score_correction_bias") else 2
+            stored = ITEMSIZE[info.rule.dtype] if info.rule.dtype else 4 if info.name.endswith("e_score_correction_bias") else 2
+            yield info, shapes[key], stored
 
     return model, tuple(_collapse(items()))
 

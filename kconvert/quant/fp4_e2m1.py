@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kconvert.quant.chunks import check_scales, row_chunks
-from kconvert.quant.scheme import Options, Scheme, Spec
+from kconvert.quant.scheme import LosslessCopy, Options, Scheme, SourceQuant, Spec
 
 GROUP = 32  # MXFP4: one scale per 32 inputs (OCP MX spec, DeepSeek-V4)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -73,6 +73,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 class Fp4E2M1(Scheme):
     name = "fp4"
     experts_only = True
+    copies = ("fp4_copy",)
 
     def option_problem(self, opts: Options) -> str | None:
         if opts.group_size != GROUP:
@@ -93,6 +94,12 @@ class Fp4E2M1(Scheme):
 
     def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_fp4(stored[0], stored[1], dtype)
+
+    def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
+        """DeepSeek-V4's FP4 experts (int8 code pairs + e8m0 per 32): the very bytes, whole tensors only."""
+        if source.format != "fp4_packed":
+            return None
+        return LosslessCopy("fp4_copy", ("weight", "scale"), GROUP, whole=True)
 
 
 SCHEME = Fp4E2M1()

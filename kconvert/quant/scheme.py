@@ -56,6 +56,7 @@ class LosslessCopy:
     transform: str  # the plan's and kconvert.json's name for it: fp8_copy, int4_copy
     roles: tuple[str, ...]  # source parts (LogicalTensor.parts keys), in the order of the scheme's specs
     block: int = 0  # > 0: a slice must start on a multiple of it and end on one or at the tensor's end
+    whole: bool = False  # copied only whole (packed pairs and per-row scales do not cut like square blocks)
 
 
 class Scheme:
@@ -96,8 +97,8 @@ class Scheme:
 
 def input_bytes(shape: tuple[int, ...], src_dtype: str) -> int:
     """Bytes of the stored source values behind a tensor (or slice) of `shape`: what a conversion
-    reads for it. `I4` (compressed-tensors packed int4) holds two values a byte; scales are not counted."""
+    reads for it. `I4` (compressed-tensors packed int4) and `FP4` (DeepSeek-V4's e2m1 pairs) hold two values a byte; scales are not counted."""
     n = 1
     for s in shape:
         n *= s
-    return n // 2 if src_dtype == "I4" else n * ITEMSIZE.get(src_dtype, 2)
+    return n // 2 if src_dtype in ("I4", "FP4") else n * ITEMSIZE.get(src_dtype, 2)

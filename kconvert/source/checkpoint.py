@@ -27,6 +27,7 @@ from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
 FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
+TABLE_TAGS = ("I64", "I32")  # integer lookup tables the manifest names (`values_below`: V4's tid2eid)
 SINGLE = "model.safetensors"
 
 
@@ -111,7 +112,11 @@ class Checkpoint:
         """Every tensor known with the shape config.json implies; every required tensor present."""
         for name, t in self.logical.items():
             info = self.info(name)
-            if t.format == "plain" and t.main.dtype not in FLOAT_TAGS:  # e.g. a header whose BF16 became I16
+            if info.rule.values_below is not None:
+                if t.format != "plain" or t.main.dtype not in TABLE_TAGS:
+                    raise ManifestError(f"stored as {t.main.dtype}: an index table must be I64 or I32",
+                                        file=str(t.main.file), tensor=name)
+            elif t.format == "plain" and t.main.dtype not in FLOAT_TAGS:  # e.g. a header whose BF16 became I16
                 raise ManifestError(f"stored as {t.main.dtype}: a model weight must be a float (F16, BF16, F32 or "
                                     "F64), or FP8/INT8/INT4 with its scale", file=str(t.main.file), tensor=name)
             expect = info.expected_shape()
@@ -148,7 +153,21 @@ class Checkpoint:
         t = self.logical.get(name)
         if t is None:
             raise CheckpointError("no such tensor in the checkpoint", file=str(self.root), tensor=name)
-        return read_logical(t, rows=rows, dtype=dtype, block=self.quant_block(), group=self.int4_group())
+        x = read_logical(t, rows=rows, dtype=dtype, block=self.quant_block(), group=self.int4_group())
+        bound = self.info(name).rule.values_below
+        if bound is not None:
+            self._check_table(t, x, int(self.info(name).rule.part._eval(bound)), bound)
+        return x
+
+    @staticmethod
+    def _check_table(t: LogicalTensor, x: torch.Tensor, bound: int, what: str) -> None:
+        """An index table (tid2eid: token -> experts) holds only indices in [0, bound): a wrong one would
+        route to a missing expert or another rank's."""
+        bad = (x < 0) | (x >= bound)
+        if x.numel() and bool(bad.any()):
+            where = [int(i) for i in bad.nonzero()[0]]
+            raise CheckpointError(f"entry {int(x[tuple(where)])} at {where} is outside [0, {bound}) ({what}): the table "
+                                  "is damaged", file=str(t.main.file), tensor=t.name)
 
     def fingerprint(self) -> str:
         """Identity of the source from what defines it cheaply: config + every header (names, dtypes,

@@ -5,6 +5,11 @@
                 [ceil(out/B0), ceil(in/B1)], dequant = weight * scale of its block.
 - int4_packed:  compressed-tensors pack-quantized: `X.weight_packed` int32 [out, in/8] (low nibble
                 first, offset 8), `X.weight_scale` [out, in/G], `X.weight_shape` [2]; value = (q - 8) * scale.
+- block_fp8 with a `.scale` sidecar (DeepSeek-V4): `X.weight` float8_e4m3fn + `X.scale`, float32 or
+                float8_e8m0fnu (byte e = 2^(e - 127); 0xFF is NaN and refused), same 128x128 grid.
+- fp4_packed:   DeepSeek-V4 routed experts: `X.weight` int8 [out, in/2], two FP4 e2m1 codes a byte
+                (even column in the low nibble) + `X.scale` float8_e8m0fnu [out, in/32]; decoded by
+                the fp4 scheme's own `dequantize_fp4` (one unpacker per on-disk layout).
 - scaled:       compressed-tensors float-/int-quantized: `X.weight` fp8/int8 + `X.weight_scale` with a
                 per-tensor (1,), per-channel (out, 1) or block grid; `X.input_scale` (static activations)
                 is carried but not needed to dequantize.
@@ -24,6 +29,7 @@ import torch
 from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
 from kconvert.io.dtypes import FP8_BLOCK
+from kconvert.quant.fp4_e2m1 import GROUP as FP4_GROUP, dequantize_fp4
 from kconvert.quant.fp8_block import dequantize_fp8_block
 from kconvert.quant.int4_group import dequantize_int4
 from kconvert.quant.packing import unpack_int32_words
@@ -40,7 +46,7 @@ class LogicalTensor:
 
     name: str
     shape: tuple[int, ...]
-    format: str  # plain | block_fp8 | int4_packed | scaled
+    format: str  # plain | block_fp8 | int4_packed | fp4_packed | scaled
     parts: dict[str, TensorEntry] = field(default_factory=dict)  # role -> stored entry
 
     @property
@@ -49,7 +55,7 @@ class LogicalTensor:
 
     @property
     def stored_dtype(self) -> str:
-        return "I4" if self.format == "int4_packed" else self.main.dtype
+        return {"int4_packed": "I4", "fp4_packed": "FP4"}.get(self.format, self.main.dtype)
 
     @property
     def stored_bytes(self) -> int:
@@ -86,6 +92,12 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
             shape = (e.shape[0], e.shape[1] * 8)
             out[base] = LogicalTensor(base, shape, "int4_packed", {"packed": e, "scale": scale, "shape": shape_t})
             used.update({name, scale.name, shape_t.name})
+        elif name.endswith(".scale"):  # DeepSeek-V4's sidecar: `X.scale` beside `X.weight`
+            base = name[: -len(".scale")] + ".weight"
+            if base not in stored:
+                raise CheckpointError("quantization scale without its weight", file=str(e.file), tensor=name)
+            out[base] = _sidecar(stored[base], e)
+            used.update({name, base})
         elif name.endswith(".weight_scale_inv"):
             base = name[: -len("_scale_inv")]
             w = need(base, "", name)
@@ -112,6 +124,30 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
         else:
             out[name] = LogicalTensor(name, e.shape, "plain", {"weight": e})
     return out
+
+
+def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:
+    """A V4 weight and its `.scale`: FP8 blocks (e8m0 or float32 scales) or FP4 e2m1 pairs (e8m0 per 32)."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(why, file=str(scale.file), tensor=scale.name)
+
+    if w.dtype == "F8_E4M3":
+        if scale.dtype not in ("F8_E8M0", "F32") or len(scale.shape) != 2:
+            raise bad(f"an FP8 weight's scale must be F8_E8M0 or F32 2-D, is {scale.dtype}{list(scale.shape)}")
+        return LogicalTensor(w.name, w.shape, "block_fp8", {"weight": w, "scale": scale})
+    if w.dtype in ("I8", "U8") and len(w.shape) == 2:
+        rows, cols = w.shape[0], w.shape[1] * 2
+        if scale.dtype != "F8_E8M0" or tuple(scale.shape) != (rows, -(-cols // FP4_GROUP)) or cols % FP4_GROUP:
+            raise bad(f"FP4 weight {list(w.shape)} (two codes a byte) needs an F8_E8M0 scale [{rows}, {cols // FP4_GROUP}] "
+                      f"per {FP4_GROUP} inputs, is {scale.dtype}{list(scale.shape)}")
+        return LogicalTensor(w.name, (rows, cols), "fp4_packed", {"weight": w, "scale": scale})
+    raise bad(f"a .scale sidecar belongs to an F8_E4M3 or packed-FP4 int8 weight, not {w.dtype}{list(w.shape)}")
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu bytes -> float32 powers of two 2^(byte - 127), never the raw bytes as numbers.
+    Callers have refused 0xFF (NaN) already (`require_finite`)."""
+    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
 
 
 # --------------------------------------------------------------------------- finiteness
@@ -207,6 +243,9 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
             raise CheckpointError(f"weight_shape {list(declared)} disagrees with weight_packed {list(t.parts['packed'].shape)}",
                                   file=str(t.parts["shape"].file), tensor=t.parts["shape"].name)
         return dequant_int4_packed(packed, scale, (packed.shape[0], declared[1]), group, dtype=out_dtype)
+    if t.format == "fp4_packed":  # 0xFF scales would decode to Inf; name them as the NaN they are
+        scale = require_finite(read_tensor(t.parts["scale"], rows), t.parts["scale"])
+        return dequantize_fp4(read_tensor(t.parts["weight"], rows).view(torch.uint8), scale, out_dtype)
     w = read_tensor(t.parts["weight"], rows)
     kind = scale_kind(t)
     srows = None
@@ -215,6 +254,8 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
     elif rows and kind == "channel":
         srows = rows
     scale = read_tensor(t.parts["scale"], srows)
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = e8m0_to_float(require_finite(scale, t.parts["scale"]))
     if kind == "block":
         return dequantize_fp8_block(w, scale, block, row_offset=a, dtype=out_dtype)
     return dequant_scaled(w, scale, block, dtype=out_dtype)

@@ -1,0 +1,100 @@
+"""Per-layer schedules: which kind each layer is, read from config.json in any of its spellings.
+
+DeepSeek-V4 says which attention each layer has either as `compress_ratios` (one rate per layer,
+MTP included: 0 / 4 / 128) or as transformers' `layer_types` (one name per decoder layer), and which
+layers route by hash as `num_hash_layers` (the first N) or `mlp_layer_types`. A manifest part
+declares such a schedule (`[schedules.NAME]`) and its shape expressions read `NAME[L]`, the layer's
+kind as an index into `kinds`. When a config has none of the spellings the schedule is an error:
+transformers' fallback default is not the released schedule, so guessing would build a wrong model.
+
+    [schedules.attn_kind]
+    length = "num_hidden_layers + num_nextn_predict_layers"   # layers scheduled (MTP included)
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    values_key = "compress_ratios"       # a list of `length` numbers; value i of `values` is kind i
+    values = ["0", "compress_rates.compressed_sparse_attention", "compress_rates.heavily_compressed_attention"]
+    names_key = "layer_types"            # a list of `names_length` kind names
+    names_length = "num_hidden_layers"
+    count_key = "num_hash_layers"        # the first N layers are kinds[1], the rest kinds[0]
+    extra_kind = 0                       # the kind of layers past a names/count list (MTP)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kconvert.errors import ManifestError
+from kconvert.family.expr import evaluate
+
+
+def _show(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_schedules(specs: Mapping, env: Mapping, *, prefix: str, file: str) -> dict[str, list[int]]:
+    """{NAME: [kind index per layer]} for every schedule of a part, or ManifestError naming the field."""
+    return {name: _read(name, spec, env, prefix, file) for name, spec in specs.items()}
+
+
+def _read(name: str, spec: Mapping, env: Mapping, prefix: str, file: str) -> list[int]:
+    kinds = list(spec["kinds"])
+    length = int(evaluate(spec["length"], env))
+    extra = int(spec.get("extra_kind", 0))
+    found: list[tuple[str, list[int]]] = []
+    key = spec.get("values_key")
+    if key and env.get(key) is not None:
+        found.append((key, _from_values(env[key], spec, env, length, kinds, prefix + key, file)))
+    key = spec.get("names_key")
+    if key and env.get(key) is not None:
+        n = int(evaluate(spec.get("names_length", spec["length"]), env))
+        found.append((key, _from_names(env[key], kinds, n, length, extra, prefix + key, file)))
+    key = spec.get("count_key")
+    if key and env.get(key) is not None:
+        count = env[key]
+        if not _is_int(count) or not 0 <= count <= length:
+            raise ManifestError(f"{prefix}{key} = {_show(count)}: must be an integer in [0, {length}]", file=file)
+        found.append((key, [1] * count + [extra] * (length - count)))
+    if not found:
+        spellings = " or ".join(prefix + spec[k] for k in ("values_key", "count_key", "names_key") if spec.get(k))
+        raise ManifestError(f"config has no {spellings}: the {name} of each layer is unknown (a default would not be "
+                            "the released schedule)", file=file)
+    (first, kinds_of), *others = found
+    for other, theirs in others:
+        for layer, (a, b) in enumerate(zip(kinds_of, theirs)):
+            if a != b:
+                raise ManifestError(f"{prefix}{first} and {prefix}{other} disagree at layer {layer} ({kinds[a]} vs "
+                                    f"{kinds[b]})", file=file)
+    return kinds_of
+
+
+def _from_values(values, spec: Mapping, env: Mapping, length: int, kinds: list, field: str, file: str) -> list[int]:
+    if not isinstance(values, list) or len(values) != length:
+        n = len(values) if isinstance(values, list) else _show(values)
+        raise ManifestError(f"{field} has {n} entries, needs {length} ({spec['length']}: one per layer, MTP included)",
+                            file=file)
+    meaning = {}
+    for kind, text in enumerate(spec["values"]):
+        meaning.setdefault(evaluate(text, env), kind)
+    out = []
+    for i, v in enumerate(values):
+        if not _is_int(v) or v not in meaning:
+            allowed = ", ".join(f"{k} ({kinds[m]})" for k, m in meaning.items())
+            raise ManifestError(f"{field}[{i}] = {_show(v)}: must be one of {allowed}", file=file)
+        out.append(meaning[v])
+    return out
+
+
+def _from_names(names, kinds: list, n: int, length: int, extra: int, field: str, file: str) -> list[int]:
+    if not isinstance(names, list) or len(names) != n:
+        got = len(names) if isinstance(names, list) else _show(names)
+        raise ManifestError(f"{field} has {got} entries, needs {n} (one per decoder layer)", file=file)
+    out = []
+    for i, v in enumerate(names):
+        if v not in kinds:
+            raise ManifestError(f"{field}[{i}] = {_show(v)}: must be one of {', '.join(kinds)}", file=file)
+        out.append(kinds.index(v))
+    return out + [extra] * (length - n)

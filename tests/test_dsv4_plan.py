@@ -1,0 +1,50 @@
+"""`kconvert plan` on the bundled DeepSeek-V4 example configs (released shapes and schedules)."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import assert_one_line_error, cli_here
+from kconvert.plan.kv_bytes import kv_bytes
+from kconvert.plan.memory import make_plan
+
+
+def test_plan_flash_and_pro_examples():
+    for example, tp in (("deepseek-v4-flash", 8), ("deepseek-v4-pro", 16)):
+        proc = cli_here("plan", example, "--tp", tp, "--json")
+        assert proc.returncode == 0, proc.stderr
+        plan = json.loads(proc.stdout)
+        assert plan["params"]["compressor"] > 0 and plan["params"]["mhc"] > 0
+
+
+def test_tp_must_keep_wo_a_groups_whole():
+    assert_one_line_error(cli_here("plan", "deepseek-v4-flash", "--tp", "16"), "wo_a.weight",
+                          "1024-wide groups over 16 ranks", "tp degrees that work: 1, 2, 4, 8")
+
+
+def test_pro_tp16_fp8_warns_on_shared_experts():
+    proc = cli_here("plan", "deepseek-v4-pro", "--tp", "16", "--quant", "fp8")
+    assert proc.returncode == 0, proc.stderr
+    assert "shared_experts.w1.weight" in proc.stdout and "192-wide" in proc.stdout
+
+
+def test_kv_bytes_per_token_follow_the_schedule():
+    from kconvert.family.manifest import manifests_dir
+
+    pro = json.loads((manifests_dir() / "examples" / "deepseek-v4-pro" / "config.json").read_text())
+    rates = pro["compress_ratios"][:61]
+    csa, hca = rates.count(4), rates.count(128)
+    assert (csa, hca) == (30, 31)
+    bf16 = kv_bytes(pro, "bf16")
+    assert bf16.latent_bytes == -(-(csa * 1024 / 4 + hca * 1024 / 128) // 61)  # 2 B x 512 per entry
+    assert bf16.indexer_bytes == -(-(csa * 256 / 4) // 61)
+    fp8 = kv_bytes(pro, "fp8-ds")  # vLLM's fp8_ds_mla entry: 584 B; indexer key 132 B
+    assert fp8.latent_bytes == -(-(csa * 584 / 4 + hca * 584 / 128) // 61)
+    assert fp8.indexer_bytes == -(-(csa * 132 / 4) // 61)
+
+
+def test_plan_reads_params_by_component():
+    plan = make_plan("deepseek-v4-flash", 8).to_json()
+    params = plan.get("params") or {}
+    for c in ("attention", "compressor", "indexer", "mhc", "hash_router", "routed_experts"):
+        assert params.get(c, 0) > 0, (c, params)

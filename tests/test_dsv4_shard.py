@@ -1,0 +1,175 @@
+"""`kconvert shard` of DeepSeek-V4 with --quant none at tp 1 and tp 2: every rank holds exactly the slices
+serving engines use (wq_b / wo_a / attn_sink by heads and output groups, wo_b by rows' inputs, shared
+experts col/row, routed experts whole per rank, everything else replicated), dequantized exactly from
+the FP8 + FP4 release storage, F32 and int64 tensors as stored. The expected slices are written here from
+the rule table (not from kconvert's layout code). Other --quant modes are refused for V4 until tested;
+damaged data is one line, exit 2, no kconvert.json."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from helpers import assert_one_line_error, cli_here
+from kconvert.load.loader import open_converted
+from kconvert.source.checkpoint import Checkpoint
+
+# (pattern, dim cut across tp ranks); routed experts are placed whole; anything else is replicated
+CUT = ((r"\.attn\.wq_b\.weight$", 0), (r"\.attn\.wo_a\.weight$", 0), (r"\.attn\.attn_sink$", 0),
+       (r"\.attn\.wo_b\.weight$", 1), (r"\.shared_experts\.w[13]\.weight$", 0), (r"\.shared_experts\.w2\.weight$", 1),
+       (r"^(embed|head)\.weight$", 0))
+N_EXPERTS = 8
+
+
+def expected(ck: Checkpoint, name: str, rank: int, tp: int) -> torch.Tensor | None:
+    t = ck.read(name)
+    if ck.logical[name].format != "plain":
+        t = t.to(torch.bfloat16)  # --quant none: FP8 / FP4 dequantized exactly, stored as bf16
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    if m:
+        return t if int(m[1]) // (N_EXPERTS // tp) == rank else None
+    for pattern, dim in CUT:
+        if re.search(pattern, name):
+            step = t.shape[dim] // tp
+            return t.narrow(dim, rank * step, step)
+    return t
+
+
+@pytest.mark.parametrize("preset,tp", [("tiny-dsv4-flash", 1), ("tiny-dsv4-flash", 2), ("tiny-dsv4", 2)])
+def test_every_rank_holds_its_slices(checkpoint, tmp_path, preset, tp):
+    src = checkpoint(preset)
+    out = tmp_path / "out"
+    proc = cli_here("shard", src, out, "--tp", tp)
+    assert proc.returncode == 0, proc.stderr
+    ck = Checkpoint.open(src)
+    want_names = {n for n in ck.logical if not n.startswith("mtp.")}  # MTP dropped unless --keep-mtp
+    for rank in range(tp):
+        conv = open_converted(out, rank)
+        got: dict[str, torch.Tensor] = {}
+        for unit in conv.catalog.units:
+            got.update(conv.load_unit(unit, verify=True))
+        mine = {n for n in want_names if expected(ck, n, rank, tp) is not None}
+        assert set(got) == mine, (sorted(set(got) ^ mine)[:5])
+        for name in mine:
+            e = expected(ck, name, rank, tp)
+            assert got[name].dtype == e.dtype and torch.equal(got[name], e), (rank, name)
+    # the groups of wo_a stay whole: rank r holds output groups r * (o_groups / tp) ...
+    if tp == 2:
+        assert got["layers.0.attn.wo_a.weight"].shape[0] == 64  # 1 of 2 groups of o_lora_rank 64
+
+
+def test_keep_mtp_places_the_mtp_block(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    assert cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1, "--keep-mtp").returncode == 0
+    conv = open_converted(out, 0)
+    assert "layer-0004" in conv.catalog.units
+    mtp = conv.load_unit("layer-0004")
+    assert "mtp.0.e_proj.weight" in mtp and "mtp.0.ffn.experts.7.w2.weight" in mtp
+
+
+def test_other_quant_modes_are_refused(checkpoint, tmp_path):
+    for quant in ("fp8", "int8", "int4"):
+        out = tmp_path / quant
+        assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1, "--quant", quant),
+                              "config.json", f"--quant {quant} is not supported for deepseek_v4 yet (supported: none, fp4)")
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp4_keeps_the_release_experts_bit_for_bit(checkpoint, tmp_path, tp):
+    """--quant fp4: routed experts are the release's FP4 bytes (int8 pairs as U8, the same e8m0 scales),
+    copied, never re-rounded; everything else as with --quant none."""
+    from safetensors.torch import load_file
+
+    src = checkpoint("tiny-dsv4-flash")
+    out = tmp_path / "out"
+    proc = cli_here("shard", src, out, "--tp", tp, "--quant", "fp4")
+    assert proc.returncode == 0, proc.stderr
+    raw = {}
+    for f in src.glob("model-*.safetensors"):
+        raw.update(load_file(f))
+    ck = Checkpoint.open(src)
+    experts = 0
+    for rank in range(tp):
+        conv = open_converted(out, rank)
+        got = {}
+        for unit in conv.catalog.units:
+            got.update(conv.load_unit(unit, verify=True))
+        for name in ck.logical:
+            if name.startswith("mtp."):
+                continue
+            e = expected(ck, name, rank, tp)
+            if e is None:
+                continue
+            if ".experts." in name:
+                stem = name[: -len(".weight")]
+                assert got[name + "_packed"].dtype == torch.uint8 and got[name + "_scale"].dtype == torch.float8_e8m0fnu
+                assert torch.equal(got[name + "_packed"], raw[name].view(torch.uint8)), name
+                assert torch.equal(got[name + "_scale"].view(torch.uint8), raw[stem + ".scale"].view(torch.uint8)), name
+                experts += 1
+            else:
+                assert torch.equal(got[name], e), name
+    assert experts == 4 * 8 * 3
+    transforms = {t["transform"] for t in open_converted(out, 0).meta["tensors"]}
+    assert "fp4_copy" in transforms and "fp4" not in transforms
+
+
+def test_fp4_refuses_to_cut_packed_experts(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 2, "--ep", 1, "--quant", "fp4"),
+                          "inside a packed FP4 tensor (copied whole only)", "--requantize")
+    assert not (out / "kconvert.json").exists()
+
+
+def test_tp_that_cuts_output_groups_is_refused(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4"), out, "--tp", 4), "does not fit this model",
+                          "wo_a.weight", "64-wide groups over 4 ranks", "tp degrees that work: 1, 2")
+    assert not (out / "kconvert.json").exists()
+
+
+def _poke(entry, offset: int, data: bytes) -> None:
+    with open(entry.file, "r+b") as f:
+        f.seek(entry.begin + offset)
+        f.write(data)
+
+
+def test_nan_e8m0_scale_fails_the_shard(checkpoint, copy_checkpoint, tmp_path):
+    src = copy_checkpoint(checkpoint("tiny-dsv4-flash"))
+    _poke(Checkpoint.open(src).stored["layers.3.ffn.experts.2.w2.scale"], 5, b"\xff")
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", src, out, "--tp", 1), "tensor layers.3.ffn.experts.2.w2.scale", "NaN")
+    assert not (out / "kconvert.json").exists()
+
+
+def test_tid2eid_out_of_range_fails_the_shard(checkpoint, copy_checkpoint, tmp_path):
+    src = copy_checkpoint(checkpoint("tiny-dsv4"))
+    _poke(Checkpoint.open(src).stored["layers.0.ffn.gate.tid2eid"], 8 * 11, (-1).to_bytes(8, "little", signed=True))
+    out = tmp_path / "out"
+    assert_one_line_error(cli_here("shard", src, out, "--tp", 2), "tensor layers.0.ffn.gate.tid2eid",
+                          "entry -1 at [5, 1] is outside [0, 8)")
+    assert not (out / "kconvert.json").exists()
+
+
+def test_tp2_pp2_stages_hold_the_same_slices(checkpoint, tmp_path):
+    """tp 2 x pp 2: each stage's ranks hold exactly their tp rank's slices of their own layers; together
+    the stages hold every tensor once per tp rank (MTP kept on the last stage)."""
+    src = checkpoint("tiny-dsv4-flash")
+    out = tmp_path / "out"
+    assert cli_here("shard", src, out, "--tp", 2, "--pp", 2, "--keep-mtp").returncode == 0
+    ck = Checkpoint.open(src)
+    for tp_rank in range(2):
+        seen: set[str] = set()
+        for stage in range(2):
+            conv = open_converted(out, stage * 2 + tp_rank)
+            for unit in conv.catalog.stage_units(stage):
+                for name, t in conv.load_unit(unit).items():
+                    e = expected(ck, name, tp_rank, 2)
+                    assert e is not None and torch.equal(t, e), (stage, tp_rank, name)
+                    if name in seen:
+                        assert name in ("embed.weight", "head.weight", "norm.weight") or name.startswith("hc_head"), name
+                    seen.add(name)
+        assert seen == {n for n in ck.logical if expected(ck, n, tp_rank, 2) is not None}
+        assert any(n.startswith("mtp.0.") for n in seen)

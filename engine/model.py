@@ -29,6 +29,7 @@ from engine.vision import ImageEncoder, Projector, VisionTower, tokens_per_image
 from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
+from kconvert.family.engine_names import engine_keys
 from kconvert.family.manifest import bind
 from kconvert.load.loader import ConvertedCheckpoint, open_converted
 from kconvert.quant.scheme import Options
@@ -60,9 +61,9 @@ class Model(nn.Module):
         self.cfg = self.mc.text
         self.par = par or Group()
         self.device, self.dtype = torch.device(device), dtype
-        self.formats = formats or {}
         self.quant_options = quant_options or Options()
         self.names = bind(config)
+        self.formats = engine_keys(self.names, formats or {})
         self.prefix = self.names.text.prefix
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in (stages or [range(self.cfg.num_layers)])]
         if len(self.stages) != self.par.pp:
@@ -164,6 +165,7 @@ class Model(nn.Module):
         return layer
 
     def take_unit(self, unit: str, t: dict) -> None:
+        t = engine_keys(self.names, t)  # released names onto the module tree's where they differ (DeepSeek-V4)
         if unit == GLOBALS:
             self._take_globals(t)
         elif unit == VISION:
@@ -220,10 +222,8 @@ class Model(nn.Module):
         if lacks or missing:
             raise CheckpointError(f"converted checkpoint is incomplete for stage {self.par.stage} (missing: "
                                   f"{', '.join(lacks + [f'layers {missing[:5]}'] * bool(missing))})")
-        if self.par.pp > 1:  # the first stage holds the tower: every stage must agree on images
-            self.has_vision = self.par.broadcast_object(self.vision is not None, src=0)
-        else:
-            self.has_vision = self.vision is not None
+        has = self.vision is not None  # the first stage holds the tower: with pp > 1 every stage must agree on images
+        self.has_vision = self.par.broadcast_object(has, src=0) if self.par.pp > 1 else has
 
     def materialize(self, dtype: torch.dtype | None = None) -> None:
         """Dequantize every linear once (speed over memory, e.g. on CPU)."""

@@ -58,6 +58,7 @@ class Rule:
     reference: str | None = None  # the transformers name (a released name's `conversion_mapping` target)
     split_multiple: str | None = None  # each rank's slice a multiple of this (V4's wo_a: whole output groups)
     dtype: str | None = None  # the released dtype tag of a tensor kept as stored (F32 mHC, I64 tid2eid)
+    engine: str | None = None  # the engine's module path where it differs from the name (family/engine_names.py)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class BoundPart:
                                    tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
                                    str(t.get("required", "True")), self, regex, t.get("values_below"),
                                    t.get("reference"), t.get("split_multiple"),
-                                   t.get("dtype")))
+                                   t.get("dtype"), t.get("engine")))
 
     def env(self, layer: int | None = None) -> dict:
         return self._env if layer is None else {**self._env, "L": layer}

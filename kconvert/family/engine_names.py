@@ -1,0 +1,48 @@
+"""The engine's name for a stored tensor, where a family's released names differ from the module tree the
+engine builds (DeepSeek-V4 stores `layers.3.attn.wq_a.weight`; the engine's module is transformers'
+`model.layers.3.self_attn.q_a_proj`). The manifest says it per tensor: `engine` (a pattern with {L} / {E}),
+else `reference` (transformers' name) where that names a whole tensor. Families without either (DeepSeek-V3,
+Kimi) keep their names. The stored parts of a quantized weight (`X.weight_packed`, `X.weight_scale_inv` ...)
+follow their weight."""
+
+from __future__ import annotations
+
+from kconvert.family.manifest import ModelMap, TensorInfo
+
+PART_SUFFIXES = ("_packed", "_scale_inv", "_scale", "_shape")  # what a scheme stores beside or for `.weight`
+
+
+def _pattern(info: TensorInfo) -> str | None:
+    rule = info.rule
+    if rule.engine:
+        return rule.engine
+    if rule.reference and "[" not in rule.reference:  # a slice of a fused tensor is no module of its own
+        return rule.reference
+    return None
+
+
+def engine_name(names: ModelMap, stored: str) -> str:
+    """`stored`'s name in the engine's module tree (itself when the manifest gives none)."""
+    info, suffix = names.classify(stored), ""
+    if info is None:
+        for s in PART_SUFFIXES:
+            if stored.endswith(".weight" + s):
+                info, suffix = names.classify(stored[: -len(s)]), s
+                break
+    pattern = _pattern(info) if info is not None else None
+    if pattern is None:
+        return stored
+    return pattern.replace("{L}", str(info.layer)).replace("{E}", str(info.expert)) + suffix
+
+
+def renames(names: ModelMap) -> bool:
+    """Whether any of the family's tensors has another name in the engine."""
+    return any(r.engine or r.reference for p in names.parts for r in p.rules)
+
+
+def engine_keys(names: ModelMap, by_stored: dict) -> dict:
+    """`by_stored` keyed by engine names (the same dict for a family that renames nothing). MTP blocks keep
+    their names: they have no module in the engine."""
+    if not renames(names):
+        return by_stored
+    return {engine_name(names, k): v for k, v in by_stored.items()}

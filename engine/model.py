@@ -2,10 +2,9 @@
 whose attribute paths are the stored tensor names under the family's prefix (`language_model.model.layers.3.
 self_attn.q_b_proj.weight_scale_inv`), so its state_dict keys are the checkpoint's.
 
-Nothing is allocated before its unit arrives: `Model(...)` holds only the config and empty containers; each
-unit builds its modules with empty slots (engine/slots.py), picks every linear's class from the catalog's
-record of its stored format (engine/linear.py) and assigns the loader's tensors to them without a copy.
-Which layer modules a family uses comes from engine/layers.py, by the kinds its manifest names.
+Nothing is allocated before its unit arrives: each unit builds its modules with empty slots (engine/slots.py),
+picks every linear's class from the catalog's record of its stored format (engine/linear.py) and assigns the
+loader's tensors without a copy. Layer modules come from engine/layers.py, by the kinds the manifest names.
 
 Pipeline stages (tp x pp, kconvert.distributed): a rank builds only its stage's layers, the embeddings
 (and vision tower) on the first stage, the final norm and head on the last; `forward` receives the
@@ -158,6 +157,7 @@ class Model(nn.Module):
     def build_layer(self, L: int, tensors: dict, use_catalog: bool = True) -> nn.Module:
         """Decoder layer L filled from its unit's tensors (not attached to the model). use_catalog=False
         reads every linear's format off the tensors given (e.g. with some replaced by dense ones)."""
+        tensors = engine_keys(self.names, tensors)  # idempotent: take_unit's are renamed already
         layer = decoder_layer(self.cfg, L, self.par)
         prefix = f"{self.layers_prefix}{L}."
         resolve_linears(layer, prefix, self._linear_format(tensors, use_catalog))

@@ -84,14 +84,15 @@ def test_first_fault_skips_a_layer_where_only_isolated_positions_depart():
     from kconvert.verify.verdict import first_fault, layer_curve
 
     g = torch.Generator().manual_seed(0)
-    ref = {f"prompt.0.hidden.{L}": torch.randn(1, 600, 32, generator=g) for L in range(4)}
+    ref = {f"prompt.0.hidden.{L}": torch.randn(600, 3, 32, generator=g) for L in range(3)}  # [T, streams, H]
+    ref["prompt.0.hidden.3"] = torch.randn(600, 32, generator=g)  # the final norm: one stream
     meta = {"prompts": [{"id": "p"}]}
     got = {k: v.clone() for k, v in ref.items()}
-    got["prompt.0.hidden.1"][0, 155] += 0.5  # one position departs after layer 0 ...
-    got["prompt.0.hidden.2"][0, 155] += 0.5
-    got["prompt.0.hidden.2"][0, 200] += 0.5  # ... and one more after layer 1
+    got["prompt.0.hidden.1"][155] += 0.5  # one position departs after layer 0 ...
+    got["prompt.0.hidden.2"][155] += 0.5
+    got["prompt.0.hidden.2"][200] += 0.5  # ... and one more after layer 1
     assert first_fault(layer_curve(meta, ref, got), None) == (None, None)
-    got["prompt.0.hidden.3"][0, 300:320] += 0.5  # 20 positions after layer 2: a fault
+    got["prompt.0.hidden.3"][300:320] += 0.5  # 20 positions after layer 2: a fault
     assert first_fault(layer_curve(meta, ref, got), None) == ("layer 2", 2)
-    got["prompt.0.hidden.2"][0, 7] = float("nan")
+    got["prompt.0.hidden.2"][7, 1, 3] = float("nan")
     assert first_fault(layer_curve(meta, ref, got), None) == ("layer 1", 1)

@@ -36,7 +36,7 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
         ids, img = engine_inputs(p, tk, model, model.mc.raw)
         states = stage_states(model, ids, img)
         if L in model.slot:
-            inputs.append(states[L].unsqueeze(0))
+            inputs.append((states[L].unsqueeze(0), ids.to(model.device)))  # ids: for token-routed layers (V4 hash)
     if L not in model.slot:
         return None
     conv = open_converted(out_dir, rank=rank, world_size=model.par.world)
@@ -60,10 +60,11 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
 
     def run(layer) -> list[torch.Tensor]:
         outs = []
-        for x in inputs:
+        for x, ids in inputs:
             cache = model.new_cache(1, x.shape[1])
             cos, sin = model.rotary(torch.arange(x.shape[1]), model.dtype)
-            outs.append(layer.forward(x.clone(), 0, cache.layers[model.slot[L]], cos[None], sin[None], model.par)[0])
+            outs.append(layer.forward(x.clone(), 0, cache.layers[model.slot[L]], cos[None], sin[None], model.par,
+                                      ids=ids)[0])
         return outs
 
     def layer(tensors: dict):  # formats read off the tensors: the faithful ones replace quantized weights

@@ -146,18 +146,33 @@ def expected_tensor(x: torch.Tensor, entry: dict, q: dict) -> torch.Tensor:
 
 def write_fake_quant_source(src: str, meta: dict, out_dir: Path) -> Path:
     """An fp32 checkpoint in out_dir holding what conversion `meta` should hold, for `kconvert reference`."""
+    plan = planned_slices(meta)
+    return _write_source(src, out_dir, lambda name, x: expected_tensor(x, plan[name], meta["quantization"])
+                         if name in plan else x)
+
+
+def write_dequantized_source(src: str, out_dir: Path) -> Path:
+    """SRC with every weight dequantized to fp32 (exactly: FP8 / FP4 times power-of-two or fp32 scales), for
+    families whose released storage transformers cannot run here (manifest `reference_from_dequantized`)."""
+    return _write_source(src, out_dir, lambda name, x: x)
+
+
+def _write_source(src: str, out_dir: Path, values) -> Path:
+    """An unquantized checkpoint of SRC's tensors under their names, each float weight `values(name, x)` of its
+    fp32 read (integer tables such as V4's tid2eid as stored), its config without quantization_config."""
     from safetensors.torch import save_file
 
     from kconvert.source.checkpoint import Checkpoint
 
     ck = Checkpoint.open(src)
-    plan = planned_slices(meta)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name in ck.logical:
-        x = ck.read(name, dtype=torch.float32)
-        tensors[name] = expected_tensor(x, plan[name], meta["quantization"]).contiguous() if name in plan else x
+    for name, t in ck.logical.items():
+        if t.stored_dtype in ("I64", "I32", "I16", "I8", "U8", "BOOL") and t.format == "plain":
+            tensors[name] = ck.read(name).contiguous()
+            continue
+        tensors[name] = values(name, ck.read(name, dtype=torch.float32)).contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"))
     config = json.loads((ck.root / "config.json").read_text())
     config.pop("quantization_config", None)

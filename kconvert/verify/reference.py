@@ -130,7 +130,15 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
         raise UsageError(f"unknown --dtype {dtype!r} (float32 or bfloat16)")
     meta = {"format": FORMAT, "source": str(src), "source_fingerprint": ck.fingerprint(), "family": ck.family,
             "dtype": dtype, "top_k": top_k, "hidden_states": hidden_states, "tie_rule": "earliest", "fake_quant": None}
-    if like is None:
+    if like is None and ck.model.family.get("reference_from_dequantized") and ck.quantization_config:
+        import tempfile
+
+        from kconvert.verify.fake_quant import write_dequantized_source
+
+        with tempfile.TemporaryDirectory(prefix="kconvert-dq-") as tmp:  # kconvert's exact dequantization
+            tensors, specs = _run(Checkpoint.open(write_dequantized_source(src, Path(tmp))), prompts, dtype, top_k,
+                                  hidden_states, progress)
+    elif like is None:
         tensors, specs = _run(ck, prompts, dtype, top_k, hidden_states, progress)
     else:
         import tempfile

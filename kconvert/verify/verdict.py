@@ -253,7 +253,8 @@ def layer_curve(ref_meta, ref_tensors, got) -> list[dict]:
             r, g = ref_tensors[f"prompt.{i}.hidden.{L}"].float(), got[f"prompt.{i}.hidden.{L}"].float()
             num += float((g - r).pow(2).sum())
             den += float(r.pow(2).sum())
-            per_pos = ((g - r).pow(2).sum(-1) / r.pow(2).sum(-1).clamp_min(1e-30)).sqrt().flatten()
+            d, rr = (g - r).reshape(r.shape[0], -1), r.reshape(r.shape[0], -1)  # [T, H] or [T, streams x H]
+            per_pos = (d.pow(2).sum(-1) / rr.pow(2).sum(-1).clamp_min(1e-30)).sqrt()
             over = ~(per_pos <= FAULT_REL_ERROR)  # NaN counts as over
             new += int((over if departed[i] is None else over & ~departed[i]).sum())
             departed[i] = over if departed[i] is None else over | departed[i]

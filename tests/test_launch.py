@@ -85,8 +85,11 @@ def test_a_failing_rank_ends_every_rank_with_one_line(conversions, tmp_path):
 
 
 def test_ctrl_c_ends_every_rank(conversions):
+    # SIGINT as a terminal leaves it, however the suite was started (a shell's background job ignores SIGINT, and
+    # a child inherits that: Python then installs no KeyboardInterrupt handler)
     p = subprocess.Popen([sys.executable, "-m", "engine.chat", str(conversions / "tp2"), "--max-new-tokens", "3"],
-                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     p.stdin.write("hello\n")
     p.stdin.flush()
     seen, deadline = "", time.monotonic() + 240

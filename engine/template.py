@@ -26,8 +26,9 @@ WORKER = Path(__file__).with_name("template_worker.py")
 
 def render(template: str, context: dict, where: str, timeout_s: float = TIMEOUT_S) -> str:
     """The template rendered with `context`, or ChatTemplateError naming `where` (file and field)."""
+    # the CPU limit is a backstop a second past the wall-clock timeout, which decides (one clear message)
     job = json.dumps({"template": template, "context": context, "max_output": MAX_OUTPUT_CHARS,
-                      "cpu_seconds": max(1, int(timeout_s))})
+                      "cpu_seconds": int(timeout_s) + 1})
     try:
         proc = subprocess.run([sys.executable, "-P", str(WORKER)], input=job.encode(), capture_output=True,
                               timeout=timeout_s)

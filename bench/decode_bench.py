@@ -1,6 +1,7 @@
 """Decode tokens/s of the engine vs transformers on small-k3, same checkpoint, same threads, side by side.
 
     .venv/bin/python bench/decode_bench.py --contexts 1k,4k,16k --steps 16
+    .venv/bin/python bench/decode_bench.py --preset tiny-dsv4 --contexts 1k,4k,16k    # DeepSeek-V4's layers
 
 Both sides compute in fp32 from the same bf16 checkpoint (the engine on a `--quant none --tp 1` conversion,
 weights dequantized once at load; transformers from the source directory). Each context is prefilled in
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--work", default=None, help="directory for the fixture and its conversion (default: temp)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--preset", default="small-k3", help="fixture preset (small-k3, tiny-dsv4, ...)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from engine.model import Model
@@ -73,25 +75,26 @@ def main(argv=None) -> int:
     from kconvert.convert.shard import ShardJob, shard
 
     work = Path(a.work or tempfile.mkdtemp(prefix="decode-bench-"))
-    src, conv = work / "small-k3", work / "small-k3-tp1"
+    src, conv = work / a.preset, work / f"{a.preset}-tp1"
     if not (src / "config.json").exists():
-        build_fixture("small-k3", src)
+        build_fixture(a.preset, src)
     if not (conv / "kconvert.json").exists():
         shard(ShardJob(str(src), str(conv), tp=1))
     contexts = [parse_ctx(c) for c in a.contexts.split(",")]
     model = Model.from_converted(conv, dtype=torch.float32)
     model.materialize(torch.float32)
     ref = None
-    if not a.skip_hf:
-        from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+    if not a.skip_hf:  # the family's transformers class (its manifest's reference_class)
+        import transformers
 
-        ref = Kimi_K25ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32).eval()
-    print(f"small-k3 (index_topk {model.cfg.index_topk}), fp32, {a.threads} threads, {a.steps} decode steps, "
+        ref = getattr(transformers, model.names.family["reference_class"]).from_pretrained(str(src), dtype=torch.float32)
+        ref = ref.eval()
+    print(f"{a.preset} (index_topk {model.cfg.index_topk}), fp32, {a.threads} threads, {a.steps} decode steps, "
           f"prefill chunk {a.chunk}")
     print(f"{'context':>8} {'engine ms/tok':>14} {'hf ms/tok':>10} {'engine tok/s':>13} {'hf tok/s':>9} {'ratio':>6} "
           f"{'engine prefill tok/s':>21} {'hf prefill tok/s':>17}")
     for n in contexts:
-        ids = torch.randint(0, 768, (1, n), generator=torch.Generator().manual_seed(n))
+        ids = torch.randint(0, min(768, model.cfg.vocab_size), (1, n), generator=torch.Generator().manual_seed(n))
         ep, ed = bench_engine(model, ids, a.steps, a.chunk)
         hp, hd = bench_hf(ref, ids, a.steps, a.chunk) if ref is not None else (float("nan"), float("nan"))
         print(f"{n:>8} {ed * 1e3:>14.1f} {hd * 1e3:>10.1f} {1 / ed:>13.1f} {1 / hd:>9.1f} {hd / ed:>6.2f} "

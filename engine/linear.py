@@ -99,21 +99,23 @@ for _scheme in REGISTRY.values():
 def options_of(quantization: dict | None) -> Options:
     """The scheme options a conversion recorded (kconvert.json `quantization`)."""
     q = quantization or {}
-    base = Options()
-    return Options(q.get("scale_format") or base.scale_format, q.get("group_size") or base.group_size,
-                   q.get("int4_scales") or base.int4_scales)
+    return Options(**{k: q[k] for k in ("scale_format", "group_size", "int4_scales") if q.get(k)})
 
 
 def format_of(name: str, transforms: dict[str, str], tensors: dict[str, torch.Tensor],
               opts: Options | None = None) -> Callable[[], StoredLinear]:
     """A maker of linear `name` (its path, without `.weight`): the class of the catalog's record of its
     stored tensors, else the scheme whose stored names and dtypes the unit holds, else plain."""
-    for stored, transform in ((f"{name}.{s}", transforms.get(f"{name}.{s}")) for s in ("weight", "weight_packed")):
+    for part in ("weight", "weight_packed"):
+        transform = transforms.get(f"{name}.{part}")
         if transform in BY_TRANSFORM:
             return _maker(BY_TRANSFORM[transform], opts)
+
+    def holds(cls) -> bool:  # every stored tensor of the class, in its dtype
+        return all(getattr(tensors.get(f"{name}.{n}"), "dtype", None) == DTYPES[t] for n, t in zip(cls.STORED, cls.TAGS))
+
     for cls in dict.fromkeys(BY_TRANSFORM.values()):
-        if cls is not PlainLinear and all(tensors.get(f"{name}.{n}") is not None and tensors[f"{name}.{n}"].dtype == DTYPES[t]
-                                          for n, t in zip(cls.STORED, cls.TAGS)):
+        if cls is not PlainLinear and holds(cls):
             return _maker(cls, opts)
     w = tensors.get(f"{name}.weight")
     if w is not None and w.dtype in (torch.float8_e4m3fn, torch.int8):

@@ -157,7 +157,6 @@ class Model(nn.Module):
     def build_layer(self, L: int, tensors: dict, use_catalog: bool = True) -> nn.Module:
         """Decoder layer L filled from its unit's tensors (not attached to the model). use_catalog=False
         reads every linear's format off the tensors given (e.g. with some replaced by dense ones)."""
-        tensors = engine_keys(self.names, tensors)  # idempotent: take_unit's are renamed already
         layer = decoder_layer(self.cfg, L, self.par)
         prefix = f"{self.layers_prefix}{L}."
         resolve_linears(layer, prefix, self._linear_format(tensors, use_catalog))

@@ -72,7 +72,7 @@ class V4Attention(nn.Module):
         if self.compressor is not None:
             entries = self.compressor(x, st.compressor)  # [B,n,D]
             if self.kind == CSA:
-                seen = self.compressor.indexer.select(x, q_lora, pos, st.indexer)
+                seen = self.compressor.indexer.select(x, q_lora, pos, st.indexer, cos, sin)
             else:
                 seen = visible(pos, entries.shape[1], self.rate)
             logits.append(torch.einsum("bshd,bnd->bhsn", q, entries).masked_fill(~seen[:, None], float("-inf")))

@@ -92,16 +92,16 @@ class Indexer(Compressor):
         self.q_b_proj = LinearSlot()
         self.scorer = Scorer()
 
-    def select(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
-               state: CompressorState) -> torch.Tensor:
-        """[B, S, n] bool: the entries each query attends to (its top-k among the complete ones)."""
+    def select(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, state: CompressorState,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[B, S, n] bool: the entries each query attends to (its top-k among the complete ones). cos / sin:
+        the attention's, at the same positions (the indexer shares its rotary)."""
         B, S, _ = x.shape
         keys = self.forward(x, state)  # [B, n, dim]
         n = keys.shape[1]
         if n == 0:
             return torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
         q = self.q_b_proj(q_lora).view(B, S, self.heads, self.dim)
-        cos, sin = self.rotary(positions, q.dtype)
         q = rope_tail(q, cos[:, :, None], sin[:, :, None])
         scores = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float())) * self.dim ** -0.5
         w = self.scorer.weights_proj(x).float() * self.heads ** -0.5

@@ -4,22 +4,16 @@ in the release), the weightless one (per-head queries, mHC inputs) rounds the fa
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from engine.slots import slot
+from engine.linear import RMSNorm
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-class V4RMSNorm(nn.Module):
-    """`weight` [dim]."""
-
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-        slot(self, "weight")
+class V4RMSNorm(RMSNorm):
+    """`weight` [dim], scaled in float32 and rounded once (RMSNorm scales in the input's dtype)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

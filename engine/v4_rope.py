@@ -18,7 +18,9 @@ class V4Rotary:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape positions.shape + (dim/2,), in `dtype` (as the reference rounds them)."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:  # moved once, not per layer and step
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq
         return (freqs.cos() * self.factor).to(dtype), (freqs.sin() * self.factor).to(dtype)
 
 

@@ -43,7 +43,7 @@ def engine_model_of(ref, monkeypatch, dtype=torch.float32) -> engine_model.Model
     """engine.model.Model over the reference's tensors (its family manifest stood in for: no name mapping)."""
     monkeypatch.setattr(engine_model, "model_config", lambda c, f: ModelConfig(f, ref.cfg, None, c))
     monkeypatch.setattr(engine_model, "bind", lambda c: SimpleNamespace(text=SimpleNamespace(prefix=""),
-                                                                        classify=lambda n: None, parts=()))
+                                                                        classify=lambda n: None, renames=False))
     model = engine_model.Model(ref.section, "deepseek_v4", dtype=dtype)
     model.take_unit(GLOBALS, {k: v for k, v in ref.state.items() if not k.startswith("model.layers.")})
     for L in range(ref.cfg.num_layers):
@@ -131,7 +131,7 @@ def test_indexer_ties_go_to_the_earliest_entries():
     x = torch.randn(1, 30, cfg.hidden_size)
     q_lora = torch.randn(1, 30, section["q_lora_rank"])
     pos = torch.arange(30)[None]
-    mask = indexer.select(x, q_lora, pos, V4LayerState().indexer)
+    mask = indexer.select(x, q_lora, pos, V4LayerState().indexer, *indexer.rotary(pos, x.dtype))
     k, rate = section["index_topk"], section["compress_rates"]["compressed_sparse_attention"]
     for t in range(30):
         ready = (t + 1) // rate

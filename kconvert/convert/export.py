@@ -99,15 +99,15 @@ def export(job: ExportJob, progress=None) -> RunResult:
         return result
     done = run.journalled(_journalled_size)
     todo = [(name, f) for name, f in zip(names, files) if name not in done]
-    left = dict(todo)
+    bytes_of = {name: sum(e.bytes_in for e in f) for name, f in todo}
     result.files_resumed = len(files) - len(todo)
     largest = max((e.bytes_in for f in files for e in f), default=1)
     workers = result.details["workers"] = job.workers or default_workers(largest, quantized=result.quantized > 0)
-    run.start(sum(e.bytes_in for _, f in todo for e in f))
+    run.start(sum(bytes_of.values()))
     with run.log("done-0000.jsonl", workers) as log:
         for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress):
             log.add({"file": name, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
-            run.wrote(name, sum(e.bytes_in for e in left[name]))
+            run.wrote(name, bytes_of[name])
     run.finish(names, _journalled_size,
                lambda done: _write_index(ck, out, job, names, files, identity, scale_fmt, done))
     result.bytes_out = sum((out / n).stat().st_size for n in names)

@@ -68,7 +68,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     journal.mkdir(exist_ok=True)
     if not state.exists():
         write_atomic(state, json.dumps({"op": op, "level": level}).encode())
-    done = {rel: rec.get("stored") for rel, rec in run.journalled(_journalled_size).items()}
+    done = run.journalled(_journalled_size)
     run.start(sum(cat.files[rel]["bytes"] for rel in todo))
     advance = (lambda n: progress("advance", n=n)) if progress else None
     with run.log(LOG) as log:
@@ -81,16 +81,15 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
                 continue
             stored = _convert_one(out, rel, rec, cat, op, level, threads, advance)
             log.add({"file": rel, "stored": stored})
-            done[rel] = stored
             run.wrote(rel)
 
-    def rewrite_catalog(_journalled: dict) -> None:
+    def rewrite_catalog(journalled: dict) -> None:  # every file of todo, as the journal recorded it
         for rel in todo:
             rec = cat.files[rel]
             result.bytes_in += rec["bytes"]
             if want_stored:
-                rec["stored"] = done[rel]
-                result.bytes_out += done[rel]["bytes"]
+                rec["stored"] = journalled[rel]["stored"]
+                result.bytes_out += rec["stored"]["bytes"]
             else:
                 rec.pop("stored", None)
                 result.bytes_out += rec["bytes"]

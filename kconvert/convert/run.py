@@ -32,7 +32,6 @@ from pathlib import Path
 
 from kconvert import distributed
 from kconvert.errors import KConvertError
-from kconvert.converted.catalog import MANIFEST
 from kconvert.converted.journal import JOURNAL_DIR, JournalLog, read_done
 from kconvert.convert.output_dir import prepare_out
 
@@ -74,16 +73,15 @@ class Run:
         self.logs = logs  # the journal files this run (and its other processes) append to
         self.result = RunResult(str(self.out), details=details)
 
-    def prepare(self, identity: dict, overwrite: bool, *, group: distributed.Group | None = None,
-                marker: str = MANIFEST, job_of=lambda meta: meta.get("job")) -> bool:
-        """Make OUT ready (output_dir.prepare_out); True when it already holds this job, complete. Under
-        several processes the first prepares OUT and the others follow it."""
+    def prepare(self, identity: dict, overwrite: bool, *, group: distributed.Group | None = None, **marker) -> bool:
+        """Make OUT ready (output_dir.prepare_out, `marker` its marker / job_of); True when it already holds
+        this job, complete. Under several processes the first prepares OUT and the others follow it."""
         if group is None or group.rank == 0:
-            state = prepare_out(self.out, identity, overwrite, marker=marker, job_of=job_of)
+            state = prepare_out(self.out, identity, overwrite, **marker)
         if group is not None:
             group.barrier()
             if group.rank != 0:
-                state = prepare_out(self.out, identity, overwrite=False, follower=True, marker=marker, job_of=job_of)
+                state = prepare_out(self.out, identity, overwrite=False, follower=True, **marker)
         if state != "complete":
             return False
         self.result.already_complete = True

@@ -35,14 +35,9 @@ def engine_name(names: ModelMap, stored: str) -> str:
     return pattern.replace("{L}", str(info.layer)).replace("{E}", str(info.expert)) + suffix
 
 
-def renames(names: ModelMap) -> bool:
-    """Whether any of the family's tensors has another name in the engine."""
-    return any(r.engine or r.reference for p in names.parts for r in p.rules)
-
-
 def engine_keys(names: ModelMap, by_stored: dict) -> dict:
     """`by_stored` keyed by engine names (the same dict for a family that renames nothing). MTP blocks keep
     their names: they have no module in the engine."""
-    if not renames(names):
+    if not names.renames:
         return by_stored
     return {engine_name(names, k): v for k, v in by_stored.items()}

@@ -168,6 +168,8 @@ class ModelMap:
         key = family.get("text_config", ".")
         self.text_config: dict = config if key == "." else config.get(key, {})
         self._index: dict[str, list[Rule]] = {}
+        # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
+        self.renames = any(r.engine or r.reference for p in parts for r in p.rules)
         for part in parts:
             for rule in part.rules:
                 self._index.setdefault(_key(rule.pattern), []).append(rule)

@@ -29,3 +29,9 @@ def specs_bytes(specs) -> int:
 
 # DeepSeek/Kimi block-FP8: one float32 scale per FP8_BLOCK x FP8_BLOCK block of weights (`weight_scale_inv`).
 FP8_BLOCK = 128
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """float8_e8m0fnu bytes -> float32 powers of two 2^(byte - 127), never the raw bytes as numbers. Byte 255
+    is NaN: readers refuse it first (source/formats.require_finite)."""
+    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kconvert.errors import CheckpointError
+from kconvert.quant.scheme import Options, Scheme, Spec
 
 FP8_MAX = 448.0  # float8_e4m3fn, no infinities
 INT8_MAX = 127.0
@@ -69,3 +70,22 @@ def quantize_rows(w: torch.Tensor, limit: float, dtype: torch.dtype, rounded: bo
         q[r0:r1].copy_(y.round_() if rounded else y)
     check_scales(scale, w, name)
     return q, scale
+
+
+class RowScaled(Scheme):
+    """A scheme of one float32 scale per output row (`X.weight` in `tag`, `X.weight_scale` [R, 1]):
+    s = max(row amax / limit, 1e-12), q = dtype(w / s) (rounded first for integers), dequant = q * s."""
+
+    tag: str
+    limit: float
+    dtype: torch.dtype
+    rounded: bool
+
+    def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
+        return [(src, self.tag, tuple(shape)), (src + "_scale", "F32", (shape[0], 1))]
+
+    def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        return list(quantize_rows(w, self.limit, self.dtype, self.rounded, name))
+
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return stored[0].to(dtype) * stored[1].to(dtype)

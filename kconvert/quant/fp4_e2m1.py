@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kconvert.io.dtypes import e8m0_to_float
 from kconvert.quant.chunks import check_scales, row_chunks
 from kconvert.quant.scheme import LosslessCopy, Options, Scheme, SourceQuant, Spec
 
@@ -66,8 +67,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     """uint8 [R, C/2] code pairs and e8m0 [R, C/32] scales -> [R, C] in `dtype` (exact in float32)."""
     lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
-    s = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
-    return (lut[codes.long()] * torch.exp2(s.to(torch.float32)).repeat_interleave(GROUP, dim=1)).to(dtype)
+    return (lut[codes.long()] * e8m0_to_float(scale).repeat_interleave(GROUP, dim=1)).to(dtype)
 
 
 class Fp4E2M1(Scheme):

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kconvert.quant.chunks import FP8_MAX, quantize_rows
-from kconvert.quant.scheme import Options, Scheme, Spec
+from kconvert.quant.chunks import FP8_MAX, RowScaled, quantize_rows
 
 
 def quantize_fp8_channel(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -15,18 +14,9 @@ def quantize_fp8_channel(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor,
     return quantize_rows(w, FP8_MAX, torch.float8_e4m3fn, False, name)
 
 
-class Fp8Channel(Scheme):
-    name = "fp8_channel"
+class Fp8Channel(RowScaled):
+    name, tag, limit, dtype, rounded = "fp8_channel", "F8_E4M3", FP8_MAX, torch.float8_e4m3fn, False
     shard = False
-
-    def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
-        return [(src, "F8_E4M3", tuple(shape)), (src + "_scale", "F32", (shape[0], 1))]
-
-    def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
-        return list(quantize_fp8_channel(w, name))
-
-    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return stored[0].to(dtype) * stored[1].to(dtype)
 
 
 SCHEME = Fp8Channel()

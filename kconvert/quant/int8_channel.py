@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kconvert.quant.chunks import INT8_MAX, quantize_rows
-from kconvert.quant.scheme import Options, Scheme, Spec
+from kconvert.quant.chunks import INT8_MAX, RowScaled, quantize_rows
 
 
 def quantize_int8_channel(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -15,17 +14,8 @@ def quantize_int8_channel(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor
     return quantize_rows(w, INT8_MAX, torch.int8, True, name)
 
 
-class Int8Channel(Scheme):
-    name = "int8"
-
-    def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
-        return [(src, "I8", tuple(shape)), (src + "_scale", "F32", (shape[0], 1))]
-
-    def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
-        return list(quantize_int8_channel(w, name))
-
-    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return stored[0].to(dtype) * stored[1].to(dtype)
+class Int8Channel(RowScaled):
+    name, tag, limit, dtype, rounded = "int8", "I8", INT8_MAX, torch.int8, True
 
 
 SCHEME = Int8Channel()

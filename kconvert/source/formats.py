@@ -28,7 +28,7 @@ import torch
 
 from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
-from kconvert.io.dtypes import FP8_BLOCK
+from kconvert.io.dtypes import FP8_BLOCK, e8m0_to_float
 from kconvert.quant.fp4_e2m1 import GROUP as FP4_GROUP, dequantize_fp4
 from kconvert.quant.fp8_block import dequantize_fp8_block
 from kconvert.quant.int4_group import dequantize_int4
@@ -142,12 +142,6 @@ def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:
                       f"per {FP4_GROUP} inputs, is {scale.dtype}{list(scale.shape)}")
         return LogicalTensor(w.name, (rows, cols), "fp4_packed", {"weight": w, "scale": scale})
     raise bad(f"a .scale sidecar belongs to an F8_E4M3 or packed-FP4 int8 weight, not {w.dtype}{list(w.shape)}")
-
-
-def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """float8_e8m0fnu bytes -> float32 powers of two 2^(byte - 127), never the raw bytes as numbers.
-    Callers have refused 0xFF (NaN) already (`require_finite`)."""
-    return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
 
 
 # --------------------------------------------------------------------------- finiteness

@@ -10,6 +10,7 @@ import torch
 
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.units import layer_unit
+from kconvert.family.engine_names import engine_keys
 from kconvert.load.loader import open_converted
 from kconvert.verify.fake_quant import expected_tensor
 from kconvert.verify.forward import engine_inputs, stage_states
@@ -68,7 +69,7 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
         return outs
 
     def layer(tensors: dict):  # formats read off the tensors: the faithful ones replace quantized weights
-        return model.build_layer(L, tensors, use_catalog=False)
+        return model.build_layer(L, engine_keys(model.names, tensors), use_catalog=False)
 
     exact = run(layer(with_exact(set(everyone))))
     ref_norm = sum(float(e.pow(2).sum()) for e in exact) ** 0.5

@@ -281,7 +281,7 @@ def first_fault(curve: list[dict], vision: float | None) -> tuple[str | None, in
     if vision is not None and not vision <= FAULT_REL_ERROR:
         return "vision tower", None
     for c in curve:
-        isolated = c.get("departed_positions", math.inf) <= max(ISOLATED_POSITIONS, ISOLATED_SHARE * c.get("positions", 0))
+        isolated = c["departed_positions"] <= max(ISOLATED_POSITIONS, ISOLATED_SHARE * c["positions"])
         if not c["rel_error"] <= FAULT_REL_ERROR and not (math.isfinite(c["rel_error"]) and isolated):
             return (c["after"], None) if c["position"] == 0 else (f"layer {c['position'] - 1}", c["position"] - 1)
     return None, None

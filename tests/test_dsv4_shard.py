@@ -2,8 +2,8 @@
 serving engines use (wq_b / wo_a / attn_sink by heads and output groups, wo_b by rows' inputs, shared
 experts col/row, routed experts whole per rank, everything else replicated), dequantized exactly from
 the FP8 + FP4 release storage, F32 and int64 tensors as stored. The expected slices are written here from
-the rule table (not from kconvert's layout code). Other --quant modes are refused for V4 until tested;
-damaged data is one line, exit 2, no kconvert.json."""
+the rule table (not from kconvert's layout code). --quant fp4 keeps the FP4 experts' bytes, fp8 re-encodes
+them exactly, int8 / int4 quantize the exact dequantization; damaged data is one line, exit 2, no kconvert.json."""
 
 from __future__ import annotations
 
@@ -69,12 +69,46 @@ def test_keep_mtp_places_the_mtp_block(checkpoint, tmp_path):
     assert "mtp.0.e_proj.weight" in mtp and "mtp.0.ffn.experts.7.w2.weight" in mtp
 
 
-def test_other_quant_modes_are_refused(checkpoint, tmp_path):
-    for quant in ("fp8", "int8", "int4"):
-        out = tmp_path / quant
-        assert_one_line_error(cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1, "--quant", quant),
-                              "config.json", f"--quant {quant} is not supported for deepseek_v4 yet (supported: none, fp4)")
-        assert not out.exists()
+def test_fp8_reencodes_fp4_experts_exactly(checkpoint, tmp_path):
+    """--quant fp8 (GPUs without FP4): each FP4 expert becomes e4m3 + a power-of-two 128x128 scale holding
+    the very same values; FP8 dense linears are copied with their e8m0 scales as float32 powers of two."""
+    src = checkpoint("tiny-dsv4-flash")
+    out = tmp_path / "out"
+    proc = cli_here("shard", src, out, "--tp", 1, "--quant", "fp8")
+    assert proc.returncode == 0, proc.stderr
+    ck = Checkpoint.open(src)
+    conv = open_converted(out, 0)
+    got = {}
+    for unit in conv.catalog.units:
+        got.update(conv.load_unit(unit, verify=True))
+    transforms = {t["name"]: t["transform"] for t in conv.meta["tensors"]}
+    checked = 0
+    for name, t in ck.logical.items():
+        if t.format == "plain" or name.startswith("mtp."):
+            continue
+        assert transforms[name] == ("fp4_to_fp8" if ".experts." in name else "fp8_copy"), name
+        q, s = got[name], got[name + "_scale_inv"]
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert torch.equal(torch.log2(s), torch.log2(s).round()), name  # powers of two
+        per = s.repeat_interleave(128, 0)[: q.shape[0]].repeat_interleave(128, 1)[:, : q.shape[1]]
+        assert torch.equal(q.to(torch.float32) * per, ck.read(name).to(torch.float32)), name
+        checked += 1
+    assert checked == 130  # 4 layers x 8 experts x 3 linears in FP4, 34 dense linears in FP8
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_int_schemes_quantize_the_dequantized_release(checkpoint, tmp_path, quant):
+    """--quant int8 / int4 from the release: the exact dequantization, quantized by the scheme (its own
+    tests and verify's faithfulness check judge the rounding); int4 takes the routed experts only."""
+    out = tmp_path / "out"
+    proc = cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 2, "--quant", quant)
+    assert proc.returncode == 0, proc.stderr
+    meta = open_converted(out, 0).meta
+    by = {}
+    for t in meta["tensors"]:
+        by.setdefault(t["transform"], set()).add(t["name"])
+    assert meta["quantization"]["scheme"] == quant
+    assert all(".experts." in n for n in by[quant]) == (quant == "int4") and len(by[quant]) > 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -173,3 +207,42 @@ def test_tp2_pp2_stages_hold_the_same_slices(checkpoint, tmp_path):
                     seen.add(name)
         assert seen == {n for n in ck.logical if expected(ck, n, tp_rank, 2) is not None}
         assert any(n.startswith("mtp.0.") for n in seen)
+
+
+# V4-Pro's expert width (moe_intermediate_size 3072), 16 heads, 16 output groups, 16 experts: every head and
+# group slice at tp 16 is 128 wide, so only the shared experts' 3072 / 16 = 192-wide slices cut a 128x128 FP8
+# block, as in the release
+PRO_SHARED = {"hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 16, "head_dim": 128, "o_groups": 16,
+              "o_lora_rank": 128,
+              "q_lora_rank": 64, "moe_intermediate_size": 3072, "n_routed_experts": 16, "num_experts_per_tok": 2,
+              "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"], "index_n_heads": 2, "index_head_dim": 32,
+              "hc_mult": 2, "num_nextn_predict_layers": 0}
+
+
+def test_v4_pro_shared_experts_at_tp16(tmp_path):
+    """V4-Pro at tp 16 (FACTS.md: 'impossible' elsewhere): the FP8 copy is refused in one line naming the
+    degrees that keep blocks whole; --requantize re-quantizes exactly those slices (each rank's own 128x128
+    grid), and --quant none slices the exact dequantization."""
+    from kconvert.fixtures.dsv4 import build_v4_model, write_v4_model
+    from kconvert.quant.fp8_block import dequantize_fp8_block
+
+    src = tmp_path / "pro"
+    src.mkdir()
+    write_v4_model(build_v4_model(3, PRO_SHARED), src, 3, "flash")
+    name = "layers.0.ffn.shared_experts.w1.weight"
+    out = tmp_path / "fp8"
+    assert_one_line_error(cli_here("shard", src, out, "--tp", 16, "--quant", "fp8"),
+                          f"--tp 16 cuts {name}", "tp degrees that keep blocks whole: 1, 2, 4, 8", "--requantize")
+    assert not out.exists()
+    proc = cli_here("shard", src, out, "--tp", 16, "--quant", "fp8", "--requantize")
+    assert proc.returncode == 0, proc.stderr
+    want = Checkpoint.open(src).read(name).to(torch.float32)
+    for rank in (0, 1, 15):
+        conv = open_converted(out, rank)
+        got = conv.load_unit("layer-0000", verify=True)
+        w = dequantize_fp8_block(got[name], got[name + "_scale_inv"])
+        ref = want[rank * 192:(rank + 1) * 192]
+        assert w.shape == (192, 128) and got[name + "_scale_inv"].shape == (2, 1)
+        assert (w - ref).abs().max() <= ref.abs().amax() / 16, rank  # e4m3 rounding of the source values
+        e = {t["name"]: t["transform"] for t in conv.meta["tensors"]}
+        assert e[name] == "fp8" and e["layers.0.attn.wq_a.weight"] == "fp8_copy"

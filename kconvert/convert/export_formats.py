@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,7 @@ class Exported:
     encoding: str = KCONVERT
     scale_fmt: str = "fp32"
     copy_roles: tuple[str, ...] = ()  # a lossless copy: the source parts written unchanged
+    recode: Callable[..., list[torch.Tensor]] | None = None  # ... or re-encoded exactly (FP4 experts as FP8)
 
     @property
     def scheme(self) -> Scheme | None:
@@ -114,7 +116,7 @@ def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: in
     # a copied pack-quantized source keeps the dtypes it stores its scale and weight_shape in
     tags = tuple(t.parts[role].dtype for role in copy.roles[1:]) if f.encoding == COMPRESSED_TENSORS else ()
     return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, f.scheme, f.encoding, scale_fmt,
-                    copy.roles)
+                    copy.roles, copy.recode)
 
 
 def load(ck: Checkpoint, e: Exported):
@@ -127,6 +129,8 @@ def load(ck: Checkpoint, e: Exported):
 
 def produce(e: Exported, x, scale_fmt: str = "fp32") -> list[torch.Tensor]:
     """The tensors of `e.specs()`, in that order."""
+    if e.recode is not None:
+        return e.recode(x, e.src)
     if e.copy_roles:  # stored parts as they are (a scale held in another float type becomes the planned one)
         return [part.to(DTYPES[tag]) for (_, tag, _), part in zip(e.specs(), x)]
     scheme = e.scheme

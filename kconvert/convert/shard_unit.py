@@ -107,6 +107,9 @@ def _slice(ck: Checkpoint, o: Output, x):
 
 def _produce(o: Output, x):
     specs = o.specs()
+    if o.copy is not None and o.copy.recode is not None:  # re-encoded exactly (FP4 experts as FP8)
+        yield from zip((name for name, _, _ in specs), o.copy.recode(x, o.src))
+        return
     if o.copy is not None:  # stored parts as they are (a scale held in another float type becomes the planned one)
         for (name, tag, _), part in zip(specs, x):
             same_width = part.element_size() == DTYPES[tag].itemsize and not part.is_floating_point()

@@ -1,13 +1,15 @@
 """`fp8`: float8_e4m3fn weights with one float32 scale per 128x128 block, DeepSeek's naming
 (`X.weight`, `X.weight_scale_inv` [ceil(R/128), ceil(C/128)], dequant = q * scale). With `ue8m0` the
 scale is rounded up to a power of two (2^ceil(log2(amax/448))), as DeepSeek-V3.1/V3.2 store it.
-Export's `fp8-block` is this scheme. A block-FP8 source with 128x128 blocks is copied, not requantized."""
+Export's `fp8-block` is this scheme. A block-FP8 source with 128x128 blocks is copied, not requantized;
+DeepSeek-V4's FP4 experts are re-encoded exactly (fp4_to_fp8.py), never rounded twice."""
 
 from __future__ import annotations
 
 import torch
 
 from kconvert.io.dtypes import FP8_BLOCK
+from kconvert.quant import fp4_to_fp8
 from kconvert.quant.chunks import FP8_MAX, TINY, check_scales, fold_max, row_chunks
 from kconvert.quant.scheme import LosslessCopy, Options, Scheme, SourceQuant, Spec
 
@@ -61,7 +63,7 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
 
 class Fp8Block(Scheme):
     name = "fp8"
-    copies = ("fp8_copy",)
+    copies = ("fp8_copy", "fp4_to_fp8")
 
     def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
         r, c = shape
@@ -78,7 +80,10 @@ class Fp8Block(Scheme):
 
     def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
         """A 128x128 block-FP8 source, when its scales are valid in the target format: fp32 takes any
-        scale, ue8m0 only power-of-two ones (`same_scale_format`: only the very format asked for)."""
+        scale, ue8m0 only power-of-two ones (`same_scale_format`: only the very format asked for). FP4 e2m1
+        experts (DeepSeek-V4): re-encoded exactly with power-of-two block scales, valid in either format."""
+        if source.format == "fp4_packed":
+            return LosslessCopy("fp4_to_fp8", ("weight", "scale"), FP8_BLOCK, whole=True, recode=fp4_to_fp8.recode)
         if source.format != "block_fp8" or source.block != (FP8_BLOCK, FP8_BLOCK):
             return None
         if same_scale_format:

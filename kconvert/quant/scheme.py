@@ -9,7 +9,7 @@ A Scheme answers, for one 2-D weight:
 - `dequantize(stored, opts, dtype)`: the weight an engine computes from them (the formula), every
   factor cast to `dtype` before the product: exact in float32; in bf16, what an engine computes per call.
 - `stored_bytes(shape, opts)`: the bytes of `specs` (scales included).
-- `lossless_copy(source, opts)`: the stored parts of a source it may copy unchanged instead.
+- `lossless_copy(source, opts)`: the stored parts of a source it may copy unchanged (or re-encode exactly) instead.
 `opts.encoding` picks how the values are laid out on disk: `kconvert` (the converted format, shard)
 or `compressed-tensors` (export's w4a16 and friends); most schemes store the same either way.
 """
@@ -17,6 +17,7 @@ or `compressed-tensors` (export's w4a16 and friends); most schemes store the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -53,10 +54,12 @@ class SourceQuant:
 class LosslessCopy:
     """Stored source parts written unchanged instead of quantizing (no rounding twice)."""
 
-    transform: str  # the plan's and kconvert.json's name for it: fp8_copy, int4_copy
+    transform: str  # the plan's and kconvert.json's name for it: fp8_copy, int4_copy, fp4_to_fp8
     roles: tuple[str, ...]  # source parts (LogicalTensor.parts keys), in the order of the scheme's specs
     block: int = 0  # > 0: a slice must start on a multiple of it and end on one or at the tensor's end
     whole: bool = False  # copied only whole (packed pairs and per-row scales do not cut like square blocks)
+    # an exact re-encoding of the parts instead of their bytes (FP4 -> FP8: every value kept): (parts, name) -> stored
+    recode: Callable[..., list[torch.Tensor]] | None = None
 
 
 class Scheme:

@@ -1,0 +1,71 @@
+"""FP4 e2m1 (one e8m0 scale per 32 inputs) -> block FP8 e4m3 (one scale per 128x128), exactly.
+
+For GPUs without FP4 (Hopper, MUSA S5000): `shard --quant fp8` of a DeepSeek-V4 release keeps every
+expert weight's value. Why it is exact: an FP4 value is c * 2^k with c in {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+(at most two significant bits) and k its group's e8m0 exponent. With the block scale 2^m, the stored
+FP8 value is c * 2^(k - m). e4m3fn holds c * 2^d for every c exactly when -8 <= d <= 6: 6 * 2^6 = 384
+<= 448 at the top, 0.5 * 2^-8 = 2^-9 (the smallest subnormal) and 1.5 * 2^-8 = 3 * 2^-9 at the bottom.
+So m = (largest k in the block) - 6 holds every group whose k is at least m - 8, that is, a block
+whose groups' exponents span at most 14 octaves. A block spanning more cannot be held exactly by one
+scale: the conversion is refused with that reason (or `--requantize` rounds it), never rounded silently.
+Groups whose codes are all zero carry no value, so their scale does not count."""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.errors import UsageError
+from kconvert.io.dtypes import FP8_BLOCK
+from kconvert.quant.fp4_e2m1 import E2M1, E8M0_BIAS, GROUP
+
+TOP = 6  # 6 * 2^6 = 384: the largest e2m1 value lands under e4m3's 448
+SPAN = 14  # d from -8 to 6: the octaves one block scale holds exactly
+
+
+def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -> torch.Tensor:
+    """int32 [ceil(R/128), ceil(C/128)]: the exponent m of each block's scale 2^m (refuses a block whose
+    groups span more than SPAN octaves)."""
+    rows = packed.shape[0]
+    k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS  # [R, C/32]
+    live = (packed & 0x77).view(rows, -1, GROUP // 2).amax(dim=-1) > 0  # a nonzero magnitude in the group
+    per = FP8_BLOCK // GROUP  # groups across one block
+    br, bc = -(-rows // FP8_BLOCK), -(-k.shape[1] // per)
+    pad_r, pad_c = br * FP8_BLOCK - rows, bc * per - k.shape[1]
+    big, small = torch.iinfo(torch.int32).max, torch.iinfo(torch.int32).min
+
+    def fold(x: torch.Tensor, fill: int, op) -> torch.Tensor:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r), value=fill)
+        return op(op(x.view(br, FP8_BLOCK, bc, per), dim=3).values, dim=1).values
+
+    hi = fold(torch.where(live, k, small), small, torch.max)
+    lo = fold(torch.where(live, k, big), big, torch.min)
+    empty = hi == small  # an all-zero block: any scale
+    wide = ~empty & (hi - lo > SPAN)
+    if wide.any():
+        b = wide.nonzero()[0].tolist()
+        raise UsageError(
+            f"--quant fp8: FP4 block ({b[0]}, {b[1]}) has group scales 2^{int(lo[b[0], b[1]])} .. 2^{int(hi[b[0], b[1]])}, "
+            f"more than the {SPAN} octaves one FP8 block scale holds exactly; pass --requantize to round it "
+            f"(or --quant fp4 to keep FP4)", tensor=name)
+    return torch.where(empty, torch.zeros_like(hi), hi - TOP)
+
+
+def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [R, C/2] e2m1 pairs, e8m0 [R, C/32]) -> (float8_e4m3fn [R, C], float32 [ceil(R/128), ceil(C/128)])
+    with q * scale equal to the FP4 value, element for element. Each q is code * 2^(k - m), computed in that
+    form (never as the FP4 value itself, which overflows float32 at e8m0's top scales)."""
+    m = block_exponents(packed, scale, name)
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
+    m_groups = m.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK // GROUP, 1)[:, : k.shape[1]]
+    d = (k - m_groups).clamp_(-SPAN + TOP, TOP)  # in range for every live group; an all-zero group stays 0
+    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(rows, cols)
+    q = lut[codes.long()] * torch.exp2(d.to(torch.float32)).repeat_interleave(GROUP, dim=1)
+    return q.to(torch.float8_e4m3fn), torch.exp2(m.to(torch.float32))  # every q is an e4m3 value: no rounding
+
+
+def recode(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor]:
+    """A LosslessCopy recode: the source's (int8 code pairs, e8m0 scales) -> fp8_block's stored tensors."""
+    packed, scale = parts
+    return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name))

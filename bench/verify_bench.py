@@ -57,6 +57,8 @@ def main() -> None:
             t = time.perf_counter()
             r = cli("verify", out, "--reference", ref, "--json")
             secs = time.perf_counter() - t
+            if not r.stdout.strip():
+                raise SystemExit(f"verify {out} gave no report ({r.returncode}):\n{r.stderr}")
             rep = json.loads(r.stdout)
             rows.append((tp, label, rep, secs))
             print(json.dumps({"tp": tp, "scheme": label, "verdict": rep["verdict"], "seconds": round(secs, 1),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kconvert.errors import CheckpointError, EngineError
-from kconvert.family.manifest import families
+from kconvert.family.manifest import bind, families
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def model_config(config: dict, family: str) -> ModelConfig:
     if family not in known:
         raise EngineError(f"the engine does not run family {family!r} (known: {', '.join(sorted(known))})",
                           file="kconvert.json")
-    fam = known[family]
+    fam = bind(config).family  # with its text model's traits: Kimi over DeepSeek-V4 runs V4's layer kinds
     engine = fam["engine"]
     section = _section(config, fam.get("text_config", "."), family)
     text = replace(_text(section), section=section, **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})

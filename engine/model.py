@@ -63,7 +63,7 @@ class Model(nn.Module):
         self.quant_options = quant_options or Options()
         self.names = bind(config)
         self.formats = engine_keys(self.names, formats or {})
-        self.prefix = self.names.text.prefix
+        self.prefix = self.names.text.module_prefix
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in (stages or [range(self.cfg.num_layers)])]
         if len(self.stages) != self.par.pp:
             raise EngineError(f"{len(self.stages)} stage(s) of layers for a run of pp {self.par.pp}")

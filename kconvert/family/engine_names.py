@@ -15,9 +15,9 @@ PART_SUFFIXES = ("_packed", "_scale_inv", "_scale", "_shape")  # what a scheme s
 def _pattern(info: TensorInfo) -> str | None:
     rule = info.rule
     if rule.engine:
-        return rule.engine
+        return (rule.part.engine_prefix or "") + rule.engine
     if rule.reference and "[" not in rule.reference:  # a slice of a fused tensor is no module of its own
-        return rule.reference
+        return (rule.part.engine_prefix or "") + rule.reference
     return None
 
 

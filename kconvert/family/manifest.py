@@ -2,7 +2,10 @@
 of config.json, their tensor-parallel split rule and default quantization policy.
 
 A family manifest composes reusable *parts* (manifests/parts/*.toml: DeepSeek text, DSA indexer,
-MoonViT, projector), each with a name prefix and the sub-config its shapes are evaluated against.
+DeepSeek-V4 text, MoonViT, projector), each with a name prefix and the sub-config its shapes are evaluated
+against; a part may apply only to one text model type (`if_model_type` / `unless_model_type`: Kimi over
+DeepSeek-V3 or over DeepSeek-V4), and a text part may bring the family traits of its model (`[part.family]`:
+engine layer kinds, shard modes), so a family over a new text model needs no copy of that model's manifest.
 `find_family(config)` picks the family; `bind(config)` gives a `ModelMap` that classifies
 tensor names and enumerates every expected tensor (which `plan` uses for models too big to exist).
 """
@@ -96,12 +99,17 @@ class BoundPart:
     """A part (parts/NAME.toml) applied to one config."""
 
     def __init__(self, name: str, spec: dict, prefix: str, config: dict, *, section: str = ".",
-                 config_file: str = "config.json", decoder_only: bool = False):
+                 config_file: str = "config.json", decoder_only: bool = False, engine_prefix: str | None = None,
+                 names: dict[str, str] | None = None):
         self.name, self.prefix, self.config = name, prefix, config
+        # where the engine's module tree holds this part's `reference` / `engine` names (Kimi keeps its text
+        # model under "language_model." whatever the stored names under it); None: at the root
+        self.engine_prefix = engine_prefix
         self.decoder_only = decoder_only  # {L} names only decoder layers (V4 names its MTP blocks mtp.{M}.)
         self.config_file = config_file
         head = spec.get("part", {})
         self.group = head.get("group", name)
+        self.traits: dict = head.get("family", {})  # a text model's family traits (engine kinds, shard modes)
         self.kinds: dict[str, str] = spec.get("layer_kinds", {})
         defaults = spec.get("defaults", {})
         # null for a key with a default means "not set" (DeepSeek configs write q_lora_rank: null)
@@ -124,7 +132,7 @@ class BoundPart:
             if split not in SPLITS or (t.get("layers") and t["layers"] not in self.kinds):
                 raise ManifestError(f"bad split {split!r} or layer kind {t.get('layers')!r}", file=f"parts/{name}.toml",
                                     tensor=t.get("name"))
-            pattern = prefix + t["name"]
+            pattern = (names or {}).get(t["name"], prefix + t["name"])  # a family may name a tensor otherwise
             regex = re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
                                .replace(r"\{M\}", r"(?P<M>\d+)") + "$")
             self.rules.append(Rule(pattern, t["component"], split, bool(t.get("quantize", False)),
@@ -132,6 +140,11 @@ class BoundPart:
                                    str(t.get("required", "True")), self, regex, t.get("values_below"),
                                    t.get("reference"), t.get("split_multiple"),
                                    t.get("dtype"), t.get("engine")))
+
+    @property
+    def module_prefix(self) -> str:
+        """The engine's module path of this part: its engine prefix, else its stored-name prefix."""
+        return self.prefix if self.engine_prefix is None else self.engine_prefix
 
     def env(self, layer: int | None = None) -> dict:
         return self._env if layer is None else {**self._env, "L": layer}
@@ -161,7 +174,7 @@ class ModelMap:
     """A family manifest bound to one config.json."""
 
     def __init__(self, family: dict, parts: list[BoundPart], config: dict):
-        self.family = family
+        self.family = with_traits(family, parts)
         self.name: str = family["name"]
         self.parts = parts
         self.config = config
@@ -213,6 +226,15 @@ class ModelMap:
                         yield TensorInfo(name, rule, L, E), required
 
 
+def with_traits(family: dict, parts: list[BoundPart]) -> dict:
+    """The family's table with its text parts' traits laid over it (the engine table merged key by key)."""
+    out = dict(family)
+    for part in parts:
+        for key, value in part.traits.items():
+            out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
 def _key(name: str) -> str:
     return _NUM.sub("#", name.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
 
@@ -260,7 +282,12 @@ def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
             raise ManifestError(f"config has no {p['config']!r} section (family {spec['family']['name']})", file=config_file)
         if "if_config_has" in p and p["if_config_has"] not in sub:
             continue
+        if "if_model_type" in p and sub.get("model_type") != p["if_model_type"]:
+            continue
+        if "unless_model_type" in p and sub.get("model_type") == p["unless_model_type"]:
+            continue
         part_spec = _read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
-                               config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False))))
+                               config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False)),
+                               engine_prefix=p.get("engine_prefix"), names=p.get("names")))
     return ModelMap(spec["family"], parts, config)

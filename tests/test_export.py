@@ -171,11 +171,11 @@ def test_interrupted_export_resumes_and_never_looks_complete(checkpoint, tmp_pat
     job = ExportJob(str(src), str(out), "w8a8-int8", max_shard_bytes=2_000_000, workers=2)
     real, calls = ex.produce, []
 
-    def dying(e, x, scale_fmt="fp32"):
+    def dying(e, x):
         calls.append(e.src)
         if len(calls) == 120:
             raise KeyboardInterrupt
-        return real(e, x, scale_fmt)
+        return real(e, x)
 
     monkeypatch.setattr(ex, "produce", dying)
     with pytest.raises(KeyboardInterrupt):

@@ -23,6 +23,7 @@ from kconvert.io.atomic import write_atomic
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
+from kconvert.quant.scheme import DEEPSEEK_V4
 from kconvert.convert.export_formats import (FORMATS, Exported, ignore_list, load, plan_tensor, produce,
                                              quantization_config, source_scale_fmt)
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
@@ -123,7 +124,7 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
     def make(entry):
         e = entry[2]
         try:
-            return produce(e, load(ck, e), scale_fmt)
+            return produce(e, load(ck, e))
         except KConvertError as err:
             err.file = err.file or str(ck.logical[e.src].main.file)
             err.tensor = err.tensor or e.src
@@ -169,6 +170,11 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
     config["quantization_config"] = qc
     if isinstance(config.get("text_config"), dict):  # multimodal: the text model reads its own copy
         config["text_config"]["quantization_config"] = json.loads(json.dumps(qc))
+    v4 = [e for f in files for e in f if e.encoding == DEEPSEEK_V4]
+    if v4:  # DeepSeek-V4 readers take the routed experts' storage from `expert_dtype`
+        key = ck.model.family.get("text_config", ".")
+        text = config if key == "." else config[key]
+        text["expert_dtype"] = "fp4" if any(e.scheme_name == "fp4" for e in v4) else "fp8"
     write_atomic(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
     weight_map, total = {}, 0
     for name, f in zip(names, files):

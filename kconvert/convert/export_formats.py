@@ -29,7 +29,7 @@ from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
 from kconvert.convert.quant_policy import selected, source_quant, source_scale_fmt  # noqa: F401 (export.py imports source_scale_fmt here)
 from kconvert.quant.registry import get_scheme
-from kconvert.quant.scheme import COMPRESSED_TENSORS, KCONVERT, Options, Scheme, input_bytes
+from kconvert.quant.scheme import COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, Options, Scheme, input_bytes
 
 
 @dataclass(frozen=True)
@@ -103,19 +103,30 @@ def quantizes(fmt: str, info: TensorInfo, shape: tuple[int, ...], group: int) ->
     return selected(scheme, info, shape) and scheme.fits(shape, Options(group_size=group, encoding=f.encoding))
 
 
+def encoding_of(ck: Checkpoint, fmt: str) -> str:
+    """How `fmt` lays its values out for this model: the format's own encoding, unless the family's text
+    model has its own layout for it (DeepSeek-V4's fp8-block: `.scale` e8m0 sidecars)."""
+    return ck.model.family.get("export_encoding", {}).get(fmt, EXPORT_FORMATS[fmt].encoding)
+
+
 def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: int, scale_fmt: str) -> Exported:
     info = ck.info(name)
     shape = tuple(t.shape)
     if not quantizes(fmt, info, shape, group):
         return Exported(name, "copy" if t.format == "plain" else "bf16", shape, t.stored_dtype)
     f = EXPORT_FORMATS[fmt]
-    opts = Options(scale_fmt, group, "amax", f.encoding)
-    copy = get_scheme(f.scheme).lossless_copy(source_quant(ck, t), opts, same_scale_format=True)
+    encoding, scheme_name, transform = encoding_of(ck, fmt), f.scheme, f.transform
+    if encoding == DEEPSEEK_V4:
+        scale_fmt = "ue8m0"  # V4 stores every block scale as an e8m0 power of two
+        if t.format == "fp4_packed":  # the release's FP4 experts stay FP4, byte for byte
+            scheme_name, transform = "fp4", "fp4"
+    opts = Options(scale_fmt, group, "amax", encoding)
+    copy = get_scheme(scheme_name).lossless_copy(source_quant(ck, t), opts, same_scale_format=True)
     if copy is None:
-        return Exported(name, f.transform, shape, t.stored_dtype, group, (), f.scheme, f.encoding, scale_fmt)
+        return Exported(name, transform, shape, t.stored_dtype, group, (), scheme_name, encoding, scale_fmt)
     # a copied pack-quantized source keeps the dtypes it stores its scale and weight_shape in
     tags = tuple(t.parts[role].dtype for role in copy.roles[1:]) if f.encoding == COMPRESSED_TENSORS else ()
-    return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, f.scheme, f.encoding, scale_fmt,
+    return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, scheme_name, encoding, scale_fmt,
                     copy.roles, copy.recode)
 
 
@@ -127,17 +138,17 @@ def load(ck: Checkpoint, e: Exported):
     return ck.read(e.src)
 
 
-def produce(e: Exported, x, scale_fmt: str = "fp32") -> list[torch.Tensor]:
+def produce(e: Exported, x) -> list[torch.Tensor]:
     """The tensors of `e.specs()`, in that order."""
-    if e.recode is not None:
-        return e.recode(x, e.src)
+    if e.recode is not None:  # exact re-encoding, each part in the dtype the format stores it in
+        return [part.to(DTYPES[tag]) for (_, tag, _), part in zip(e.specs(), e.recode(x, e.src))]
     if e.copy_roles:  # stored parts as they are (a scale held in another float type becomes the planned one)
         return [part.to(DTYPES[tag]) for (_, tag, _), part in zip(e.specs(), x)]
     scheme = e.scheme
     if scheme is None:
         return [(x.to(torch.bfloat16) if e.transform == "bf16" else x).contiguous()]
     # each quantizer refuses NaN/Inf (found from its scales, no extra pass)
-    return scheme.quantize(x, Options(scale_fmt, e.group, "amax", e.encoding), e.src)
+    return scheme.quantize(x, Options(e.scale_fmt, e.group, "amax", e.encoding), e.src)
 
 
 # --------------------------------------------------------------------------- config.json
@@ -153,7 +164,7 @@ def ignore_pattern(info: TensorInfo) -> str:
     module = info.name[: -len(".weight")]
     if info.group != "text":
         return r"re:.*" + re.escape(module.split(".")[0]) + r"\..*"
-    m = re.search(r"layers\.\d+\.(.*)$", module)
+    m = re.search(r"(?:layers|mtp)\.\d+\.(.*)$", module)  # decoder layers and MTP blocks alike
     tail = re.escape(m.group(1) if m else module.split(".")[-1])
     tail = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", tail)
     for rx, fused in _FUSED:

@@ -19,7 +19,7 @@ import torch
 
 from kconvert.io.dtypes import e8m0_to_float
 from kconvert.quant.chunks import check_scales, row_chunks
-from kconvert.quant.scheme import LosslessCopy, Options, Scheme, SourceQuant, Spec
+from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, SourceQuant, Spec, sidecar
 
 GROUP = 32  # MXFP4: one scale per 32 inputs (OCP MX spec, DeepSeek-V4)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -87,13 +87,16 @@ class Fp4E2M1(Scheme):
 
     def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
         r, c = shape
+        if opts.encoding == DEEPSEEK_V4:  # as released: the code pairs as int8 `X.weight`, a `X.scale` sidecar
+            return [(src, "I8", (r, c // 2)), (sidecar(src), "F8_E8M0", (r, c // GROUP))]
         return [(src + "_packed", "U8", (r, c // 2)), (src + "_scale", "F8_E8M0", (r, c // GROUP))]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
-        return list(quantize_fp4(w, name))
+        packed, scale = quantize_fp4(w, name)
+        return [packed.view(torch.int8) if opts.encoding == DEEPSEEK_V4 else packed, scale]
 
     def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_fp4(stored[0], stored[1], dtype)
+        return dequantize_fp4(stored[0].view(torch.uint8), stored[1], dtype)
 
     def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
         """DeepSeek-V4's FP4 experts (int8 code pairs + e8m0 per 32): the very bytes, whole tensors only."""

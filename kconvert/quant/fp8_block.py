@@ -11,7 +11,7 @@ import torch
 from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.quant import fp4_to_fp8
 from kconvert.quant.chunks import FP8_MAX, TINY, check_scales, fold_max, row_chunks
-from kconvert.quant.scheme import LosslessCopy, Options, Scheme, SourceQuant, Spec
+from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, SourceQuant, Spec, sidecar
 
 
 def divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tensor) -> None:
@@ -67,9 +67,15 @@ class Fp8Block(Scheme):
 
     def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
         r, c = shape
-        return [(src, "F8_E4M3", tuple(shape)), (src + "_scale_inv", "F32", (-(-r // FP8_BLOCK), -(-c // FP8_BLOCK)))]
+        blocks = (-(-r // FP8_BLOCK), -(-c // FP8_BLOCK))
+        if opts.encoding == DEEPSEEK_V4:  # V4's own: power-of-two scales as e8m0 bytes in a `.scale` sidecar
+            return [(src, "F8_E4M3", tuple(shape)), (sidecar(src), "F8_E8M0", blocks)]
+        return [(src, "F8_E4M3", tuple(shape)), (src + "_scale_inv", "F32", blocks)]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        if opts.encoding == DEEPSEEK_V4:
+            q, s = quantize_fp8_block(w, FP8_BLOCK, "ue8m0", name)
+            return [q, s.to(torch.float8_e8m0fnu)]  # powers of two: exact
         return list(quantize_fp8_block(w, FP8_BLOCK, opts.scale_format, name))
 
     def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:

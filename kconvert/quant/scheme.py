@@ -10,8 +10,9 @@ A Scheme answers, for one 2-D weight:
   factor cast to `dtype` before the product: exact in float32; in bf16, what an engine computes per call.
 - `stored_bytes(shape, opts)`: the bytes of `specs` (scales included).
 - `lossless_copy(source, opts)`: the stored parts of a source it may copy unchanged (or re-encode exactly) instead.
-`opts.encoding` picks how the values are laid out on disk: `kconvert` (the converted format, shard)
-or `compressed-tensors` (export's w4a16 and friends); most schemes store the same either way.
+`opts.encoding` picks how the values are laid out on disk: `kconvert` (the converted format, shard),
+`compressed-tensors` (export's w4a16 and friends) or `deepseek-v4` (V4's own `.scale` sidecars in e8m0,
+export's fp8-block of a V4 text model); most schemes store the same either way.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kconvert.io.dtypes import ITEMSIZE, specs_bytes
 Spec = tuple[str, str, tuple[int, ...]]  # (tensor name, safetensors dtype tag, shape)
 KCONVERT = "kconvert"
 COMPRESSED_TENSORS = "compressed-tensors"
+DEEPSEEK_V4 = "deepseek-v4"  # DeepSeek-V4's release layout: `X.weight` + a `X.scale` e8m0 sidecar (export's fp8-block)
 SCALE_FORMATS = ("fp32", "ue8m0")
 
 
@@ -96,6 +98,11 @@ class Scheme:
 
     def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
         return None
+
+
+def sidecar(src: str) -> str:
+    """DeepSeek-V4's name for the scale of weight `src` ("X.weight" -> "X.scale")."""
+    return src[: -len(".weight")] + ".scale" if src.endswith(".weight") else src + ".scale"
 
 
 def input_bytes(shape: tuple[int, ...], src_dtype: str) -> int:

@@ -70,7 +70,8 @@ def _tries(p) -> str:
 @click.option("--pp-layers", metavar="A-B,C-D,...", help="Decoder layers of each stage instead of the balanced split.")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True,
               help="Devices per node, for the node count of a tp x pp layout.")
-@click.option("--quant", default="none", show_default=True, help="Weight scheme after conversion: none, fp8 or int8.")
+@click.option("--quant", default="none", show_default=True, help="Weight scheme after conversion: none, fp8, int8, int4, fp4, or auto (the source's own format where "
+                   "--device runs it, else the device's best: FP4 experts become fp8 on GPUs without FP4).")
 @click.option("--device", default="H200", show_default=True,
               help="Device preset (manifests/devices.toml): H200, H100, H20, B200, A100, S5000, S4000.")
 @click.option("--context", "context_text", help="Tokens per sequence, e.g. 4096, 128k, 1M (k = 1024). "
@@ -117,7 +118,8 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
     per = (f"{per} whole experts per rank" if lay["expert_tp"] == 1 else
            f"{per} experts per group of {lay['expert_tp']} ranks, each split {lay['expert_tp']} ways") if per else "no experts"
     con.print(f"layout tp {lay['tp']}, ep {lay['ep']} ({per}); "
-              f"--quant {p.quant}: {gib(p.converted_bytes)} converted in all")
+              f"--quant {p.quant}: {gib(p.converted_bytes)} converted in all"
+              + (f" (auto: {p.quant_reason})" if p.quant_reason else ""))
 
     whole = ", all stages together; per stage below" if p.pipeline else ""
     t = Table(title=f"Weights on tp rank {p.rank['index']} (the largest of {lay['tp']}{whole})")

@@ -48,3 +48,14 @@ def test_plan_reads_params_by_component():
     params = plan.get("params") or {}
     for c in ("attention", "compressor", "indexer", "mhc", "hash_router", "routed_experts"):
         assert params.get(c, 0) > 0, (c, params)
+
+
+def test_auto_quant_follows_what_the_device_runs():
+    """The device preset says which formats its kernels run: V4's FP4 experts stay FP4 on B200, become FP8
+    (exactly) on Hopper and MUSA S5000, int8 where there is no FP8; a bf16 source stays unquantized."""
+    picks = {d: make_plan("deepseek-v4-flash", 8, quant="auto", device=d) for d in ("B200", "H200", "S5000", "A100")}
+    assert {d: p.quant for d, p in picks.items()} == {"B200": "fp4", "H200": "fp8", "S5000": "fp8", "A100": "int8"}
+    assert "re-encoded as FP8 exactly" in picks["H200"].quant_reason
+    assert picks["B200"].converted_bytes < 0.6 * picks["H200"].converted_bytes  # experts at half a byte
+    assert make_plan("kimi-k3-3t", 8, quant="auto", device="H200").quant == "none"  # a bf16 config stays bf16
+    assert "no FP4 kernels" in " ".join(make_plan("deepseek-v4-flash", 8, quant="fp4", device="H200").warnings)

@@ -23,6 +23,7 @@ class DevicePreset:
     fp8: bool
     source: str
     aliases: tuple[str, ...] = ()
+    formats: tuple[str, ...] = ()  # `--quant` formats its kernels run, best first (plan --quant auto)
 
     @property
     def memory_bytes(self) -> int:
@@ -36,7 +37,8 @@ def devices() -> dict[str, DevicePreset]:
     try:
         spec = tomllib.loads(path.read_text())["device"]
         return {k: DevicePreset(k, d["name"], d["backend"], float(d["memory_gib"]), float(d["bandwidth_tbs"]), bool(d["fp8"]),
-                          d.get("source", ""), tuple(d.get("aliases", ()))) for k, d in spec.items()}
+                          d.get("source", ""), tuple(d.get("aliases", ())), tuple(d.get("formats", ())))
+                for k, d in spec.items()}
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"device presets unreadable: {e.__class__.__name__}: {e}", file=str(path)) from None
 
@@ -48,3 +50,28 @@ def find_device(name: str) -> DevicePreset:
         if want == d.key.lower() or want in (a.lower() for a in d.aliases):
             return d
     raise UsageError(f"unknown --device {name!r} (known: {', '.join(devices())})")
+
+
+def source_format(text_config: dict, config: dict) -> str:
+    """The `--quant` name of how a source stores its routed experts: fp4 (DeepSeek-V4's e2m1 experts), fp8
+    (block-FP8 releases), int4 (compressed-tensors pack-quantized), else none."""
+    if text_config.get("expert_dtype") == "fp4":
+        return "fp4"
+    qc = text_config.get("quantization_config") or config.get("quantization_config") or {}
+    if qc.get("quant_method") == "fp8" or text_config.get("expert_dtype") == "fp8":
+        return "fp8"
+    if qc.get("quant_method") == "compressed-tensors":
+        return "int4"
+    return "none"
+
+
+def auto_quant(dev: DevicePreset, text_config: dict, config: dict) -> tuple[str, str]:
+    """(`--quant` for `dev`, why): the source's own format where the device runs it, else the device's first."""
+    own = source_format(text_config, config)
+    if own == "none" or own in dev.formats:
+        return own, f"the source's own format, which {dev.key} runs" if own != "none" else "the source is unquantized"
+    pick = dev.formats[0] if dev.formats else "none"
+    why = f"{dev.key} has no {own} kernels"
+    if own == "fp4" and pick == "fp8":
+        why += ": FP4 experts re-encoded as FP8 exactly (twice their bytes)"
+    return pick, why

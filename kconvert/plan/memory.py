@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
 from kconvert.errors import CheckpointError, UsageError
-from kconvert.plan.device_presets import GIB, DevicePreset, devices, find_device
+from kconvert.plan.device_presets import GIB, DevicePreset, auto_quant, devices, find_device
 from kconvert.plan.fit import MEM_FRACTION, Sizing, default_reserve, fit  # noqa: F401 (default_reserve, fit: API)
 from kconvert.plan.kv_bytes import kv_bytes, kv_options
 from kconvert.plan.pipeline import GPUS_PER_NODE, pipeline_fit, search, stage_inputs
@@ -63,6 +63,7 @@ class Plan:
     pipeline: dict | None = None  # --pp > 1: every stage on the chosen device (pipeline.pipeline_fit)
     pp_search: dict | None = None  # the smallest pp per tp degree that fits the chosen device (pipeline.search)
     warnings: list[str] = field(default_factory=list)
+    quant_reason: str | None = None  # --quant auto: why this format for this device
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -124,9 +125,15 @@ def _warnings(sz: Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> li
     if sz.policy.scheme == "fp8" and not dev.fp8:
         out.append(f"{dev.key} has no native FP8: fp8 weights take the memory shown but need a weight-only "
                    "(dequantizing) kernel there")
+    if sz.policy.scheme == "fp4" and "fp4" not in dev.formats:
+        out.append(f"{dev.key} has no FP4 kernels: --quant fp8 re-encodes FP4 experts exactly for it "
+                   "(or plan with --quant auto)")
     if sz.kv.dtype == "fp8" and not dev.fp8:
         out.append(f"{dev.key} has no native FP8: an fp8 KV cache may not be supported by its attention kernels")
     return out
+
+
+AUTO = "auto"  # plan --quant auto: the device preset's choice (device_presets.auto_quant)
 
 
 def _binding(pipe: dict) -> dict:
@@ -139,7 +146,6 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
               pp: int = 1, pp_layers: str | None = None, gpus_per_node: int = GPUS_PER_NODE) -> Plan:
     """Plan SRC converted for `--tp tp --ep ep --pp pp --quant quant` on `device` (see the module docstring;
     stages and the (tp, pp) search: pipeline.py)."""
-    policy = QuantPolicy(quant)
     dev = find_device(device)
     layout = Layout.make(tp, ep)
     if batch < 1 or (context is not None and context < 1):
@@ -150,6 +156,10 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         raise UsageError(f"--gpus-per-node {gpus_per_node} must be at least 1")
     kind, model, groups = _open(src, revision)
     tc = model.text_config
+    reason = None
+    if quant == AUTO:  # the device preset says which formats its kernels run
+        quant, reason = auto_quant(dev, tc, model.config)
+    policy = QuantPolicy(quant)
     check(model, layout)  # the one-line error naming the tp degrees that work
     max_pos = int(tc.get("max_position_embeddings") or 0)
     reserve = int(reserve_gb * GIB) if reserve_gb is not None else default_reserve(int(tc["hidden_size"]))
@@ -196,5 +206,5 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         tp_table=_tp_table(sz, model, layout, dev),
         kv_options=kv_options({**tc, "num_hidden_layers": kv_layers}, kv_free, batch, int(host_gb * GIB)),
         pipeline=pipe, pp_search=search(sz, model, layout, dev, gpus_per_node),
-        warnings=_warnings(sz, layout, dev, max_pos),
+        warnings=_warnings(sz, layout, dev, max_pos), quant_reason=reason,
     )

@@ -7,9 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
-from kconvert.errors import CheckpointError, UsageError, WriteError
+from kconvert.errors import CheckpointError, KConvertError, UsageError, WriteError
 from kconvert.io.atomic import write_atomic, write_error
 from kconvert.io.paths import contained
+from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.catalog import MANIFEST
 from kconvert.converted.journal import JOURNAL_DIR
@@ -82,7 +83,7 @@ def copy_side_files(ck: Checkpoint, out: Path, patterns: tuple[str, ...] = COPY_
 def _read_json(path: Path) -> dict:
     """A JSON object, or {} when the file is damaged (then it matches no job and needs --overwrite)."""
     try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError):
+        obj = read_json(path, limit=MAX_CONFIG)
+    except (OSError, KConvertError):
         return {}
     return obj if isinstance(obj, dict) else {}

@@ -22,6 +22,7 @@ from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
+from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
 from kconvert.source.formats import LogicalTensor, fold, read_logical
 from kconvert.io.dtypes import FP8_BLOCK
 
@@ -184,11 +185,9 @@ class Checkpoint:
 def read_config(root: Path) -> dict:
     path = root / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = read_json(path, limit=MAX_CONFIG)
     except FileNotFoundError:
         raise CheckpointError("config.json is missing: not a model checkpoint directory", file=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"config.json is not valid JSON: {e}", file=str(path)) from None
     if not isinstance(config, dict):
         raise CheckpointError("config.json is not a JSON object", file=str(path))
     return config
@@ -198,10 +197,7 @@ def _index_map(root: Path) -> dict[str, str] | None:
     path = root / INDEX
     if not path.exists():
         return None
-    try:
-        index = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"index is not valid JSON: {e}", file=str(path)) from None
+    index = read_json(path, limit=MAX_INDEX)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))

@@ -10,13 +10,13 @@ accepted without --force (the index records that source's fingerprint)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 from pathlib import Path
 
 from kconvert.converted.catalog import MANIFEST
 from kconvert.convert.shard import ShardJob, shard
 from kconvert.errors import UsageError
+from kconvert.io.side_files import MAX_INDEX, read_json
 from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.verify.verdict import thresholds
 
@@ -43,7 +43,7 @@ def as_converted(path: str, tp: int = 1):
     quant, scheme = _SCHEME[kind]
     made_from = None
     if (root / INDEX).exists():
-        made_from = (json.loads((root / INDEX).read_text()).get("metadata") or {}).get("kconvert_job", {}).get(
+        made_from = (read_json(root / INDEX, limit=MAX_INDEX).get("metadata") or {}).get("kconvert_job", {}).get(
             "source_fingerprint")
     with tempfile.TemporaryDirectory(prefix="kconvert-verify-export-") as tmp:
         out = Path(tmp) / "converted"

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from kconvert.errors import KConvertError, NonFiniteError, UsageError
 from kconvert.io.atomic import write_atomic
+from kconvert.io.side_files import check_regular, parse_json
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.verify.kld import RefLogprobs, topk_reference
 from kconvert.verify.prompts import prompt_patches
@@ -201,6 +202,7 @@ def load_reference(path: str | Path) -> tuple[dict, list[RefLogprobs], dict[str,
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    check_regular(path, error=KConvertError)  # a FIFO would block safe_open forever
     try:
         with safe_open(str(path), "pt") as f:
             raw = (f.metadata() or {}).get("kconvert_reference")
@@ -209,7 +211,7 @@ def load_reference(path: str | Path) -> tuple[dict, list[RefLogprobs], dict[str,
         raise KConvertError(f"cannot read the reference file: {e}", file=str(path)) from None
     if not raw:
         raise KConvertError("not a kconvert reference file (no kconvert_reference metadata)", file=str(path))
-    meta = json.loads(raw)
+    meta = parse_json(raw, file=str(path), error=KConvertError)
     refs = []
     for i in range(len(meta["prompts"])):
         g = lambda k: tensors.get(f"prompt.{i}.{k}")  # noqa: E731

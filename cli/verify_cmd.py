@@ -10,6 +10,7 @@ import click
 from kconvert.plan.kv_bytes import KV_DTYPES
 
 from .progress import byte_progress
+from .params import COUNT
 
 
 @click.command()
@@ -19,7 +20,7 @@ from .progress import byte_progress
               help="JSON prompt list (default: the built-in set: short, long > index_topk, chat, image).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Reference compute dtype.")
-@click.option("--top-k", type=int, help="Store only the top K log-probs + the log-mass of the rest (smaller file).")
+@click.option("--top-k", type=COUNT, help="Store only the top K log-probs + the log-mass of the rest (smaller file).")
 @click.option("--hidden-states", is_flag=True, help="Also store every layer's hidden states (for verify --per-layer).")
 @click.option("--like", "like", type=click.Path(exists=True, file_okay=False),
               help="Converted dir: fake-quantize SRC's weights as it did (the faithfulness reference).")
@@ -64,7 +65,7 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
 @click.option("--per-layer", is_flag=True, help="Hidden-state error per layer, first faulty layer, tensors to blame.")
 @click.option("--device", default="cpu", show_default=True, help="Device the engine runs on.")
 @click.option("--force", is_flag=True, help="Compare even if the reference was made from another source.")
-@click.option("--tp", type=int, default=1, show_default=True,
+@click.option("--tp", type=COUNT, default=1, show_default=True,
               help="An exported (Hugging Face-layout) OUT is resharded for this many ranks first.")
 @click.option("--threshold", "threshold", multiple=True, metavar="KEY=VALUE",
               help="Override a limit: mean_kld, p99_kld, same_top1_pct, ppl_ratio (cost budget) or "

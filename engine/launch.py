@@ -53,12 +53,16 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def world_for(ranks: int, nproc: int | None, device: str) -> int:
-    """How many ranks to run: the conversion's world size (tp x pp, `Catalog.world_size`) unless --nproc
-    overrides it; checked against the devices when they are accelerators (one device per rank)."""
-    world = ranks if nproc is None else nproc
+def world_for(conv, nproc: int | None, device: str) -> int:
+    """How many ranks to run for the opened conversion `conv` (kconvert.load.loader.ConvertedCheckpoint): its
+    world size (tp x pp); --nproc may only repeat it, and accelerators need one device per rank. Everything
+    is checked here, before a single rank is started (a wrong --nproc used to spawn them all first)."""
+    from kconvert.converted.ranks import resolve_rank
+
+    world = conv.catalog.world_size if nproc is None else nproc
     if world < 1:
         raise UsageError(f"--nproc must be at least 1, got {world}")
+    resolve_rank(conv.catalog, conv.root, world_size=world)  # the conversion's world bounds --nproc
     kind = device.split(":")[0]
     if world > 1 and kind != "cpu" and not under_launcher():
         import torch

@@ -23,7 +23,7 @@ from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
-from kconvert.source.formats import LogicalTensor, fold, read_logical
+from kconvert.source.formats import LogicalTensor, check_scale_shape, fold, read_logical
 from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
@@ -111,6 +111,7 @@ class Checkpoint:
 
     def validate(self) -> None:
         """Every tensor known with the shape config.json implies; every required tensor present."""
+        block, group = self.quant_block(), self.int4_group()
         for name, t in self.logical.items():
             info = self.info(name)
             if info.rule.values_below is not None:
@@ -120,6 +121,7 @@ class Checkpoint:
             elif t.format == "plain" and t.main.dtype not in FLOAT_TAGS:  # e.g. a header whose BF16 became I16
                 raise ManifestError(f"stored as {t.main.dtype}: a model weight must be a float (F16, BF16, F32 or "
                                     "F64), or FP8/INT8/INT4 with its scale", file=str(t.main.file), tensor=name)
+            check_scale_shape(t, block, group)
             expect = info.expected_shape()
             if tuple(t.shape) != expect:
                 raise ManifestError(f"shape {list(t.shape)} disagrees with config.json, which implies {list(expect)}",

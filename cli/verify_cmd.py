@@ -10,6 +10,8 @@ import click
 from kconvert.plan.kv_bytes import KV_DTYPES
 
 from .progress import byte_progress
+from kconvert.arguments import number
+
 from .params import COUNT
 
 
@@ -44,7 +46,9 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
 
     ck = Checkpoint.open(src, headers_only=True)
     prompts = load_prompts(prompts_file, ck.config)
-    with byte_progress("reference", enabled=not as_json, unit="items") as cb:
+    from kconvert.io.workdir import terminate_as_interrupt
+
+    with terminate_as_interrupt(), byte_progress("reference", enabled=not as_json, unit="items") as cb:
         cb("start", total=len(prompts))
         meta = run_reference(src, out, prompts, dtype=dtype, top_k=top_k, hidden_states=hidden_states, like=like,
                              progress=cb)
@@ -104,13 +108,12 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
         key, _, value = item.partition("=")
         if key.removeprefix("faithful.") not in CHECKED:
             raise UsageError(f"unknown threshold {key!r} ({', '.join(CHECKED)}, or faithful.KEY)")
-        try:
-            limits[key] = float(value)
-        except ValueError:
-            raise UsageError(f"threshold {key} needs a number, got {value!r}") from None
+        limits[key] = number(value, f"--threshold {key}", 0)
+    from kconvert.io.workdir import terminate_as_interrupt
     from kconvert.verify.exported import as_converted, is_converted, reference_matches
 
-    with contextlib.ExitStack() as stack, byte_progress("verify", enabled=not as_json, unit="items") as cb:
+    # SIGTERM as Ctrl-C: the temporary reshard and results are removed, the spawned ranks stopped
+    with terminate_as_interrupt(), contextlib.ExitStack() as stack, byte_progress("verify", enabled=not as_json, unit="items") as cb:
         target = out
         if not is_converted(out):  # an export: resharded into a temporary converted dir
             cb("phase", name="reshard")

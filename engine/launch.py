@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kconvert.distributed import StoppedWatch
 from kconvert.errors import DeviceError, KConvertError, UsageError
 
 PARENT_ENV = "KCONVERT_LAUNCHER_PID"  # set in the ranks this module starts
@@ -145,8 +146,16 @@ class _Ranks:
                 self.tails[r].append(line)
 
     def _watch(self) -> None:
-        """Another rank failed: rank 0 is likely stuck in a collective waiting for it, so end the run here."""
+        """Another rank failed, or is frozen (stopped by a signal): rank 0 is likely stuck in a collective
+        waiting for it, so end the run here."""
+        stopped = StoppedWatch()
         while not self.closing.is_set():
+            r = stopped.frozen({r: p.pid for r, p in self.procs.items() if p.poll() is None})
+            if r is not None and say_once(f"{self.prefix}: rank {r} is frozen (stopped by a signal for "
+                                          f"{stopped.limit_s:.0f} s: SIGSTOP or a debugger): every rank is stopped"):
+                self.stop()
+                sys.stdout.flush()
+                os._exit(1)
             for r, p in self.procs.items():
                 rc = p.poll()
                 if rc is None or rc == 0:

@@ -9,7 +9,7 @@
 
 A checkpoint converted with --tp T --pp P runs as T x P processes (stage by stage: global rank = stage x T
 + tp rank): this command starts them itself (one per rank on cpu, one per device on cuda/musa); this
-process is rank 0 and owns the terminal, the others follow its input. --nproc overrides the count.
+process is rank 0 and owns the terminal, the others follow its input. --nproc may only repeat the count.
 Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
 The KV cache grows with the conversation in pages of 64 tokens, up to --context tokens (default: the

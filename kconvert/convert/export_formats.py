@@ -24,7 +24,8 @@ from kconvert.errors import UsageError
 from kconvert.family.manifest import TensorInfo
 from kconvert.io.dtypes import DTYPES, FP8_BLOCK, specs_bytes
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.formats import LogicalTensor, read_parts
+from kconvert.source.formats import LogicalTensor
+from kconvert.source.stored_parts import read_parts
 from kconvert.convert.quant_policy import selected, source_quant, source_scale_fmt  # noqa: F401 (export.py imports source_scale_fmt here)
 from kconvert.quant.registry import get_scheme
 from kconvert.quant.scheme import COMPRESSED_TENSORS, KCONVERT, Options, Scheme, input_bytes

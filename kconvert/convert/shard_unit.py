@@ -16,7 +16,7 @@ from kconvert.errors import KConvertError
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.formats import read_parts
+from kconvert.source.stored_parts import read_parts
 from kconvert.convert.shard_plan import Output, WorkItem
 
 

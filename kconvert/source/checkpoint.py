@@ -23,7 +23,8 @@ from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
-from kconvert.source.formats import LogicalTensor, check_scale_shape, fold, read_logical
+from kconvert.source.formats import LogicalTensor, fold, read_logical
+from kconvert.source.stored_parts import check_scale_shape
 from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"

@@ -10,6 +10,7 @@ from kconvert.convert.export_formats import FORMATS
 from .progress import byte_progress
 from .run_summary import io_facts, print_run
 from .units import parse_size
+from .params import COUNT, Whole
 
 
 @click.command()
@@ -18,12 +19,12 @@ from .units import parse_size
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True,
               help="fp8-block: DeepSeek/Kimi FP8 release format; w4a16: compressed-tensors int4 routed experts; "
                    "w8a8-int8 / fp8-channel: compressed-tensors per-channel weights, dynamic per-token activations.")
-@click.option("--group-size", type=int, default=32, show_default=True, help="w4a16: input columns per int4 scale.")
+@click.option("--group-size", type=Whole(8, 65536), default=32, show_default=True, help="w4a16: input columns per int4 scale.")
 @click.option("--scale-format", type=click.Choice(["fp32", "ue8m0"]),
               help="fp8-block scales: float32 or powers of two (default: as a block-FP8 source stores them, else fp32).")
 @click.option("--max-shard-size", default=f"{DEFAULT_MAX_SHARD // 10**9}GB", show_default=True,
               help="Largest model-0000K-of-0000N.safetensors file.")
-@click.option("--workers", type=click.IntRange(min=1),
+@click.option("--workers", type=COUNT,
               help="Tensors read and quantized in parallel (threads); default: cores + 1, fewer if memory is short.")
 @click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) export in OUT.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
@@ -38,7 +39,7 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
       kconvert export ./tiny-k3 ./tiny-k3-w4a16 --format w4a16
       kconvert verify ./tiny-k3-w4a16 --against ./tiny-k3
     """
-    job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size), workers, overwrite)
+    job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size, "--max-shard-size"), workers, overwrite)
     with byte_progress(f"export {fmt}", enabled=not as_json) as cb:
         r = _export(job, progress=cb)
     print_run(r, out, as_json, f"wrote {r.files_written} of {r.files} files ({r.files_resumed} resumed), "

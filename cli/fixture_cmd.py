@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .units import fmt_bytes, parse_size
+from .params import SEED
 
 
 def _presets_help() -> str:
@@ -18,7 +19,7 @@ def _presets_help() -> str:
 @click.command(epilog="\b\nPresets:\n" + _presets_help())
 @click.argument("preset")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--seed", default=0, show_default=True, help="Random seed (same seed, same bytes).")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--size", help="Target size for the `scale` preset, e.g. 2GB, 8GB.")
 def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
     """Write checkpoint PRESET (random weights, real names, shapes and formats) to OUT.
@@ -36,7 +37,7 @@ def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
     """
     from kconvert.fixtures import build_fixture
 
-    path = build_fixture(preset, out, seed=seed, size=parse_size(size) if size else None)
+    path = build_fixture(preset, out, seed=seed, size=parse_size(size, "--size") if size else None)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     training = path / "kconvert_training.json"
     trained = ""

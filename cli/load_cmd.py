@@ -12,20 +12,21 @@ from kconvert.plan.kv_bytes import KV_DTYPES
 
 from .progress import byte_progress
 from .units import fmt_bytes
+from .params import COUNT, Whole
 
 
 @click.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
-@click.option("--rank", type=int, help="Which rank to load: the global rank, stage x tp + tp rank (default 0).")
-@click.option("--stage", type=int, help="Pipeline stage to load (with --tp-rank; a tp x pp conversion).")
-@click.option("--tp-rank", type=int, help="Tensor-parallel rank within --stage.")
-@click.option("--world-size", type=int, help="Check the conversion was made for this many ranks (tp x pp).")
+@click.option("--rank", type=Whole(0), help="Which rank to load: the global rank, stage x tp + tp rank (default 0).")
+@click.option("--stage", type=Whole(0), help="Pipeline stage to load (with --tp-rank; a tp x pp conversion).")
+@click.option("--tp-rank", type=Whole(0), help="Tensor-parallel rank within --stage.")
+@click.option("--world-size", type=COUNT, help="Check the conversion was made for this many ranks (tp x pp).")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda[:i], musa[:i] or auto.")
 @click.option("--verify/--no-verify", default=False, show_default=True,
               help="Check each file's CRC-32 against kconvert.json before its tensors are used.")
-@click.option("--prefetch", type=int, default=2, show_default=True, help="Units read ahead of the consumer.")
-@click.option("--threads", type=int, default=4, show_default=True, help="Reader threads per file.")
-@click.option("--warmup", type=int, default=0, show_default=True,
+@click.option("--prefetch", type=Whole(0, 1024), default=2, show_default=True, help="Units read ahead of the consumer.")
+@click.option("--threads", type=Whole(1, 1024), default=4, show_default=True, help="Reader threads per file.")
+@click.option("--warmup", type=Whole(0, 10**6), default=0, show_default=True,
               help="Build our engine from the streamed units and run N warmup forward passes. On a tp-N "
                    "conversion without --rank this starts all N ranks itself (or runs under torchrun).")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), help="KV cache format of the --warmup passes.")
@@ -94,14 +95,15 @@ def _launched_ranks(out, device) -> bool:
     ctx = click.get_current_context()
     if launch.under_launcher():
         return False
-    tp = open_converted(out).world_size  # every rank of every stage
+    conv = open_converted(out)
+    tp = conv.world_size  # every rank of every stage
     if tp == 1:
         return False
     if any(ctx.params[k] is not None for k in ("rank", "stage", "tp_rank")):
         raise UsageError(f"--warmup runs the model, which needs all {tp} ranks: drop --rank and they start here "
                          "(or run every rank under torchrun)", file=str(out))
     dev = str(devices.resolve(device))
-    world = launch.world_for(tp, None, dev)
+    world = launch.world_for(conv, None, dev)
     body = lambda: ctx.invoke(load, **ctx.params) or 0  # noqa: E731 (this command again, as rank 0)
     rc = launch.run(world, _argv(ctx.params), body, dev, prefix="kconvert: error")
     if rc:

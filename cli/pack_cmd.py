@@ -9,6 +9,7 @@ import click
 from .progress import byte_progress
 from .run_summary import print_run, rate
 from .units import fmt_bytes
+from .params import Whole
 
 
 def _report(r, out: str, as_json: bool) -> None:
@@ -23,7 +24,7 @@ def _report(r, out: str, as_json: bool) -> None:
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 @click.option("--compress", "codec", default="zstd", show_default=True, metavar="zstd[:LEVEL]",
               help="Codec and zstd level (1 is the default: on byte-grouped weights it measured best).")
-@click.option("--threads", type=int, help="Chunks compressed in parallel (default: cores, at most 8).")
+@click.option("--threads", type=Whole(1, 1024), help="Chunks compressed in parallel (default: cores, at most 8).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def pack(out, codec, threads, as_json):
     """Compress every shard of converted checkpoint OUT in place (lossless zstd, byte-grouped).
@@ -46,7 +47,7 @@ def pack(out, codec, threads, as_json):
 
 @click.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
-@click.option("--threads", type=int, help="Chunks decompressed in parallel (default: cores, at most 8).")
+@click.option("--threads", type=Whole(1, 1024), help="Chunks decompressed in parallel (default: cores, at most 8).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def unpack(out, threads, as_json):
     """Decompress every compressed shard of converted checkpoint OUT in place (byte-identical to before pack).

@@ -14,14 +14,15 @@ from kconvert.plan.device_presets import GIB
 from kconvert.plan.memory import make_plan
 
 from .units import fmt_count
+from .params import COUNT, Real
 
 _TOKEN_UNITS = {"": 1, "K": 1024, "M": 1024**2}
 
 
 def parse_tokens(text: str) -> int:
     """'1M' -> 1048576, '128k' -> 131072, '4096' -> 4096, '1.5M' -> 1572864 (k = 1024, M = 1024**2)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(text))
-    if not m:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(text), re.ASCII)  # no Unicode digits
+    if not m or len(m.group(1)) > 18:
         raise UsageError(f"cannot read token count {text!r} (examples: 4096, 128k, 1M)")
     n = int(float(m.group(1)) * _TOKEN_UNITS[m.group(2).upper()])
     if n < 1:
@@ -63,12 +64,12 @@ def _tries(p) -> str:
 
 @click.command()
 @click.argument("src")
-@click.option("--tp", type=int, required=True, help="Tensor-parallel degree (ranks).")
-@click.option("--ep", type=int, help="Expert groups (default: = tp, whole experts per rank; 1: every expert split).")
-@click.option("--pp", type=int, default=1, show_default=True,
+@click.option("--tp", type=COUNT, required=True, help="Tensor-parallel degree (ranks).")
+@click.option("--ep", type=COUNT, help="Expert groups (default: = tp, whole experts per rank; 1: every expert split).")
+@click.option("--pp", type=COUNT, default=1, show_default=True,
               help="Pipeline stages (layers split as `shard --pp` splits them; KV per stage: its layers only).")
 @click.option("--pp-layers", metavar="A-B,C-D,...", help="Decoder layers of each stage instead of the balanced split.")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True,
+@click.option("--gpus-per-node", type=COUNT, default=8, show_default=True,
               help="Devices per node, for the node count of a tp x pp layout.")
 @click.option("--quant", default="none", show_default=True, help="Weight scheme after conversion: none, fp8, int8, int4, fp4, or auto (the source's own format where "
                    "--device runs it, else the device's best: FP4 experts become fp8 on GPUs without FP4).")
@@ -76,14 +77,14 @@ def _tries(p) -> str:
               help="Device preset (manifests/devices.toml): H200, H100, H20, B200, A100, S5000, S4000.")
 @click.option("--context", "context_text", help="Tokens per sequence, e.g. 4096, 128k, 1M (k = 1024). "
               "Default: the model's max_position_embeddings.")
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences held in the KV cache at once.")
+@click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences held in the KV cache at once.")
 @click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", default="bf16", show_default=True,
               help="bf16, or fp8 (FlashMLA latent layout: 656 B per layer at 512 + 64; indexer 132 B at 128).")
-@click.option("--reserve-gb", type=float, help="Activation/workspace reserve per rank in GiB "
+@click.option("--reserve-gb", type=Real(0, 2**20), help="Activation/workspace reserve per rank in GiB "
               "(default: 2 GiB + 8192 tokens x hidden x 2 B x 24 buffers).")
-@click.option("--mem-fraction", type=float, default=0.92, show_default=True,
+@click.option("--mem-fraction", type=Real(0, 1, lo_open=True), default=0.92, show_default=True,
               help="Share of device memory the engine may use.")
-@click.option("--host-gb", type=float, default=256.0, show_default=True,
+@click.option("--host-gb", type=Real(0, 2**20), default=256.0, show_default=True,
               help="Host memory per rank for the KV host tier (the 'with host tier' context).")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")

@@ -15,6 +15,7 @@ from kconvert.convert.shard import ShardJob, shard as _shard
 from .progress import byte_progress
 from .run_summary import io_facts, print_run
 from .units import fmt_bytes
+from .params import COUNT, Whole
 
 
 def _rank0() -> bool:
@@ -24,9 +25,9 @@ def _rank0() -> bool:
 @click.command()
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--tp", type=int, required=True, help="Tensor-parallel degree (number of ranks).")
-@click.option("--ep", type=int, help="Expert groups (default = tp: whole experts per rank; 1: split every expert).")
-@click.option("--pp", type=int, default=1, show_default=True,
+@click.option("--tp", type=COUNT, required=True, help="Tensor-parallel degree (number of ranks).")
+@click.option("--ep", type=COUNT, help="Expert groups (default = tp: whole experts per rank; 1: split every expert).")
+@click.option("--pp", type=COUNT, default=1, show_default=True,
               help="Pipeline stages: contiguous layers per stage, balanced by bytes per rank; tp x pp ranks in all.")
 @click.option("--pp-layers", metavar="A-B,C-D,...",
               help="The decoder layers of each stage instead of the balanced split, e.g. 0-14,15-30,31-60.")
@@ -34,7 +35,7 @@ def _rank0() -> bool:
               help="Target weight format for quantizable tensors.")
 @click.option("--scale-format", type=click.Choice(SCALE_FORMATS), default="fp32", show_default=True,
               help="FP8 block scales: float32, or powers of two (UE8M0) as DeepSeek-V3.1+ uses.")
-@click.option("--group-size", type=int, default=32, show_default=True, help="int4: inputs per scale group.")
+@click.option("--group-size", type=Whole(2, 65536), default=32, show_default=True, help="int4: inputs per scale group.")
 @click.option("--int4-scales", type=click.Choice(["mse", "amax"]), default="mse", show_default=True,
               help="int4 scales: clipping search for the least squared error per group, or plain amax / 7.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Keep matching tensors in bf16 (glob, repeatable).")
@@ -42,7 +43,7 @@ def _rank0() -> bool:
               help="Quantize matching 2-D tensors even if the manifest keeps them (glob, repeatable).")
 @click.option("--requantize", is_flag=True, help="Block-FP8 source cut inside a block: dequantize and re-quantize.")
 @click.option("--keep-mtp", is_flag=True, help="Keep multi-token-prediction layers (dropped by default).")
-@click.option("--workers", type=click.IntRange(min=1),
+@click.option("--workers", type=COUNT,
               help="Units converted in parallel (threads); default: cores + 1, fewer if memory is short.")
 @click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) conversion in OUT.")
 @click.option("--compress", metavar="zstd[:LEVEL]",

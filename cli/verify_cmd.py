@@ -10,6 +10,9 @@ import click
 from kconvert.plan.kv_bytes import KV_DTYPES
 
 from .progress import byte_progress
+from kconvert.arguments import number
+
+from .params import COUNT
 
 
 @click.command()
@@ -19,7 +22,7 @@ from .progress import byte_progress
               help="JSON prompt list (default: the built-in set: short, long > index_topk, chat, image).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Reference compute dtype.")
-@click.option("--top-k", type=int, help="Store only the top K log-probs + the log-mass of the rest (smaller file).")
+@click.option("--top-k", type=COUNT, help="Store only the top K log-probs + the log-mass of the rest (smaller file).")
 @click.option("--hidden-states", is_flag=True, help="Also store every layer's hidden states (for verify --per-layer).")
 @click.option("--like", "like", type=click.Path(exists=True, file_okay=False),
               help="Converted dir: fake-quantize SRC's weights as it did (the faithfulness reference).")
@@ -43,7 +46,9 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
 
     ck = Checkpoint.open(src, headers_only=True)
     prompts = load_prompts(prompts_file, ck.config)
-    with byte_progress("reference", enabled=not as_json, unit="items") as cb:
+    from kconvert.io.workdir import terminate_as_interrupt
+
+    with terminate_as_interrupt(), byte_progress("reference", enabled=not as_json, unit="items") as cb:
         cb("start", total=len(prompts))
         meta = run_reference(src, out, prompts, dtype=dtype, top_k=top_k, hidden_states=hidden_states, like=like,
                              progress=cb)
@@ -64,7 +69,7 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
 @click.option("--per-layer", is_flag=True, help="Hidden-state error per layer, first faulty layer, tensors to blame.")
 @click.option("--device", default="cpu", show_default=True, help="Device the engine runs on.")
 @click.option("--force", is_flag=True, help="Compare even if the reference was made from another source.")
-@click.option("--tp", type=int, default=1, show_default=True,
+@click.option("--tp", type=COUNT, default=1, show_default=True,
               help="An exported (Hugging Face-layout) OUT is resharded for this many ranks first.")
 @click.option("--threshold", "threshold", multiple=True, metavar="KEY=VALUE",
               help="Override a limit: mean_kld, p99_kld, same_top1_pct, ppl_ratio (cost budget) or "
@@ -103,13 +108,12 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
         key, _, value = item.partition("=")
         if key.removeprefix("faithful.") not in CHECKED:
             raise UsageError(f"unknown threshold {key!r} ({', '.join(CHECKED)}, or faithful.KEY)")
-        try:
-            limits[key] = float(value)
-        except ValueError:
-            raise UsageError(f"threshold {key} needs a number, got {value!r}") from None
+        limits[key] = number(value, f"--threshold {key}", 0)
+    from kconvert.io.workdir import terminate_as_interrupt
     from kconvert.verify.exported import as_converted, is_converted, reference_matches
 
-    with contextlib.ExitStack() as stack, byte_progress("verify", enabled=not as_json, unit="items") as cb:
+    # SIGTERM as Ctrl-C: the temporary reshard and results are removed, the spawned ranks stopped
+    with terminate_as_interrupt(), contextlib.ExitStack() as stack, byte_progress("verify", enabled=not as_json, unit="items") as cb:
         target = out
         if not is_converted(out):  # an export: resharded into a temporary converted dir
             cb("phase", name="reshard")

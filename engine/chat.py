@@ -9,7 +9,7 @@
 
 A checkpoint converted with --tp T --pp P runs as T x P processes (stage by stage: global rank = stage x T
 + tp rank): this command starts them itself (one per rank on cpu, one per device on cuda/musa); this
-process is rank 0 and owns the terminal, the others follow its input. --nproc overrides the count.
+process is rank 0 and owns the terminal, the others follow its input. --nproc may only repeat the count.
 Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
 The KV cache grows with the conversation in pages of 64 tokens, up to --context tokens (default: the
@@ -19,13 +19,13 @@ Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 13
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from engine import launch
 from engine.generate import Sampling, generate
+from engine.chat_args import DTYPES, parse_args
 from engine.image import load_image, preprocess
 from engine.kv_budget import kv_options
 from engine.model import Model
@@ -34,10 +34,6 @@ from engine.tokenizer import Tokenizer
 from kconvert.distributed import Group
 from kconvert.errors import EngineError, KConvertError, UsageError
 from kconvert.exit_codes import run_reporting_errors
-from kconvert.plan.kv_bytes import KV_DTYPES
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
 
 class Session:
     def __init__(self, model: Model, tok: Tokenizer, sampling: Sampling, system: str | None, context: int,
@@ -126,48 +122,16 @@ def _on_rank0(par: Group, load):
     return res
 
 
-def _parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m engine.chat", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("path", help="converted checkpoint directory (kconvert shard OUT)")
-    ap.add_argument("--prompt", help="one non-interactive turn")
-    ap.add_argument("--image", help="image for the --prompt turn")
-    ap.add_argument("--system", default=None)
-    ap.add_argument("--complete", action="store_true",
-                    help="continue --prompt as plain text, without the chat template (base models such as the "
-                         "trained fixtures: --prompt 'def main(' --complete)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--context", type=int, default=None,
-                    help="most tokens a conversation may hold (default: the model's maximum); the cache is "
-                         "allocated as the conversation grows, never for the whole limit up front")
-    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                    help="KV cache format (default: the compute dtype); fp8: e4m3 latent + per-128 scales, "
-                         "indexer keys bf16; fp8-ds: fp8 keys too (DeepSeek-V3.2's layout, fewer bytes)")
-    ap.add_argument("--kv-budget", default=None,
-                    help="most bytes the KV cache may take (8GiB, 512M) or a fraction of free memory (0.9)")
-    ap.add_argument("--kv-device-budget", default=None,
-                    help="bytes of KV latent kept on the device; older pages go to host memory")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or musa (each rank takes device LOCAL_RANK)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--nproc", type=int, default=None,
-                    help="processes to start when not under torchrun (default: the conversion's tp x pp)")
-    return ap.parse_args(argv)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = _parse(argv)
-    world = None
+    a = world = None
 
-    def size_the_world() -> int:
-        nonlocal world
+    def size_the_world() -> int:  # every argument and the world are checked before a rank starts
+        nonlocal a, world
         from kconvert.load.loader import open_converted
 
-        world = launch.world_for(open_converted(a.path).catalog.world_size, a.nproc, a.device)
+        a = parse_args(argv, __doc__)
+        world = launch.world_for(open_converted(a.path), a.nproc, a.device)
         return 0
 
     code = run_reporting_errors(size_the_world, launch.say_once)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from kconvert.errors import ImageError
+from kconvert.arguments import path_name
+from kconvert.errors import ImageError, UsageError
 
 # Larger inputs are shrunk to the tower's budget (max_patches x patch^2 = 3.2 Mpx), so decoding an image far
 # beyond it buys nothing and lets a small file (a "decompression bomb") claim gigabytes: refuse past 16x.
@@ -50,6 +51,10 @@ def load_image(path, rules: ImageRules = ImageRules()) -> "PIL.Image.Image":
 
     from PIL import Image
 
+    try:
+        path_name(path, "image")  # an over-long name fails in the OS call below, not as one line
+    except UsageError as e:
+        raise ImageError(e.message) from None
     p = Path(path).expanduser()
     limit = rules.max_input_pixels
     if not p.is_file():

@@ -10,6 +10,7 @@ import torch
 
 from engine.cache import KVOptions
 from engine.kv_format import check_kv_dtype
+from kconvert.arguments import byte_count
 from kconvert.errors import UsageError
 
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
@@ -31,16 +32,13 @@ def free_memory(device) -> int:
 def parse_budget(text: str | None, option: str, device="cpu") -> int | None:
     if text is None:
         return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(text).lower())
-    if not m:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(text).lower(), re.ASCII)
+    if not m or len(m.group(1)) > 32:
         raise UsageError(f"{option} {text!r}: give bytes (8GiB, 512M) or a fraction of free memory (0.9)")
     value, unit = float(m.group(1)), m.group(2) or ""
     if not unit and 0 < value < 1:
         return int(value * free_memory(device))
-    n = int(value * UNITS[unit])
-    if n <= 0:
-        raise UsageError(f"{option} {text!r} must be positive")
-    return n
+    return byte_count(value * UNITS[unit], option, text)  # positive, and at most 1 EiB (1e30 crashed torch)
 
 
 def kv_options(kv_dtype: str | None = None, budget: str | None = None, device_budget: str | None = None,

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kconvert.distributed import StoppedWatch
 from kconvert.errors import DeviceError, KConvertError, UsageError
 
 PARENT_ENV = "KCONVERT_LAUNCHER_PID"  # set in the ranks this module starts
@@ -53,12 +54,16 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def world_for(ranks: int, nproc: int | None, device: str) -> int:
-    """How many ranks to run: the conversion's world size (tp x pp, `Catalog.world_size`) unless --nproc
-    overrides it; checked against the devices when they are accelerators (one device per rank)."""
-    world = ranks if nproc is None else nproc
+def world_for(conv, nproc: int | None, device: str) -> int:
+    """How many ranks to run for the opened conversion `conv` (kconvert.load.loader.ConvertedCheckpoint): its
+    world size (tp x pp); --nproc may only repeat it, and accelerators need one device per rank. Everything
+    is checked here, before a single rank is started (a wrong --nproc used to spawn them all first)."""
+    from kconvert.converted.ranks import resolve_rank
+
+    world = conv.catalog.world_size if nproc is None else nproc
     if world < 1:
         raise UsageError(f"--nproc must be at least 1, got {world}")
+    resolve_rank(conv.catalog, conv.root, world_size=world)  # the conversion's world bounds --nproc
     kind = device.split(":")[0]
     if world > 1 and kind != "cpu" and not under_launcher():
         import torch
@@ -141,8 +146,16 @@ class _Ranks:
                 self.tails[r].append(line)
 
     def _watch(self) -> None:
-        """Another rank failed: rank 0 is likely stuck in a collective waiting for it, so end the run here."""
+        """Another rank failed, or is frozen (stopped by a signal): rank 0 is likely stuck in a collective
+        waiting for it, so end the run here."""
+        stopped = StoppedWatch()
         while not self.closing.is_set():
+            r = stopped.frozen({r: p.pid for r, p in self.procs.items() if p.poll() is None})
+            if r is not None and say_once(f"{self.prefix}: rank {r} is frozen (stopped by a signal for "
+                                          f"{stopped.limit_s:.0f} s: SIGSTOP or a debugger): every rank is stopped"):
+                self.stop()
+                sys.stdout.flush()
+                os._exit(1)
             for r, p in self.procs.items():
                 rc = p.poll()
                 if rc is None or rc == 0:

@@ -110,7 +110,7 @@ class Model(nn.Module):
         pp = 1 conversion as len(stages) pipeline stages (every stage reads its tp rank's files and keeps
         its own layers: for tests and benchmarks)."""
         model, conv = cls.empty(path, par or Group.from_env(device), device, dtype, stages)
-        for unit, tensors in conv.stream(device=device):
+        for unit, tensors in conv.stream(device=device, verify="first"):  # CRCs on a first load
             model.take_unit(unit, tensors)
         model.check_complete()
         return model

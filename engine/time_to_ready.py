@@ -51,7 +51,8 @@ def load_rank(out, *, rank: int | None = None, stage: int | None = None, tp_rank
     held, tensors = [], 0
     progress("phase", name=f"load rank {conv.rank} → {dev}")
     progress("start", total=conv.total_bytes)
-    for unit, unit_tensors in conv.stream(dev, prefetch=prefetch, verify=verify, threads=threads):
+    check = verify or ("first" if model is not None else False)  # --warmup serves what it loads: CRCs once
+    for unit, unit_tensors in conv.stream(dev, prefetch=prefetch, verify=check, threads=threads):
         tensors += len(unit_tensors)
         if model is not None:
             model.take_unit(unit, unit_tensors)  # each layer's modules filled as its tensors arrive

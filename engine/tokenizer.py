@@ -5,11 +5,11 @@ converted directory cannot make the engine read (and tokenize) an arbitrary file
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from engine.template import render
 from kconvert.io.paths import contained
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 from kconvert.errors import CheckpointError, EngineError, TokenizerError
 from kconvert.source.tokenizer import load_kimi_tokenizer
 
@@ -43,7 +43,7 @@ class Tokenizer:
     def _read_config(path: Path) -> dict:
         if not path.exists():
             return {}
-        cfg = json.loads(path.read_text(encoding="utf-8"))  # load_kimi_tokenizer has parsed it: it is valid JSON
+        cfg = read_json(path, limit=MAX_CONFIG, error=TokenizerError)
         if not isinstance(cfg, dict):
             raise TokenizerError("must be a JSON object", file=str(path))
         return cfg
@@ -58,10 +58,7 @@ class Tokenizer:
             raise TokenizerError("chat_template must be a string", file=str(paths["tokenizer_config.json"]))
         if t is None and paths["chat_template.jinja"].exists():
             p = paths["chat_template.jinja"]
-            try:
-                t, where = p.read_text(encoding="utf-8"), str(p)
-            except (OSError, UnicodeDecodeError) as e:
-                raise TokenizerError(f"cannot be read as UTF-8 text ({e.__class__.__name__})", file=str(p)) from None
+            t, where = read_text(p, limit=MAX_TEXT, error=TokenizerError), str(p)
         return t, where
 
     def encode(self, text: str) -> list[int]:

@@ -21,6 +21,38 @@ from kconvert.errors import EngineError
 # writes its share of a terabyte, and chat's ranks wait in a broadcast while the user types.
 TIMEOUT = datetime.timedelta(hours=48)
 
+FROZEN_S = 5.0  # a rank stopped (SIGSTOP, a debugger) this long ends the run: its peers would wait TIMEOUT
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal or a tracer (Linux /proc state T or t). A stopped rank
+    blocks every collective for TIMEOUT, which cannot be short (see above), so launchers watch for this."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
+
+
+class StoppedWatch:
+    """Which of some processes has stayed stopped for FROZEN_S: `frozen({rank: pid})` -> a rank or None."""
+
+    def __init__(self, limit_s: float = FROZEN_S):
+        self.limit_s, self.since = limit_s, {}
+
+    def frozen(self, pids: dict[int, int]) -> int | None:
+        import time
+
+        now = time.monotonic()
+        for rank, pid in pids.items():
+            if not is_stopped(pid):
+                self.since.pop(rank, None)
+            elif now - self.since.setdefault(rank, now) >= self.limit_s:
+                return rank
+        return None
+
+
 _TP_GROUPS: dict[tuple[int, int], list] = {}  # (tp, pp) -> every stage's tp group, made once per process
 
 

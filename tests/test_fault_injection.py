@@ -12,7 +12,8 @@ exactly what the library reads. Most cases run in-process; a sample goes through
 (exit code, one line on stderr), the first of each campaign as a separate `kconvert` process.
 
 This file: damaged sources. test_fault_injection_converted.py: damaged converted directories;
-test_fault_injection_writes.py: failing writes (disk full, fsync errors) and the fsync order.
+test_fault_injection_writes.py: failing writes (disk full, fsync errors) and the fsync order;
+test_fault_injection_inputs.py: odd side files (FIFOs, devices, deep JSON), export's copy paths, arguments.
 """
 
 from __future__ import annotations
@@ -249,4 +250,5 @@ def _check_cli_shard(sandbox: Sandbox, what: str, cli) -> None:
         assert len(r.stderr.strip().splitlines()) == 1 and not (sandbox.out / MANIFEST).exists(), (what, r.stderr)
     assert snapshot(sandbox.root, skip=sandbox.out) == before, what
     shutil.rmtree(sandbox.out, ignore_errors=True)
+
 

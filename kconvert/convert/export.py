@@ -33,6 +33,7 @@ EXPORT_VERSION = 1
 # Beyond shard's side files: what a serving engine or `trust_remote_code` needs from the release.
 SIDE_PATTERNS = COPY_PATTERNS + ("tokenizer.json", "tokenizer.model", "*.py", "LICENSE*", "README.md")
 DEFAULT_MAX_SHARD = 5 * 10**9
+MIN_SHARD = 10**6
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
         raise UsageError(f"unknown --format {job.format!r} (choose from {', '.join(FORMATS)})")
     if job.group_size < 8 or job.group_size % 8:
         raise UsageError(f"--group-size {job.group_size} must be a positive multiple of 8")
+    if job.max_shard_bytes < MIN_SHARD:  # 0 used to write one file per tensor
+        raise UsageError(f"--max-shard-size {job.max_shard_bytes} bytes: must be at least {MIN_SHARD // 10**6} MB")
 
     def order(name: str):
         info = ck.info(name)
@@ -79,6 +82,10 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
             size = 0
         files[-1].append(e)
         size += e.bytes_out
+    if not any(e.scheme_name for f in files for e in f):  # e.g. a --group-size no input width divides
+        group = f" --group-size {job.group_size}" if job.format == "w4a16" else ""
+        raise UsageError(f"--format {job.format}{group} would quantize no tensor of this checkpoint (no eligible "
+                         "linear's input width fits it): refusing to write an unquantized copy", file=str(ck.root))
     return files
 
 

@@ -24,9 +24,9 @@ import torch
 from kconvert.errors import UsageError
 from kconvert.family.manifest import TensorInfo
 from kconvert.io.dtypes import DTYPES, FP8_BLOCK, specs_bytes
-from kconvert.io.safetensors_read import read_tensor
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
+from kconvert.source.stored_parts import read_parts
 from kconvert.convert.quant_policy import selected, source_quant, source_scale_fmt  # noqa: F401 (export.py imports source_scale_fmt here)
 from kconvert.quant.registry import get_scheme
 from kconvert.quant.scheme import COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, Options, Scheme, input_bytes
@@ -134,7 +134,7 @@ def load(ck: Checkpoint, e: Exported):
     """What `produce` needs: raw stored parts for the bit-exact copies, else the (dequantized) weight."""
     t = ck.logical[e.src]
     if e.copy_roles:
-        return tuple(read_tensor(t.parts[role]) for role in e.copy_roles)
+        return read_parts(t, e.copy_roles)  # checked as shard checks its copies (NaN/Inf, INT4 weight_shape)
     return ck.read(e.src)
 
 

@@ -7,9 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
-from kconvert.errors import CheckpointError, UsageError, WriteError
+from kconvert.errors import CheckpointError, KConvertError, UsageError, WriteError
 from kconvert.io.atomic import write_atomic, write_error
 from kconvert.io.paths import contained
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, check_regular, read_json
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.catalog import MANIFEST
 from kconvert.converted.journal import JOURNAL_DIR
@@ -71,8 +72,10 @@ def copy_side_files(ck: Checkpoint, out: Path, patterns: tuple[str, ...] = COPY_
     for pattern in patterns:
         for f in sorted(ck.root.glob(pattern)):
             src = contained(ck.root, f.name, named_in=ck.root)
-            if not src.is_file():
-                raise CheckpointError("side file is not a regular file", file=str(src))
+            check_regular(src)  # a FIFO would block the copy; a device would never end
+            if src.stat().st_size > MAX_TEXT:
+                raise CheckpointError(f"side file of {src.stat().st_size} bytes: over the {MAX_TEXT >> 20} MiB "
+                                      "limit for config and tokenizer files", file=str(src))
             try:
                 shutil.copyfile(src, out / f.name)
             except OSError as e:
@@ -82,7 +85,7 @@ def copy_side_files(ck: Checkpoint, out: Path, patterns: tuple[str, ...] = COPY_
 def _read_json(path: Path) -> dict:
     """A JSON object, or {} when the file is damaged (then it matches no job and needs --overwrite)."""
     try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError):
+        obj = read_json(path, limit=MAX_CONFIG)
+    except (OSError, KConvertError):
         return {}
     return obj if isinstance(obj, dict) else {}

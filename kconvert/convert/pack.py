@@ -15,11 +15,12 @@ import os
 import shutil
 from pathlib import Path
 
-from kconvert.errors import ChecksumMismatch, UsageError
+from kconvert.errors import ChecksumMismatch, KConvertError, UsageError
 from kconvert.io.atomic import write_atomic
 from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.safetensors_read import read_header
+from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import check_size, file_crc32, first_bad_tensor
 from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE
@@ -47,8 +48,8 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     state = journal / PACK_STATE
     if state.exists():
         try:
-            prev = json.loads(state.read_text())
-        except (OSError, ValueError):
+            prev = read_json(state, limit=MAX_CONFIG)
+        except (OSError, KConvertError):
             prev = {"op": op}
         prev = prev if isinstance(prev, dict) else {"op": op}
         if prev.get("op") != op:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kconvert.arguments import path_name
 from kconvert import distributed
 from kconvert.errors import KConvertError
 from kconvert.converted.journal import JOURNAL_DIR, JournalLog, read_done
@@ -68,7 +69,7 @@ class Run:
 
     def __init__(self, out: str | Path, progress=None, *, logs: str = "done-*.jsonl", **details):
         self.t0 = time.perf_counter()
-        self.out = Path(out).resolve()
+        self.out = Path(path_name(out, "OUT")).resolve()  # a 256-byte name fails at the first write otherwise
         self.progress = progress
         self.logs = logs  # the journal files this run (and its other processes) append to
         self.result = RunResult(str(self.out), details=details)

@@ -16,7 +16,7 @@ from kconvert.errors import KConvertError
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.formats import read_checked
+from kconvert.source.stored_parts import read_parts
 from kconvert.convert.shard_plan import Output, WorkItem
 
 
@@ -88,7 +88,7 @@ def _load(ck: Checkpoint, o: Output):
     """The whole source tensor of `o`: dequantized/plain, or its stored parts for a lossless copy."""
     t = ck.logical[o.src]
     if o.copy is not None:
-        return tuple(read_checked(t.parts[role]) for role in o.copy.roles)
+        return read_parts(t, o.copy.roles)
     return ck.read(o.src)
 
 

@@ -65,7 +65,7 @@ def parse_pp_layers(text: str, n_layers: int, pp: int) -> tuple[tuple[int, int],
     parts = [p.strip() for p in str(text).split(",")]
     out: list[tuple[int, int]] = []
     for p in parts:
-        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", p)
+        m = re.fullmatch(r"([0-9]{1,9})(?:\s*-\s*([0-9]{1,9}))?", p, re.ASCII)  # ASCII, and no 5000-digit int()
         if not m:
             raise UsageError(f"--pp-layers {text!r}: {p!r} is not a layer range like 0-14")
         a, b = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))

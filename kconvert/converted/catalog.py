@@ -18,6 +18,7 @@ from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.paths import contained
+from kconvert.io.side_files import MAX_CATALOG, read_json
 from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_file, unit_layer
 from kconvert.quant.registry import SHARD_SCHEMES
 
@@ -45,16 +46,10 @@ class Catalog:
     def read(cls, out: str | Path) -> "Catalog":
         path = Path(out) / MANIFEST
         try:
-            raw = path.read_bytes()
+            doc = read_json(path, limit=MAX_CATALOG, parse_constant=_no_nan)
         except FileNotFoundError:
             raise CheckpointError("no kconvert.json: not a converted checkpoint, or its conversion never finished",
                                   file=str(path)) from None
-        except OSError as e:
-            raise CheckpointError(f"cannot read kconvert.json: {e.strerror}", file=str(path)) from None
-        try:
-            doc = json.loads(raw, parse_constant=_no_nan)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-            raise CheckpointError(f"kconvert.json is not valid JSON: {e}", file=str(path)) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise CheckpointError("kconvert.json is not a kconvert manifest", file=str(path))
         if doc.get("format_version") not in READABLE_VERSIONS:

@@ -9,8 +9,9 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kconvert.errors import CheckpointError
+from kconvert.errors import CheckpointError, KConvertError
 from kconvert.io.atomic import write_error
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 
 JOURNAL_DIR = ".kconvert"
 PACK_STATE = "pack.json"  # in JOURNAL_DIR while `kconvert pack` / `unpack` is converting the directory
@@ -23,7 +24,7 @@ def read_done(logs: Iterable[Path], out: Path, size_of: Callable[[dict], int | N
     for log in logs:
         if not log.exists():
             continue
-        for line in log.read_text().splitlines():
+        for line in read_text(log, limit=MAX_TEXT).splitlines():
             try:
                 rec = json.loads(line)
                 rel = rec["file"]
@@ -74,8 +75,8 @@ def check_not_mid_pack(out: Path) -> None:
     state = Path(out) / JOURNAL_DIR / PACK_STATE
     if state.exists():
         try:
-            op = json.loads(state.read_text()).get("op", "pack")
-        except (OSError, ValueError, AttributeError):
+            op = read_json(state, limit=MAX_CONFIG).get("op", "pack")
+        except (OSError, KConvertError, AttributeError):
             op = "pack"
         op = op if op in ("pack", "unpack") else "pack"
         raise CheckpointError(f"an unfinished `kconvert {op}` is converting this directory; re-run `kconvert {op} "

@@ -13,7 +13,6 @@ point two tensors at one region, or to hide bytes between them, does not.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -26,6 +25,7 @@ from kconvert.errors import FormatError
 from kconvert.io.compressed import ChunkIndex
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.pread import map_range
+from kconvert.io.side_files import parse_json
 
 MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
 
@@ -90,10 +90,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise FormatError("is a directory, not a safetensors file", file=str(path)) from None
     except PermissionError:
         raise FormatError("permission denied", file=str(path)) from None
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"header is not valid JSON ({e.__class__.__name__})", file=str(path)) from None
+    obj = parse_json(raw, file=str(path), error=FormatError)  # bounded nesting: deep JSON is one line, not a crash
     if not isinstance(obj, dict):
         raise FormatError("header is not a JSON object", file=str(path))
     data_start = 8 + n

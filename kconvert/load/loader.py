@@ -31,6 +31,7 @@ import torch
 from kconvert import devices
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import check_size
+from kconvert.load.first_load import mark_checked, needs_crc
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.converted.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
@@ -156,9 +157,16 @@ class ConvertedCheckpoint:
     def load_unit(self, unit: str, device: str | torch.device = "cpu", *, verify: bool = False) -> dict[str, torch.Tensor]:
         return dict(next(iter(self.stream(device, prefetch=0, verify=verify, units=[unit])))[1])
 
-    def stream(self, device: str | torch.device = "cpu", *, prefetch: int = 2, verify: bool = False,
+    def stream(self, device: str | torch.device = "cpu", *, prefetch: int = 2, verify: bool | str = False,
                threads: int = 4, units: list[str] | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """Yield (unit, {name: tensor on device}) in load order, reading ahead `prefetch` units."""
+        """Yield (unit, {name: tensor on device}) in load order, reading ahead `prefetch` units. verify: True
+        checks every file's CRC-32; "first" only files not checked as they are now (load/first_load.py)."""
+        if verify == "first":
+            check = units is None and needs_crc(self)
+            yield from self.stream(device, prefetch=prefetch, verify=check, threads=threads, units=units)
+            if check:
+                mark_checked(self)
+            return
         dev = devices.resolve(device)
         order = list(units or self.units)
         for u in order:

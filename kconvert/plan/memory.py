@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
 from kconvert.errors import CheckpointError, UsageError
+from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.plan.device_presets import GIB, DevicePreset, auto_quant, devices, find_device
 from kconvert.plan.fit import MEM_FRACTION, Sizing, default_reserve, fit  # noqa: F401 (default_reserve, fit: API)
 from kconvert.plan.kv_bytes import kv_bytes, kv_options
@@ -78,10 +79,7 @@ def _open(src: str, revision: str | None):
     if p.is_dir() and not ((p / INDEX).exists() or (p / SINGLE).exists()) and (p / "config.json").is_file():
         p = p / "config.json"
     if p.is_file():
-        try:
-            config = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"not a readable config.json: {e}", file=str(p)) from None
+        config = read_json(p, limit=MAX_CONFIG)
         if not isinstance(config, dict):
             raise CheckpointError("config.json is not a JSON object", file=str(p))
         model, groups = config_groups(json.dumps(config, sort_keys=True), str(p))

@@ -22,7 +22,9 @@ from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
+from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
 from kconvert.source.formats import LogicalTensor, fold, read_logical
+from kconvert.source.stored_parts import check_scale_shape
 from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
@@ -110,6 +112,7 @@ class Checkpoint:
 
     def validate(self) -> None:
         """Every tensor known with the shape config.json implies; every required tensor present."""
+        block, group = self.quant_block(), self.int4_group()
         for name, t in self.logical.items():
             info = self.info(name)
             if info.rule.values_below is not None:
@@ -119,6 +122,7 @@ class Checkpoint:
             elif t.format == "plain" and t.main.dtype not in FLOAT_TAGS:  # e.g. a header whose BF16 became I16
                 raise ManifestError(f"stored as {t.main.dtype}: a model weight must be a float (F16, BF16, F32 or "
                                     "F64), or FP8/INT8/INT4 with its scale", file=str(t.main.file), tensor=name)
+            check_scale_shape(t, block, group)
             expect = info.expected_shape()
             if tuple(t.shape) != expect:
                 raise ManifestError(f"shape {list(t.shape)} disagrees with config.json, which implies {list(expect)}",
@@ -184,11 +188,9 @@ class Checkpoint:
 def read_config(root: Path) -> dict:
     path = root / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = read_json(path, limit=MAX_CONFIG)
     except FileNotFoundError:
         raise CheckpointError("config.json is missing: not a model checkpoint directory", file=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"config.json is not valid JSON: {e}", file=str(path)) from None
     if not isinstance(config, dict):
         raise CheckpointError("config.json is not a JSON object", file=str(path))
     return config
@@ -198,10 +200,7 @@ def _index_map(root: Path) -> dict[str, str] | None:
     path = root / INDEX
     if not path.exists():
         return None
-    try:
-        index = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"index is not valid JSON: {e}", file=str(path)) from None
+    index = read_json(path, limit=MAX_INDEX)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))

@@ -188,6 +188,15 @@ def _require_finite_logical(out: torch.Tensor, t: LogicalTensor, rows) -> torch.
                          tensor=t.name)
 
 
+def declared_shape(t: LogicalTensor, shape_part: torch.Tensor) -> tuple[int, int]:
+    """An INT4 tensor's stored weight_shape, refused unless it agrees with weight_packed (8 codes a word)."""
+    declared = tuple(int(v) for v in shape_part.reshape(-1).tolist())
+    if len(declared) != 2 or declared[0] != t.shape[0] or not (t.shape[1] - 8 < declared[1] <= t.shape[1]):
+        raise CheckpointError(f"weight_shape {list(declared)} disagrees with weight_packed {list(t.parts['packed'].shape)}",
+                              file=str(t.parts["shape"].file), tensor=t.parts["shape"].name)
+    return declared
+
+
 def read_checked(entry: TensorEntry, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """One stored tensor (or rows of it), refused if any value is NaN/Inf. For readers that copy stored
     parts as they are (shard's lossless block-FP8 resharding) rather than through `read_logical`."""
@@ -232,10 +241,7 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
     if t.format == "int4_packed":
         packed = read_tensor(t.parts["packed"], rows)
         scale = read_tensor(t.parts["scale"], rows)
-        declared = tuple(int(v) for v in read_tensor(t.parts["shape"]).tolist())
-        if len(declared) != 2 or declared[0] != t.shape[0] or not (t.shape[1] - 8 < declared[1] <= t.shape[1]):
-            raise CheckpointError(f"weight_shape {list(declared)} disagrees with weight_packed {list(t.parts['packed'].shape)}",
-                                  file=str(t.parts["shape"].file), tensor=t.parts["shape"].name)
+        declared = declared_shape(t, read_tensor(t.parts["shape"]))
         return dequant_int4_packed(packed, scale, (packed.shape[0], declared[1]), group, dtype=out_dtype)
     if t.format == "fp4_packed":  # 0xFF scales would decode to Inf; name them as the NaN they are
         scale = require_finite(read_tensor(t.parts["scale"], rows), t.parts["scale"])

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from pathlib import Path
 
 import tiktoken
 
 from kconvert.errors import TokenizerError
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 
 NUM_SPECIAL = 256
 
@@ -30,19 +30,8 @@ KIMI_PAT_STR = "|".join(
 )
 
 
-MAX_TOKENIZER_BYTES = 256 << 20  # Kimi's tiktoken.model is 2.7 MB
-
-
 def _read_text(path: Path) -> str:
-    try:
-        if path.stat().st_size > MAX_TOKENIZER_BYTES:
-            raise TokenizerError(f"{path.stat().st_size} bytes: larger than any tokenizer "
-                                 f"({MAX_TOKENIZER_BYTES >> 20} MiB limit)", file=str(path))
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TokenizerError("not UTF-8 text", file=str(path)) from None
-    except OSError as e:
-        raise TokenizerError(f"cannot be read ({e.strerror or e})", file=str(path)) from None
+    return read_text(path, limit=MAX_TEXT, error=TokenizerError)  # Kimi's tiktoken.model is 2.7 MB
 
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
@@ -70,10 +59,7 @@ def _special_names(cfg_path: Path) -> dict[int, str]:
     """id -> name from tokenizer_config.json's `added_tokens_decoder` (empty without the file)."""
     if not cfg_path.exists():
         return {}
-    try:
-        cfg = json.loads(_read_text(cfg_path))
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"not valid JSON ({e})", file=str(cfg_path)) from None
+    cfg = read_json(cfg_path, limit=MAX_CONFIG, error=TokenizerError)
     if not isinstance(cfg, dict):
         raise TokenizerError("must be a JSON object", file=str(cfg_path))
     decoder = cfg.get("added_tokens_decoder", {})

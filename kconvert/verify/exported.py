@@ -10,13 +10,13 @@ accepted without --force (the index records that source's fingerprint)."""
 from __future__ import annotations
 
 import contextlib
-import json
-import tempfile
+from kconvert.io.workdir import base_dir, scrub, work_dir
 from pathlib import Path
 
 from kconvert.converted.catalog import MANIFEST
 from kconvert.convert.shard import ShardJob, shard
-from kconvert.errors import UsageError
+from kconvert.errors import KConvertError, UsageError
+from kconvert.io.side_files import MAX_INDEX, read_json
 from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.verify.verdict import thresholds
 
@@ -43,11 +43,14 @@ def as_converted(path: str, tp: int = 1):
     quant, scheme = _SCHEME[kind]
     made_from = None
     if (root / INDEX).exists():
-        made_from = (json.loads((root / INDEX).read_text()).get("metadata") or {}).get("kconvert_job", {}).get(
+        made_from = (read_json(root / INDEX, limit=MAX_INDEX).get("metadata") or {}).get("kconvert_job", {}).get(
             "source_fingerprint")
-    with tempfile.TemporaryDirectory(prefix="kconvert-verify-export-") as tmp:
+    with work_dir("verify-export") as tmp:  # as large as the conversion: removed on every way out
         out = Path(tmp) / "converted"
-        shard(ShardJob(path, str(out), tp=tp, quant=quant))
+        try:
+            shard(ShardJob(path, str(out), tp=tp, quant=quant))
+        except KConvertError as e:
+            raise scrub(e, tmp, f"resharding the export for verify (under {base_dir()}, removed)") from None
         yield str(out), dict(thresholds()["cost"][scheme]), made_from
 
 

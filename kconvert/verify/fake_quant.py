@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import MissingDependency, VerifyFailed
+from kconvert.io.side_files import MAX_CONFIG, read_json
 
 QUANTIZED = ("fp8", "int8", "int4", "fp4")
 FP8_E4M3_MAX = 448.0
@@ -174,7 +175,7 @@ def _write_source(src: str, out_dir: Path, values) -> Path:
             continue
         tensors[name] = values(name, ck.read(name, dtype=torch.float32)).contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"))
-    config = json.loads((ck.root / "config.json").read_text())
+    config = read_json(ck.root / "config.json", limit=MAX_CONFIG)
     config.pop("quantization_config", None)
     if isinstance(config.get("text_config"), dict):
         config["text_config"].pop("quantization_config", None)

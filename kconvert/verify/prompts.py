@@ -10,11 +10,11 @@ A user file (--prompts FILE, JSON list) may replace them:
 
 from __future__ import annotations
 
-import json
 import sysconfig
 from pathlib import Path
 
 from kconvert.errors import UsageError
+from kconvert.io.side_files import MAX_CONFIG, read_json
 
 KINDS = ("short", "long", "chat", "image")
 
@@ -108,11 +108,9 @@ def load_prompts(path: str | Path | None, config: dict) -> list[dict]:
     if str(path) in PROMPT_SETS:
         return prompts_for({**config, "kconvert_prompts": str(path)})
     try:
-        prompts = json.loads(Path(path).read_text())
+        prompts = read_json(path, limit=MAX_CONFIG, error=UsageError)
     except FileNotFoundError:
         raise UsageError("prompt file not found", file=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"prompt file is not valid JSON: {e}", file=str(path)) from None
     if not isinstance(prompts, list) or not prompts:
         raise UsageError("prompt file must hold a non-empty JSON list", file=str(path))
     for i, p in enumerate(prompts):

@@ -22,6 +22,8 @@ from torch.overrides import TorchFunctionMode
 
 from kconvert.errors import KConvertError, NonFiniteError, UsageError
 from kconvert.io.atomic import write_atomic
+from kconvert.io.workdir import work_dir
+from kconvert.io.side_files import check_regular, parse_json
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.verify.kld import RefLogprobs, topk_reference
 from kconvert.verify.prompts import prompt_patches
@@ -131,18 +133,14 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
     meta = {"format": FORMAT, "source": str(src), "source_fingerprint": ck.fingerprint(), "family": ck.family,
             "dtype": dtype, "top_k": top_k, "hidden_states": hidden_states, "tie_rule": "earliest", "fake_quant": None}
     if like is None and ck.model.family.get("reference_from_dequantized") and ck.quantization_config:
-        import tempfile
-
         from kconvert.verify.fake_quant import write_dequantized_source
 
-        with tempfile.TemporaryDirectory(prefix="kconvert-dq-") as tmp:  # kconvert's exact dequantization
+        with work_dir("reference-dq") as tmp:  # kconvert's exact dequantization
             tensors, specs = _run(Checkpoint.open(write_dequantized_source(src, Path(tmp))), prompts, dtype, top_k,
                                   hidden_states, progress)
     elif like is None:
         tensors, specs = _run(ck, prompts, dtype, top_k, hidden_states, progress)
     else:
-        import tempfile
-
         from kconvert.converted.catalog import Catalog
         from kconvert.verify.fake_quant import plan_digest, write_fake_quant_source
 
@@ -153,7 +151,7 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
         meta["fake_quant"] = {"scheme": q["scheme"], "scale_format": q.get("scale_format"),
                               "group_size": q.get("group_size"), "int4_scales": q.get("int4_scales"),
                               "tp": conv["layout"]["tp"], "plan_digest": plan_digest(conv)}
-        with tempfile.TemporaryDirectory(prefix="kconvert-fq-") as tmp:
+        with work_dir("reference-fq") as tmp:
             fq = Checkpoint.open(write_fake_quant_source(src, conv, Path(tmp)))
             tensors, specs = _run(fq, prompts, dtype, top_k, hidden_states, progress)
     meta["prompts"] = specs
@@ -201,6 +199,7 @@ def load_reference(path: str | Path) -> tuple[dict, list[RefLogprobs], dict[str,
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    check_regular(path, error=KConvertError)  # a FIFO would block safe_open forever
     try:
         with safe_open(str(path), "pt") as f:
             raw = (f.metadata() or {}).get("kconvert_reference")
@@ -209,7 +208,7 @@ def load_reference(path: str | Path) -> tuple[dict, list[RefLogprobs], dict[str,
         raise KConvertError(f"cannot read the reference file: {e}", file=str(path)) from None
     if not raw:
         raise KConvertError("not a kconvert reference file (no kconvert_reference metadata)", file=str(path))
-    meta = json.loads(raw)
+    meta = parse_json(raw, file=str(path), error=KConvertError)
     refs = []
     for i in range(len(meta["prompts"])):
         g = lambda k: tensors.get(f"prompt.{i}.{k}")  # noqa: E731

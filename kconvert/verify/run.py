@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kconvert.distributed import StoppedWatch
 from kconvert.verify.forward import engine_inputs, hidden_states
 
 
@@ -57,11 +58,20 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
     if par.rank == 0:
         from safetensors.torch import save_file
 
-        save_file({k: v.cpu() for k, v in result.items()}, result_path)  # engine may run on a device
+        try:
+            save_file({k: v.cpu() for k, v in result.items()}, result_path)  # engine may run on a device
+        except Exception as e:  # SafetensorError / OSError: a full disk, a file-size limit
+            from kconvert.errors import WriteError
+
+            raise WriteError(f"cannot write verify's results ({e}); free space under {Path(result_path).parents[1]} "
+                             "or set TMPDIR") from None
 
 
-def spawn_main(rank: int, world: int, port: int, args: tuple) -> None:
-    """Entry point of a spawned rank (torch.multiprocessing)."""
+def spawn_main(rank: int, world: int, port: int, args: tuple, parent: int | None = None) -> None:
+    """Entry point of a spawned rank (torch.multiprocessing). It ends when `parent` (the verify process)
+    does, however that ends: a forkserver's children are not the verify process's, so nothing else would."""
+    if parent is not None:
+        _die_with(parent)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -90,8 +100,46 @@ def run_all_ranks(out_dir: str, world: int, prompts, tokens, result_path: str, p
         return
     import torch.multiprocessing as mp
 
-    mp.start_processes(spawn_main, args=(world, free_port(), args), nprocs=world, join=True,
-                       start_method=_start_method())
+    ctx = mp.start_processes(spawn_main, args=(world, free_port(), args, os.getpid()), nprocs=world, join=False,
+                             start_method=_start_method())
+    stopped = StoppedWatch()
+    try:
+        while not ctx.join(timeout=1):
+            r = stopped.frozen({r: p.pid for r, p in enumerate(ctx.processes) if p.is_alive()})
+            if r is not None:
+                from kconvert.errors import EngineError
+
+                raise EngineError(f"verify's rank {r} is frozen (stopped by a signal for {stopped.limit_s:.0f} s: "
+                                  "SIGSTOP or a debugger): every rank is stopped")
+    except BaseException:  # Ctrl-C, SIGTERM (cli: terminate_as_interrupt) or a failed rank: stop every rank now
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(5)
+        raise
+
+
+def _die_with(parent: int) -> None:
+    """A watchdog thread: exit at once when `parent` no longer exists (a pidfd on Linux, else polling)."""
+    import threading
+
+    def watch():
+        try:
+            fd = os.pidfd_open(parent)
+            import select
+
+            select.select([fd], [], [])  # readable when the process ends
+        except (AttributeError, OSError):
+            while True:
+                try:
+                    os.kill(parent, 0)
+                except ProcessLookupError:
+                    break
+                threading.Event().wait(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
 def _start_method() -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import tempfile
+from kconvert.io.workdir import work_dir
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -142,7 +142,7 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         verify_files(out)
     except KConvertError as e:
         raise VerifyFailed(f"integrity: {e.message}", file=e.file, tensor=e.tensor) from None
-    with tempfile.TemporaryDirectory(prefix="kconvert-verify-") as tmp:
+    with work_dir("verify") as tmp:  # removed on every way out (kconvert/io/workdir.py)
         if reference is None:
             if against is None:
                 raise UsageError("give --reference REF.safetensors or --against SRC")

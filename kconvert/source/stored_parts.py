@@ -1,0 +1,43 @@
+"""Checks of a source tensor's stored parts that every reader shares: the scale grid against config.json's
+block or group size (at validate, before any work), and the parts a lossless copy writes as they are (read
+with the checks a dequantizing read makes). `shard` and `export` both copy through `read_parts`."""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.errors import CheckpointError
+from kconvert.io.safetensors_read import read_tensor
+from kconvert.source.formats import LogicalTensor, declared_shape, read_checked, scale_kind
+
+
+def read_parts(t: LogicalTensor, roles: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """Stored parts of `t` for a lossless copy (shard's resharding, export's copies), checked as a dequantizing
+    read checks them: no NaN/Inf in any part, and an INT4 weight_shape that agrees with weight_packed."""
+    parts = tuple(read_checked(t.parts[role]) for role in roles)
+    if t.format == "int4_packed":
+        declared_shape(t, parts[roles.index("shape")] if "shape" in roles else read_tensor(t.parts["shape"]))
+    return parts
+
+
+def check_scale_shape(t: LogicalTensor, block: tuple[int, int], group: int) -> None:
+    """A scale grid that matches the weight and the config's block or group size, so every reader can index
+    it (a weight_block_size or group_size the stored scales do not follow used to crash the dequantizer)."""
+    scale, (rows, cols) = t.parts.get("scale"), (tuple(t.shape) + (1, 1))[:2]
+    if scale is None or t.format == "fp4_packed" or len(t.shape) != 2:
+        return
+    got = tuple(scale.shape)
+    if t.format == "int4_packed":
+        lo, hi = -(-(cols - 7) // group), -(-cols // group)
+        if len(got) == 2 and got[0] == rows and lo <= got[1] <= hi:
+            return
+        want, why = f"[{rows}, {hi}]", f"group_size {group}"
+    elif scale_kind(t) == "block":
+        if got == (-(-rows // block[0]), -(-cols // block[1])):
+            return
+        want, why = f"[{-(-rows // block[0])}, {-(-cols // block[1])}]", f"weight_block_size {list(block)}"
+    else:
+        return
+    raise CheckpointError(f"scale shape {list(got)} does not fit weight {list(t.shape)} with the config's {why} "
+                          f"(expected {want}): config.json and the stored scales disagree", file=str(scale.file),
+                          tensor=scale.name)

@@ -12,10 +12,11 @@ it are in memory at a time. Per layer:
 3. the layer runs again with its quantized weights: its output is the next layer's input (and its
    relative error against step 1's output is the layer's figure).
 
-Which tensors: the conversion's QuantPolicy (int4: routed experts by default). Resume: after shard
-journals a layer's files it calls `journalled(L)`, which keeps the next layer's input under OUT's journal
-(the last KEEP_STATES of them); a re-run starts from the latest kept input at or before the first layer
-left to do and recomputes from there (deterministic: the same codes)."""
+Which tensors: the conversion's policy (`quantizes(info, shape)`, `group_size`, `int4_scales`; int4: routed
+experts by default). Resume: every layer's input is kept under OUT's journal as it is reached; the caller
+says which layers its journalled files hold (`done_before(L)`) and older inputs go. A re-run starts from the
+latest kept input at or before the first layer left to do and recomputes from there (deterministic: the
+same codes)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ from kconvert.source.checkpoint import Checkpoint
 
 MIN_EXPERT_TOKENS = 16  # fewer routed tokens than this: round to nearest (reported)
 MICRO_BATCH = 8  # calibration sequences per forward
-KEEP_STATES = 3  # layer inputs kept for a resume (shard journals at most one unit behind the calibration)
 
 
 class LayerCalibration:
@@ -62,6 +62,7 @@ class LayerCalibration:
         self.state_dir: Path | None = None
         self.x: torch.Tensor | None = None  # the input of layer self.at, [n, seq, hidden]
         self.at = 0
+        self.last: tuple[int | None, dict] = (None, {})  # the last layer's result
         self.figures: list[dict] = []  # one per calibrated layer
 
     # ---- resume state ---------------------------------------------------------------------------
@@ -72,17 +73,22 @@ class LayerCalibration:
     def _state(self, L: int) -> Path:
         return self.state_dir / f"input-{L:04d}.safetensors"
 
-    def journalled(self, L: int) -> None:
-        """Layer L's files are durable: keep the next layer's input for a resume, drop older ones."""
-        if self.state_dir is None or self.at != L + 1 or self.x is None:
+    def _keep(self) -> None:
+        """Keep the input of layer self.at (atomically) for a resume."""
+        if self.state_dir is None:
             return
         from safetensors.torch import save
 
         from kconvert.io.atomic import write_atomic
 
-        write_atomic(self._state(L + 1), save({"x": self.x.contiguous()}))
+        write_atomic(self._state(self.at), save({"x": self.x.contiguous()}))
+
+    def done_before(self, L: int) -> None:
+        """Every layer before L is in journalled files: a resume starts at L at the earliest, so older inputs go."""
+        if self.state_dir is None:
+            return
         for old in self.state_dir.glob("input-*.safetensors"):
-            if int(old.stem.split("-")[1]) <= L + 1 - KEEP_STATES:
+            if int(old.stem.split("-")[1]) < L:
                 old.unlink(missing_ok=True)
 
     def _start(self, L: int) -> None:
@@ -105,11 +111,15 @@ class LayerCalibration:
     def layer(self, L: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if L >= self.model.cfg.num_layers:
             return {}  # MTP layers kept by --keep-mtp: not on the decoding path, rounded to nearest
+        if self.last[0] == L:
+            return self.last[1]  # asked once per tensor (export)
         self._start(L)
         result = {}
         while self.at <= L:
             result = self._calibrate(self.at)
             self.at += 1
+            self._keep()
+        self.last = (L, result)
         return result
 
     def _calibrate(self, L: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -150,3 +150,41 @@ def test_calibrate_bad_input_is_one_line(checkpoint, tmp_path):
     proc = cli_here("shard", src, tmp_path / "o2", "--tp", "1", "--quant", "int4", "--calibrate", str(tmp_path / "nope.txt"))
     assert_one_line_error(proc, "nope.txt", "not found")
     assert not (tmp_path / "o2" / "kconvert.json").exists()
+
+
+def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tmp_path):
+    """export --format w4a16 --calibrate: compressed-tensors' own decompressor reads every calibrated expert;
+    the scales are the uncalibrated export's (static min-max), a share of the codes moved; the index records it."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from cli.calibrate_opts import calibration_factory
+    from helpers import load_source
+    from kconvert.convert.export import ExportJob, export
+    from kconvert.quant.packing import unpack_int32_words
+
+    src = checkpoint("tiny-k3")
+    r = export(ExportJob(str(src), str(tmp_path / "gptq"), "w4a16"),
+               calibrate=calibration_factory("stdlib", TOKENS, SEQ, 0, "minmax"))
+    assert [f["layer"] for f in r.details["calibration"]["layers"]] == [0, 1, 2]
+    export(ExportJob(str(src), str(tmp_path / "rtn"), "w4a16"))
+    gptq, rtn = load_source(tmp_path / "gptq"), load_source(tmp_path / "rtn")
+    index = json.loads((tmp_path / "gptq" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["kconvert_job"]["calibration"]["grid"] == "minmax"
+    qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
+    compressor = BaseCompressor.load_from_registry(qc["format"])
+    packed = [n for n in gptq if n.endswith(".weight_packed")]
+    assert len(packed) == 96
+    moved = 0
+    for n in packed:
+        stem = n.removesuffix("_packed")
+        assert torch.equal(gptq[stem + "_scale"], rtn[stem + "_scale"]), n
+        parts = {k: gptq[stem + "_" + k] for k in ("packed", "scale", "shape")}
+        theirs = compressor.decompress({f"weight_{k}": v for k, v in parts.items()}, scheme)["weight"]
+        codes = unpack_int32_words(parts["packed"], int(parts["shape"][1]))
+        assert torch.equal(theirs.float(), (codes.float() * parts["scale"].float().repeat_interleave(32, 1))
+                           .to(theirs.dtype).float()), n
+        moved += int((gptq[n] != rtn[n]).sum())
+    assert moved > 0

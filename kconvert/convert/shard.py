@@ -158,13 +158,13 @@ def _units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, l
 
 def _calibrated_units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, level: int | None, calibration):
     """Like _units, one unit at a time in order: a layer's calibrated codes, then its files; once the caller
-    has journalled them, the calibration keeps the next layer's input for a resume."""
+    has journalled them, the calibration drops the layer inputs a resume no longer needs."""
     for batch in batches:
         L = unit_layer(batch[0].unit)
         codes = calibration.layer(L) if L is not None else {}
         yield batch, run_unit(ck, batch, out, progress, level, codes)
         if L is not None:
-            calibration.journalled(L)
+            calibration.done_before(L + 1)
 
 
 def _abort_all(writers) -> None:

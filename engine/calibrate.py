@@ -40,6 +40,8 @@ from kconvert.source.checkpoint import Checkpoint
 
 MIN_EXPERT_TOKENS = 16  # fewer routed tokens than this: round to nearest (reported)
 MICRO_BATCH = 8  # calibration sequences per forward
+THREADS = 1  # fixed: the same float reductions on every machine and run, so a resumed run recomputes the
+# same codes (and no OpenMP threads spin-waiting on a shared CPU: measured 15x the CPU time with 2 threads)
 
 
 class LayerCalibration:
@@ -113,12 +115,17 @@ class LayerCalibration:
             return {}  # MTP layers kept by --keep-mtp: not on the decoding path, rounded to nearest
         if self.last[0] == L:
             return self.last[1]  # asked once per tensor (export)
-        self._start(L)
-        result = {}
-        while self.at <= L:
-            result = self._calibrate(self.at)
-            self.at += 1
-            self._keep()
+        before = torch.get_num_threads()
+        torch.set_num_threads(THREADS)
+        try:
+            self._start(L)
+            result = {}
+            while self.at <= L:
+                result = self._calibrate(self.at)
+                self.at += 1
+                self._keep()
+        finally:
+            torch.set_num_threads(before)
         self.last = (L, result)
         return result
 

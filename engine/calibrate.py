@@ -136,7 +136,7 @@ class LayerCalibration:
         m, ck = self.model, self.ck
         tensors = {n: ck.read(n, dtype=torch.float32) for n in self.by_layer.get(L, [])}
         layer = m.build_layer(L, engine_keys(m.names, tensors), use_catalog=False)
-        prefix = f"{m.layers_prefix}{L}."
+        prefix = f"{m.layers_prefix}{L}."  # module paths inside the layer are the stored names after it
         stored = {n.removesuffix(".weight")[len(prefix):]: n for n in tensors
                   if n.endswith(".weight") and self.policy.quantizes(ck.info(n), tuple(tensors[n].shape))}
         paths = {mod: path for path, mod in layer.named_modules()}
@@ -154,14 +154,17 @@ class LayerCalibration:
         for h in hooks:
             h.remove()
         result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        unreached = 0  # linears no token reached (a weight the layer uses other than through its forward)
         for path, name in stored.items():
             lin = layer.get_submodule(path)
             if id(lin) not in routed:
                 h = hessians.get(path)
+                unreached += not (h and h.tokens)
                 result[name] = self._quantize(layer, path, name, h.sum if h and h.tokens else None)
-        fig = {"layer": L, "tokens": int(self.windows.numel()), "calibrated": len(stored)}
+        fig = {"layer": L, "tokens": int(self.windows.numel()), "calibrated": len(stored),
+               "linears_rounded_no_tokens": unreached}
         if moe is not None and any(id(lin) in routed for lin in (layer.get_submodule(p) for p in stored)):
-            fig.update(self._experts(layer, moe, torch.cat(moe_in), stored, prefix, result))
+            fig.update(self._experts(layer, moe, torch.cat(moe_in), stored, result))
         out = self._run(layer, L)
         fig["output_rel_error"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
         fig["seconds"] = round(time.perf_counter() - t0, 3)
@@ -188,7 +191,7 @@ class LayerCalibration:
         setattr(layer.get_submodule(parent) if parent else layer, attr, PlainLinear.holding(deq[:, :w.shape[1]]))
         return codes, scale
 
-    def _experts(self, layer, moe: MoE, x: torch.Tensor, stored: dict, prefix: str, result: dict) -> dict:
+    def _experts(self, layer, moe: MoE, x: torch.Tensor, stored: dict, result: dict) -> dict:
         """Each routed expert's weights from the tokens routed to it (gate/up, then down on their quantized output)."""
         ids, _ = route(moe.cfg, x, moe.gate.weight, moe.gate.e_score_correction_bias)
         counts, few = [], 0

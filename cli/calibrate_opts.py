@@ -20,19 +20,31 @@ def calibration_options(f):
                      help="Tokens per calibration sequence."),
         click.option("--calibration-seed", type=int, default=DEFAULT_SEED, show_default=True,
                      help="Seed of the sequences drawn from DATA (recorded in kconvert.json)."),
+        click.option("--calibration-grid", type=click.Choice(["kconvert", "minmax", "kimi"]),
+                     help="Codes and static scales: shard's own (kconvert: -8..7, amax / 7 with the clipping search; "
+                          "shard's default), compressed-tensors' min-max (-8..7, amax / 7.5; export's default) or "
+                          "Kimi's 15 levels (-7..7, amax / 7; both commands)."),
     )):
         f = opt(f)
     return f
 
 
-def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid: str):
-    """None without --calibrate; else `make(ck, policy, progress)` -> engine.calibrate.LayerCalibration."""
+def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid: str | None,
+                        allowed: tuple[str, ...] = ("kconvert", "kimi")):
+    """None without --calibrate; else `make(ck, policy, progress)` -> engine.calibrate.LayerCalibration.
+    `grid` None: the command's default, allowed[0] (the grid whose scales its encoding stores as they are)."""
+    from kconvert.errors import UsageError
+
     if data is None:
+        if grid is not None:
+            raise UsageError("--calibration-grid needs --calibrate DATA")
         return None
+    grid = grid or allowed[0]
+    if grid not in allowed:
+        raise UsageError(f"--calibration-grid {grid} is not one this command stores (choose from {', '.join(allowed)})")
 
     def make(ck, policy, progress):
         from engine.calibrate import LayerCalibration
-        from kconvert.errors import UsageError
         from kconvert.quant.gptq import GRIDS
         from kconvert.source.calibration_data import calibration_windows
         from kconvert.source.tokenizer import load_kimi_tokenizer

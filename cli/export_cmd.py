@@ -30,7 +30,7 @@ from .units import parse_size
 @calibration_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, overwrite, calibrate_data, calibration_tokens,
-           calibration_seq, calibration_seed, as_json):
+           calibration_seq, calibration_seed, calibration_grid, as_json):
     """Write checkpoint SRC to OUT in Hugging Face layout and a quantized format serving engines load:
     published tensor names, model.safetensors.index.json, config.json with its quantization_config,
     tokenizer and side files. Streams with bounded memory; interrupted? re-run the same command to
@@ -45,6 +45,6 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
     job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size), workers, overwrite)
     with byte_progress(f"export {fmt}", enabled=not as_json) as cb:
         r = _export(job, progress=cb, calibrate=calibration_factory(
-            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, "minmax"))
+            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("minmax", "kimi")))
     print_run(r, out, as_json, f"wrote {r.files_written} of {r.files} files ({r.files_resumed} resumed), "
               f"{r.tensors} tensors ({r.quantized} quantized to {fmt})", io_facts(r), how=f" with {r.workers} workers")

@@ -51,7 +51,8 @@ def _rank0() -> bool:
 @calibration_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of tables.")
 def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4_scales, keep, force, requantize, keep_mtp, workers,
-          overwrite, compress, calibrate_data, calibration_tokens, calibration_seq, calibration_seed, as_json):
+          overwrite, compress, calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid,
+          as_json):
     """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8, INT8 or INT4 on the way
     (int4: routed experts, symmetric, one scale per --group-size inputs, two values per byte).
 
@@ -73,7 +74,7 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
                    overwrite, compress, group_size, int4_scales, pp, pp_layers)
     with byte_progress(f"shard tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" {quant}", enabled=not as_json and _rank0()) as cb:
         r = _shard(job, progress=cb, calibrate=calibration_factory(
-            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, "kconvert"))
+            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("kconvert", "kimi")))
     if not _rank0():
         return
     table = Table(title="bytes per rank")

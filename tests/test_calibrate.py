@@ -25,7 +25,7 @@ SHARED = ("*shared_experts*",)  # calibrated too, and cut by tp 2 (rows and colu
 def _make(grid="kconvert"):
     from cli.calibrate_opts import calibration_factory
 
-    return calibration_factory("stdlib", TOKENS, SEQ, 0, grid)
+    return calibration_factory("stdlib", TOKENS, SEQ, 0, grid, (grid,))
 
 
 def _shard(src, out, tp=2, calibrate=None):
@@ -152,6 +152,8 @@ def test_calibrate_bad_input_is_one_line(checkpoint, tmp_path):
     proc = cli_here("shard", src, tmp_path / "o2", "--tp", "1", "--quant", "int4", "--calibrate", str(tmp_path / "nope.txt"))
     assert_one_line_error(proc, "nope.txt", "not found")
     assert not (tmp_path / "o2" / "kconvert.json").exists()
+    proc = cli_here("export", src, tmp_path / "o3", "--format", "w4a16", "--calibrate", "stdlib", "--calibration-grid", "kconvert")
+    assert_one_line_error(proc, "--calibration-grid kconvert", "minmax, kimi")
 
 
 def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tmp_path):
@@ -167,7 +169,7 @@ def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tm
 
     src = checkpoint("tiny-k3")
     r = export(ExportJob(str(src), str(tmp_path / "gptq"), "w4a16"),
-               calibrate=calibration_factory("stdlib", TOKENS, SEQ, 0, "minmax"))
+               calibrate=calibration_factory("stdlib", TOKENS, SEQ, 0, None, ("minmax", "kimi")))
     assert [f["layer"] for f in r.details["calibration"]["layers"]] == [0, 1, 2]
     export(ExportJob(str(src), str(tmp_path / "rtn"), "w4a16"))
     gptq, rtn = load_source(tmp_path / "gptq"), load_source(tmp_path / "rtn")

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"round to nearest (amax)": ["--int4-scales", "amax"],
            "clipping search (default)": [],
            "GPTQ (--calibrate stdlib)": ["--calibrate", "stdlib"],
-           "GPTQ, amax scales": ["--calibrate", "stdlib", "--int4-scales", "amax"]}
+           "GPTQ, amax scales": ["--calibrate", "stdlib", "--int4-scales", "amax"],
+           "GPTQ, Kimi 15-level grid": ["--calibrate", "stdlib", "--calibration-grid", "kimi"]}
 
 
 def cli(*args) -> subprocess.CompletedProcess:

@@ -171,7 +171,8 @@ class LayerCalibration:
         self.figures.append(fig)
         self.x = out
         if self.progress:
-            self.progress("file", path=f"layer {L}: error {fig['output_rel_error']:.2e}")
+            self.progress("file", path=f"layer {L}: {fig['tokens']} tokens, {fig['seconds']:.1f} s, "
+                                       f"output error {fig['output_rel_error']:.2e}")
         return result
 
     def _summing(self, hessians: dict, path: str):

@@ -7,6 +7,7 @@ import click
 from kconvert.convert.export import DEFAULT_MAX_SHARD, ExportJob, export as _export
 from kconvert.convert.export_formats import FORMATS
 
+from .calibrate_opts import calibration_factory, calibration_options
 from .progress import byte_progress
 from .run_summary import io_facts, print_run
 from .units import parse_size
@@ -27,8 +28,10 @@ from .params import COUNT, Whole
 @click.option("--workers", type=COUNT,
               help="Tensors read and quantized in parallel (threads); default: cores + 1, fewer if memory is short.")
 @click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) export in OUT.")
+@calibration_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, overwrite, as_json):
+def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, overwrite, calibrate_data, calibration_tokens,
+           calibration_seq, calibration_seed, calibration_grid, as_json):
     """Write checkpoint SRC to OUT in Hugging Face layout and a quantized format serving engines load:
     published tensor names, model.safetensors.index.json, config.json with its quantization_config,
     tokenizer and side files. Streams with bounded memory; interrupted? re-run the same command to
@@ -37,10 +40,12 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
     \b
     Example:
       kconvert export ./tiny-k3 ./tiny-k3-w4a16 --format w4a16
+      kconvert export ./tiny-k3 ./tiny-k3-gptq --format w4a16 --calibrate calib.jsonl   # GPTQ, layer by layer
       kconvert verify ./tiny-k3-w4a16 --against ./tiny-k3
     """
     job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size, "--max-shard-size"), workers, overwrite)
     with byte_progress(f"export {fmt}", enabled=not as_json) as cb:
-        r = _export(job, progress=cb)
+        r = _export(job, progress=cb, calibrate=calibration_factory(
+            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("minmax", "kimi")))
     print_run(r, out, as_json, f"wrote {r.files_written} of {r.files} files ({r.files_resumed} resumed), "
               f"{r.tensors} tensors ({r.quantized} quantized to {fmt})", io_facts(r), how=f" with {r.workers} workers")

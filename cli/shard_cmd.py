@@ -12,6 +12,7 @@ from kconvert.converted.integrity import verify_files as _verify_files
 from kconvert.convert.quant_policy import SCALE_FORMATS, SCHEMES
 from kconvert.convert.shard import ShardJob, shard as _shard
 
+from .calibrate_opts import calibration_factory, calibration_options
 from .progress import byte_progress
 from .run_summary import io_facts, print_run
 from .units import fmt_bytes
@@ -48,9 +49,11 @@ def _rank0() -> bool:
 @click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) conversion in OUT.")
 @click.option("--compress", metavar="zstd[:LEVEL]",
               help="Write compressed shards (lossless zstd, byte-grouped; the loader reads them transparently).")
+@calibration_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of tables.")
 def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4_scales, keep, force, requantize, keep_mtp, workers,
-          overwrite, compress, as_json):
+          overwrite, compress, calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid,
+          as_json):
     """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8, INT8 or INT4 on the way
     (int4: routed experts, symmetric, one scale per --group-size inputs, two values per byte).
 
@@ -63,6 +66,7 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
     Example:
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-fp8 --tp 2 --quant fp8
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-int4 --tp 2 --quant int4 --group-size 32
+      kconvert shard ./tiny-k3 ./tiny-k3-gptq --tp 2 --quant int4 --calibrate calib.jsonl   # GPTQ, layer by layer
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-z --tp 2 --compress zstd
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-pp2 --tp 2 --pp 2          # 4 ranks: 2 stages of 2
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
@@ -70,7 +74,8 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
     job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, keep_mtp, workers,
                    overwrite, compress, group_size, int4_scales, pp, pp_layers)
     with byte_progress(f"shard tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" {quant}", enabled=not as_json and _rank0()) as cb:
-        r = _shard(job, progress=cb)
+        r = _shard(job, progress=cb, calibrate=calibration_factory(
+            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("kconvert", "kimi")))
     if not _rank0():
         return
     table = Table(title="bytes per rank")

@@ -7,7 +7,8 @@ Files are `model-0000K-of-0000N.safetensors` (at most --max-shard-size each), wr
 names and journalled when complete (OUT/.kconvert/), so a re-run resumes; config.json and then
 model.safetensors.index.json are written last: without the index, an unfinished export looks like no
 checkpoint at all (the run's skeleton: run.py). The index's metadata records the job and each file's size
-and CRC-32.
+and CRC-32. Calibrated w4a16 (`calibrate`, as for shard: engine/calibrate.py) quantizes one tensor at a
+time in order, each layer's GPTQ codes computed when its first tensor comes up.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.quant.scheme import DEEPSEEK_V4
-from kconvert.convert.export_formats import (FORMATS, Exported, ignore_list, load, plan_tensor, produce,
-                                             quantization_config, source_scale_fmt)
+from kconvert.converted.journal import JOURNAL_DIR
+from kconvert.convert.export_formats import (EXPORT_FORMATS, FORMATS, Exported, ignore_list, load, plan_tensor, produce,
+                                             quantization_config, quantizes, source_scale_fmt)
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
 from kconvert.convert.run import Run, RunResult, default_workers
 
@@ -89,8 +91,21 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
     return files
 
 
-def export(job: ExportJob, progress=None) -> RunResult:
-    """Run `job`. `progress(event, **kw)`: ("start", total=bytes), ("advance", n=bytes), ("file", path=...)."""
+@dataclass(frozen=True)
+class ExportPolicy:
+    """What a calibration asks of the policy: the tensors an int4 export format quantizes, its group."""
+
+    format: str
+    group_size: int
+    int4_scales: str = "amax"
+
+    def quantizes(self, info, shape) -> bool:
+        return quantizes(self.format, info, tuple(shape), self.group_size)
+
+
+def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
+    """Run `job`. `progress(event, **kw)`: ("start", total=bytes), ("advance", n=bytes), ("file", path=...).
+    `calibrate(ck, policy, progress)`: makes the calibration of an int4 format (engine/calibrate.py)."""
     run = Run(job.out, progress)
     out = run.out
     ck = Checkpoint.open(job.src)
@@ -99,6 +114,12 @@ def export(job: ExportJob, progress=None) -> RunResult:
     files = plan_export(ck, job, scale_fmt)
     names = [hf_file_name(k + 1, len(files)) for k in range(len(files))]
     identity = job.identity(ck.fingerprint(), scale_fmt)
+    calibration = None
+    if calibrate is not None:
+        if EXPORT_FORMATS[job.format].scheme != "int4":
+            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --format {job.format} has nothing to calibrate")
+        calibration = calibrate(ck, ExportPolicy(job.format, job.group_size), progress)
+        identity["calibration"] = calibration.record
     result = run.result
     result.details.update(format=job.format, files=len(files), tensors=sum(map(len, files)),
                           quantized=sum(e.transform not in ("copy", "bf16") for f in files for e in f), workers=0)
@@ -107,22 +128,44 @@ def export(job: ExportJob, progress=None) -> RunResult:
         return result
     done = run.journalled(_journalled_size)
     todo = [(name, f) for name, f in zip(names, files) if name not in done]
+    if calibration is not None:
+        calibration.attach(out / JOURNAL_DIR / "calibration")
     bytes_of = {name: sum(e.bytes_in for e in f) for name, f in todo}
     result.files_resumed = len(files) - len(todo)
     largest = max((e.bytes_in for f in files for e in f), default=1)
-    workers = result.details["workers"] = job.workers or default_workers(largest, quantized=result.quantized > 0)
+    workers = result.details["workers"] = 1 if calibration else \
+        job.workers or default_workers(largest, quantized=result.quantized > 0)
+    resume_from = _first_layer_after(ck, todo)
     run.start(sum(bytes_of.values()))
     with run.log("done-0000.jsonl", workers) as log:
-        for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress):
+        for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress, calibration):
             log.add({"file": name, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
             run.wrote(name, bytes_of[name])
+            if calibration is not None:
+                calibration.done_before(resume_from[name])
     run.finish(names, _journalled_size,
                lambda done: _write_index(ck, out, job, names, files, identity, scale_fmt, done))
     result.bytes_out = sum((out / n).stat().st_size for n in names)
+    if calibration is not None:
+        result.details["calibration"] = {**calibration.record, "layers": calibration.figures}
     return run.done()
 
 
-def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, progress):
+def _layer(ck: Checkpoint, name: str) -> int | None:
+    info = ck.info(name)
+    return info.layer if info.group == "text" else None
+
+
+def _first_layer_after(ck: Checkpoint, todo) -> dict[str, int]:
+    """{file: the first decoder layer a tensor of a later file belongs to} (past the last layer: a big number)."""
+    after, first = {}, 1 << 30
+    for name, f in reversed(todo):
+        after[name] = first
+        first = min([first] + [L for e in f if (L := _layer(ck, e.src)) is not None])
+    return after
+
+
+def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, progress, calibration=None):
     """Yield (file name, WrittenFile) as each file commits. Workers read and quantize up to `workers + 1`
     tensors ahead of this thread, which writes them in order (reads, quantization and writes overlap)."""
     stream = [(name, k, e) for name, f in todo for k, e in enumerate(f)]
@@ -131,6 +174,11 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
     def make(entry):
         e = entry[2]
         try:
+            if calibration is not None and e.scheme is not None and not e.copy_roles:
+                L = _layer(ck, e.src)
+                codes = calibration.layer(L) if L is not None else {}
+                if e.src in codes:
+                    return e.scheme.encode(*codes[e.src], e.options)
             return produce(e, load(ck, e))
         except KConvertError as err:
             err.file = err.file or str(ck.logical[e.src].main.file)

@@ -7,6 +7,9 @@ durable together (fsync each, rename, one directory fsync: safetensors_write.com
 then records them in the journal (OUT/.kconvert/), one fsync per unit; a re-run with the same job
 resumes after the last recorded file, and kconvert.json is written last (the run's skeleton: run.py).
 Under torchrun, process p takes units p, p + P, p + 2P, ...; process 0 writes kconvert.json.
+Calibrated int4 (`calibrate`, made by the caller: engine/calibrate.py runs the layers, a later stage than
+this one) takes the units one at a time, in order, in one process: each layer's codes come from the
+layers before it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kconvert import __version__, distributed
 from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.catalog import FORMAT, FORMAT_VERSION, Catalog
+from kconvert.converted.journal import JOURNAL_DIR
 from kconvert.converted.units import GLOBALS, load_order, unit_layer
 from kconvert.convert.layout import Layout
 from kconvert.convert.output_dir import check_paths, copy_side_files
@@ -59,8 +63,9 @@ class ShardJob:
                 **({"group_size": self.group_size, "int4_scales": self.int4_scales} if self.quant == "int4" else {})}
 
 
-def shard(job: ShardJob, progress=None) -> RunResult:
-    """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("advance", n=bytes), ("file", path=...)."""
+def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
+    """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("advance", n=bytes), ("file", path=...).
+    `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 job."""
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
     ck = Checkpoint.open(job.src)
@@ -78,15 +83,25 @@ def shard(job: ShardJob, progress=None) -> RunResult:
     items = pipe.items
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
+    calibration = None
+    dist = distributed.Group.from_env()
+    if calibrate is not None:
+        if job.quant != "int4":
+            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --quant {job.quant} has nothing to calibrate")
+        if dist.world > 1:
+            raise UsageError("--calibrate runs in one process (each layer is calibrated on the layers before it)")
+        calibration = calibrate(ck, policy, progress)
+        identity["calibration"] = calibration.record
     level = None
     if job.compress:
         from kconvert.io.compressed import parse_codec
 
         level = parse_codec(job.compress)[1]
 
-    dist = distributed.Group.from_env()
     if run.prepare(identity, job.overwrite, group=dist):
         return result
+    if calibration is not None:
+        calibration.attach(out / JOURNAL_DIR / "calibration")
 
     done = run.journalled(Catalog.stored_bytes)
     by_unit: dict[str, list[WorkItem]] = {}
@@ -98,8 +113,10 @@ def shard(job: ShardJob, progress=None) -> RunResult:
     todo = [w for b in batches for w in b]
     run.start(sum(w.bytes_in for w in todo))
     workers = job.workers or _default_workers(ck, todo, policy)
+    units = (_units(ck, batches, out, progress, level, workers) if calibration is None
+             else _calibrated_units(ck, batches, out, progress, level, calibration))
     with run.log(f"done-{dist.rank:04d}.jsonl", workers) as log:
-        for batch, recs in _units(ck, batches, out, progress, level, workers):
+        for batch, recs in units:
             entries = []
             for w, (rec, stored) in zip(batch, recs):
                 entries.append({"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
@@ -112,12 +129,15 @@ def shard(job: ShardJob, progress=None) -> RunResult:
     cat = None
     if dist.rank == 0:
         cat = run.finish([w.file for w in items], Catalog.stored_bytes,
-                         lambda done: _write_catalog(ck, out, pipe, identity, layout, policy, job, done))
+                         lambda done: _write_catalog(ck, out, pipe, identity, layout, policy, job, done,
+                                                     calibration.record if calibration else None))
     dist.barrier()
     cat = cat or Catalog.read(out)  # the other ranks read what rank 0 wrote
     for rec in cat.files.values():
         result.per_rank_bytes[rec["rank"]] = result.per_rank_bytes.get(rec["rank"], 0) + Catalog.stored_bytes(rec)
     result.bytes_out = sum(result.per_rank_bytes.values())
+    if calibration is not None:
+        result.details["calibration"] = {**calibration.record, "layers": calibration.figures}
     return run.done()
 
 
@@ -136,6 +156,17 @@ def _units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, l
             yield batch, ([(rec, None) for rec in commit_all(done)] if level is None else done)
 
 
+def _calibrated_units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, level: int | None, calibration):
+    """Like _units, one unit at a time in order: a layer's calibrated codes, then its files; once the caller
+    has journalled them, the calibration drops the layer inputs a resume no longer needs."""
+    for batch in batches:
+        L = unit_layer(batch[0].unit)
+        codes = calibration.layer(L) if L is not None else {}
+        yield batch, run_unit(ck, batch, out, progress, level, codes)
+        if L is not None:
+            calibration.done_before(L + 1)
+
+
 def _abort_all(writers) -> None:
     for w in writers:
         w.abort()
@@ -150,7 +181,7 @@ def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy) 
 
 
 def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, layout: Layout, policy: QuantPolicy,
-                   job: ShardJob, done: dict[str, dict]) -> Catalog:
+                   job: ShardJob, done: dict[str, dict], calibration: dict | None = None) -> Catalog:
     """Side files, then kconvert.json (atomically, last) from the journal records of every file."""
     items = pipe.items
     copy_side_files(ck, out)
@@ -183,7 +214,8 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
                          "scale_format": policy.scale_format, "keep": list(policy.keep), "quantize": list(policy.force),
                          "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped",
                          **({"group_size": policy.group_size, "int4_scales": policy.int4_scales}
-                            if policy.scheme == "int4" else {})},
+                            if policy.scheme == "int4" else {}),
+                         **({"calibration": calibration} if calibration else {})},
         "files": files,
         "tensors": tensors,
     }

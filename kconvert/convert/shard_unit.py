@@ -21,10 +21,10 @@ from kconvert.convert.shard_plan import Output, WorkItem
 
 
 def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
-             level: int | None = None) -> list[tuple[WrittenFile, dict | None]]:
+             level: int | None = None, codes: dict | None = None) -> list[tuple[WrittenFile, dict | None]]:
     """write_unit, then commit the unit's files. With a zstd `level`, each committed file is then
     compressed in place (temp + fsync + rename) before the caller journals it."""
-    written = commit_all(write_unit(ck, batch, out, progress))
+    written = commit_all(write_unit(ck, batch, out, progress, codes))
     if level is None:
         return [(rec, None) for rec in written]
     from kconvert.io.compress_file import compress_file
@@ -33,9 +33,11 @@ def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
                                 expect_crc32=rec.crc32).record()) for rec in written]
 
 
-def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> list[SafetensorsWriter]:
+def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
+               codes: dict | None = None) -> list[SafetensorsWriter]:
     """Write every rank's file of one unit (a layer, globals or vision) in one pass over the source:
-    each source tensor is read once, and each rank's slice of it goes to that rank's file. Memory:
+    each source tensor is read once, and each rank's slice of it goes to that rank's file. `codes`:
+    {source name: (int8 codes, scale)} computed already (calibrated int4), stored instead of quantizing. Memory:
     the tensor being written plus the one read ahead. Returns the finished writers (bytes written,
     writeback started, not yet durable: commit_all them before journalling)."""
     writers = []
@@ -60,7 +62,9 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> li
                 made: dict[tuple, list] = {}  # a replicated tensor is transformed once, not once per rank
                 for writer, o in by_src[src]:
                     try:
-                        if o.piece.dim is None:
+                        if codes and o.src in codes:
+                            produced = _encode(o, codes[o.src])
+                        elif o.piece.dim is None:
                             key = (o.transform, o.scale_format, o.group_size, o.int4_scales)
                             if key not in made:
                                 made[key] = list(_produce(o, x))
@@ -103,6 +107,18 @@ def _slice(ck: Checkpoint, o: Output, x):
                 s.narrow(p.dim, p.start // b, -(-p.stop // b) - p.start // b).contiguous())
     piece = x.narrow(p.dim, p.start, p.stop - p.start)
     return piece if o.scheme is not None else piece.contiguous()  # quantizers read views
+
+
+def _encode(o: Output, codes_scale):
+    """A calibrated weight's piece: its codes and group scales cut as the piece cuts the weight, encoded."""
+    codes, scale = codes_scale
+    p = o.piece
+    if p.dim == 0:
+        codes, scale = codes[p.start:p.stop], scale[p.start:p.stop]
+    elif p.dim == 1:
+        g = o.group_size
+        codes, scale = codes[:, p.start:p.stop], scale[:, p.start // g:p.stop // g]
+    return zip((name for name, _, _ in o.specs()), o.scheme.encode(codes.contiguous(), scale.contiguous(), o.options))
 
 
 def _produce(o: Output, x):

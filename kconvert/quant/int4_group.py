@@ -112,6 +112,12 @@ class Int4Group(Scheme):
             return [packed, scale, torch.tensor(list(w.shape), dtype=torch.int32)]
         return list(quantize_int4_group(w, opts.group_size, opts.int4_scales, name))
 
+    def encode(self, codes: torch.Tensor, scale: torch.Tensor, opts: Options) -> list[torch.Tensor]:
+        """Codes -8..7 and group scales chosen elsewhere (calibrated: kconvert/quant/gptq.py), as stored."""
+        if opts.encoding == COMPRESSED_TENSORS:
+            return [pack_int32_words(codes), scale.to(torch.bfloat16), torch.tensor(list(codes.shape), dtype=torch.int32)]
+        return [pack_nibble_pairs(codes), scale.to(torch.float32)]
+
     def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if opts.encoding == COMPRESSED_TENSORS:
             codes = unpack_int32_words(stored[0], int(stored[2][1]))

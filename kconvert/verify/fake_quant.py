@@ -7,6 +7,11 @@ dequantization are compressed-tensors' `fake_quantize` (block / channel / group 
 conversion claims (scheme, which tensors, which transform, which slice) is read from its kconvert.json;
 the slices must tile each tensor exactly, or the layout itself is wrong.
 
+A calibrated conversion (kconvert.json `quantization.calibration`: GPTQ codes, which depend on calibration
+data no reference has) is held to its own stored codes and scales instead, decoded here by the formula in
+docs/FORMAT.md (nibble - 8, times the group's scale), slice by slice: the check still catches every slicing,
+placement, loading and engine fault; what the codes cost is the cost check's question.
+
 `write_fake_quant_source` writes that model as an fp32 checkpoint (plus the source's config without
 its quantization_config, and its tokenizer files) for `kconvert reference` to run.
 """
@@ -121,7 +126,7 @@ def plan_digest(meta: dict) -> str:
     """What a faithfulness reference depends on: scheme settings and every tensor's transform and slices."""
     q = meta["quantization"]
     key = {"scheme": q["scheme"], "scale_format": q.get("scale_format"), "group_size": q.get("group_size"),
-           "int4_scales": q.get("int4_scales"),
+           "int4_scales": q.get("int4_scales"), **({"calibration": q["calibration"]} if q.get("calibration") else {}),
            "plan": sorted((n, e["transform"], [list(s) if s else None for s in e["slices"]])
                           for n, e in planned_slices(meta).items())}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -145,11 +150,47 @@ def expected_tensor(x: torch.Tensor, entry: dict, q: dict) -> torch.Tensor:
     return out
 
 
-def write_fake_quant_source(src: str, meta: dict, out_dir: Path) -> Path:
-    """An fp32 checkpoint in out_dir holding what conversion `meta` should hold, for `kconvert reference`."""
+def write_fake_quant_source(src: str, meta: dict, out_dir: Path, converted: str | Path | None = None) -> Path:
+    """An fp32 checkpoint in out_dir holding what conversion `meta` should hold, for `kconvert reference`
+    (a calibrated conversion: its own codes and scales, read from `converted`, its directory)."""
     plan = planned_slices(meta)
-    return _write_source(src, out_dir, lambda name, x: expected_tensor(x, plan[name], meta["quantization"])
-                         if name in plan else x)
+    stored = stored_int4_pieces(converted, meta) if meta["quantization"].get("calibration") else {}
+
+    def values(name: str, x: torch.Tensor) -> torch.Tensor:
+        if name in stored:
+            out = torch.empty_like(x)
+            for s, w in stored[name]:
+                (out if s is None else out.narrow(s[0], s[1], s[2] - s[1])).copy_(w)
+            return out
+        return expected_tensor(x, plan[name], meta["quantization"]) if name in plan else x
+
+    return _write_source(src, out_dir, values)
+
+
+def stored_int4_pieces(converted: str | Path | None, meta: dict) -> dict[str, list[tuple[list | None, torch.Tensor]]]:
+    """{source name: [(slice, float32 weight decoded from the stored nibble pairs and group scales)]} of a
+    calibrated int4 conversion, one entry per distinct slice (docs/FORMAT.md: q = nibble - 8, w = q * scale)."""
+    if converted is None:
+        raise VerifyFailed("faithfulness: a calibrated conversion is checked against its own stored codes; "
+                           "pass its directory (kconvert reference SRC --like OUT)")
+    from kconvert.load.loader import open_converted
+
+    group = meta["quantization"].get("group_size") or 32
+    by_file: dict[tuple[int, str], list[dict]] = {}
+    for t in meta["tensors"]:
+        if t["transform"] == "int4" and t["name"].endswith("_packed"):
+            by_file.setdefault((t["rank"], t["unit"]), []).append(t)
+    out: dict[str, list] = {}
+    for (rank, unit), entries in sorted(by_file.items()):
+        tensors = open_converted(converted, rank=rank).load_unit(unit)
+        for t in entries:
+            name = t["name"].removesuffix("_packed")
+            if any(s == t["slice"] for s, _ in out.get(name, [])):
+                continue  # a replicated tensor: one copy is enough
+            packed, scale = tensors[t["name"]].to(torch.int16), tensors[name + "_scale"].to(torch.float32)
+            q = torch.stack([(packed & 0xF) - 8, (packed >> 4) - 8], dim=-1).reshape(packed.shape[0], -1)
+            out.setdefault(name, []).append((t["slice"], q.to(torch.float32) * scale.repeat_interleave(group, dim=1)))
+    return out
 
 
 def write_dequantized_source(src: str, out_dir: Path) -> Path:

@@ -152,7 +152,7 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
                               "group_size": q.get("group_size"), "int4_scales": q.get("int4_scales"),
                               "tp": conv["layout"]["tp"], "plan_digest": plan_digest(conv)}
         with work_dir("reference-fq") as tmp:
-            fq = Checkpoint.open(write_fake_quant_source(src, conv, Path(tmp)))
+            fq = Checkpoint.open(write_fake_quant_source(src, conv, Path(tmp), like))
             tensors, specs = _run(fq, prompts, dtype, top_k, hidden_states, progress)
     meta["prompts"] = specs
     from safetensors.torch import save

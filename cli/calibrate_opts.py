@@ -1,0 +1,58 @@
+"""`--calibrate DATA` and its knobs, shared by `shard` and `export`: the options, and the factory the
+library calls once it knows the source and the quantization policy (engine/calibrate.py does the work)."""
+
+from __future__ import annotations
+
+import click
+
+from kconvert.source.calibration_data import BUNDLED, DEFAULT_SEED, DEFAULT_SEQ, DEFAULT_TOKENS
+
+
+def calibration_options(f):
+    """Adds --calibrate, --calibration-tokens, --calibration-seq, --calibration-seed to a command."""
+    for opt in reversed((
+        click.option("--calibrate", "calibrate_data", metavar="DATA",
+                     help=f"int4: GPTQ codes calibrated layer by layer on DATA (a text file, a directory of text files, "
+                          f"JSONL of {{\"text\"}} or {{\"messages\"}}; '{BUNDLED}': bundled Python sources, for tests)."),
+        click.option("--calibration-tokens", type=click.IntRange(min=1), default=DEFAULT_TOKENS, show_default=True,
+                     help="Calibration tokens (rounded up to whole sequences)."),
+        click.option("--calibration-seq", type=click.IntRange(min=2), default=DEFAULT_SEQ, show_default=True,
+                     help="Tokens per calibration sequence."),
+        click.option("--calibration-seed", type=int, default=DEFAULT_SEED, show_default=True,
+                     help="Seed of the sequences drawn from DATA (recorded in kconvert.json)."),
+        click.option("--calibration-grid", type=click.Choice(["kconvert", "minmax", "kimi"]),
+                     help="Codes and static scales: shard's own (kconvert: -8..7, amax / 7 with the clipping search; "
+                          "shard's default), compressed-tensors' min-max (-8..7, amax / 7.5; export's default) or "
+                          "Kimi's 15 levels (-7..7, amax / 7; both commands)."),
+    )):
+        f = opt(f)
+    return f
+
+
+def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid: str | None,
+                        allowed: tuple[str, ...] = ("kconvert", "kimi")):
+    """None without --calibrate; else `make(ck, policy, progress)` -> engine.calibrate.LayerCalibration.
+    `grid` None: the command's default, allowed[0] (the grid whose scales its encoding stores as they are)."""
+    from kconvert.errors import UsageError
+
+    if data is None:
+        if grid is not None:
+            raise UsageError("--calibration-grid needs --calibrate DATA")
+        return None
+    grid = grid or allowed[0]
+    if grid not in allowed:
+        raise UsageError(f"--calibration-grid {grid} is not one this command stores (choose from {', '.join(allowed)})")
+
+    def make(ck, policy, progress):
+        from engine.calibrate import LayerCalibration
+        from kconvert.quant.gptq import GRIDS
+        from kconvert.source.calibration_data import calibration_windows
+        from kconvert.source.tokenizer import load_kimi_tokenizer
+
+        if not (ck.root / "tiktoken.model").exists():
+            raise UsageError("--calibrate needs the checkpoint's tokenizer (tiktoken.model)", file=str(ck.root))
+        enc = load_kimi_tokenizer(ck.root)
+        windows, record = calibration_windows(data, lambda t: enc.encode(t, allowed_special="all"), tokens, seq, seed)
+        return LayerCalibration(ck, windows, policy, GRIDS[grid], record, progress)
+
+    return make

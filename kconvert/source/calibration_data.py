@@ -1,0 +1,97 @@
+"""Calibration tokens for `--calibrate DATA`: windows of `seq` tokens drawn, seeded, from a text file, a
+directory of text files or JSONL (`{"text": ...}` or `{"messages": [{"role", "content"}, ...]}`, chat turns
+in Kimi's markers), tokenized by the checkpoint's own tokenizer. `stdlib` is the bundled set, for tests and
+benchmarks: Python standard-library sources that neither the trained fixtures' corpus
+(kconvert/fixtures/trained.py) nor verify's held-out prompts (kconvert/verify/prompts.py) use.
+
+The record (what kconvert.json keeps) names the data by a digest of its text, so a conversion says what
+calibrated it and a re-run with other data is not taken for a resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from kconvert.errors import UsageError
+
+BUNDLED = "stdlib"
+BUNDLED_FILES = ("argparse.py", "dataclasses.py", "enum.py", "functools.py")
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".jsonl")
+DEFAULT_TOKENS, DEFAULT_SEQ, DEFAULT_SEED = 64 * 256, 256, 0
+
+
+def read_documents(data: str) -> list[str]:
+    """The documents of DATA (the bundled set's name, a file, or a directory of files, sorted by name)."""
+    if data == BUNDLED:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return [_read(root / n) for n in BUNDLED_FILES]
+    path = Path(data)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise UsageError(f"no text files ({', '.join(TEXT_SUFFIXES)}) in the calibration directory", file=data)
+        return [d for f in files for d in _documents(f)]
+    if not path.is_file():
+        raise UsageError("calibration data not found (a text file, a directory or JSONL)", file=data)
+    return _documents(path)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError("calibration file is not UTF-8 text", file=str(path)) from None
+    except OSError as e:
+        raise UsageError(f"cannot read calibration file: {e.strerror}", file=str(path)) from None
+
+
+def _documents(path: Path) -> list[str]:
+    text = _read(path)
+    if path.suffix != ".jsonl":
+        return [text]
+    docs = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"line {i} is not JSON: {e.msg}", file=str(path)) from None
+        docs.append(_render(row, path, i))
+    return docs
+
+
+def _render(row, path: Path, line: int) -> str:
+    if isinstance(row, dict) and isinstance(row.get("text"), str):
+        return row["text"]
+    turns = row.get("messages", row.get("chat")) if isinstance(row, dict) else None
+    if isinstance(turns, list) and turns and all(isinstance(t, dict) and isinstance(t.get("role"), str)
+                                                 and isinstance(t.get("content"), str) for t in turns):
+        return "".join(f"<|im_{t['role']}|>{t['role']}<|im_middle|>{t['content']}<|im_end|>" for t in turns)
+    raise UsageError(f'line {line} needs {{"text": "..."}} or {{"messages": [{{"role", "content"}}, ...]}}',
+                     file=str(path))
+
+
+def calibration_windows(data: str, encode, tokens: int = DEFAULT_TOKENS, seq: int = DEFAULT_SEQ,
+                        seed: int = DEFAULT_SEED) -> tuple[torch.Tensor, dict]:
+    """(ids [n, seq] int64 with n = ceil(tokens / seq), record) from DATA, encoded by `encode(text) -> ids`.
+    The documents are joined by blank lines; window starts are drawn by a generator seeded with `seed`."""
+    if tokens < 1 or seq < 2:
+        raise UsageError(f"--calibration-tokens must be >= 1 and --calibration-seq >= 2 (got {tokens}, {seq})")
+    docs = read_documents(data)
+    text = "\n\n".join(docs)
+    ids = torch.tensor(encode(text), dtype=torch.int64)
+    if ids.numel() < seq:
+        raise UsageError(f"calibration data holds {ids.numel()} tokens, fewer than one window of {seq}", file=data)
+    n = -(-tokens // seq)
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq + 1, (n,), generator=g)
+    windows = torch.stack([ids[s:s + seq] for s in starts.tolist()])
+    record = {"data": data if data == BUNDLED else str(Path(data).resolve()),
+              "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+              "tokens": n * seq, "seq": seq, "seed": seed, "documents": len(docs)}
+    return windows, record

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
            "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"], "int8": ["--quant", "int8"],
-           "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"]}
+           "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"], "fp4": ["--quant", "fp4"]}
 
 
 def cli(*args) -> subprocess.CompletedProcess:

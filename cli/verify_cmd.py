@@ -107,18 +107,17 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
             limits[key] = float(value)
         except ValueError:
             raise UsageError(f"threshold {key} needs a number, got {value!r}") from None
-    from kconvert.verify.exported import as_converted, is_converted, reference_matches
+    from kconvert.verify.exported import as_converted, describe, is_converted
 
     with contextlib.ExitStack() as stack, byte_progress("verify", enabled=not as_json, unit="items") as cb:
-        target = out
+        target, export = out, None
         if not is_converted(out):  # an export: resharded into a temporary converted dir
-            cb("phase", name="reshard")
-            target, bounds, made_from = stack.enter_context(as_converted(out, tp))
-            limits = {**bounds, **limits}
-            force = force or reference_matches(made_from, reference_file, against)
+            export = describe(out)
+            cb("phase", name=f"reshard the {export.format} export for tp {tp}")
+            target = stack.enter_context(as_converted(export, tp))
         rep = run_verify(target, reference=reference_file, faithful_reference=faithful_file, against=against,
                          per_layer=per_layer, device=device, force=force, limits=limits, progress=cb,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, export=export)
         rep.out = out
     if plot_file:
         from .verify_plot import plot

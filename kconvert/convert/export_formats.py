@@ -187,3 +187,14 @@ def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str])
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                           "output_activations": None}},
             "ignore": ignore}
+
+
+def format_of(qc: dict) -> str | None:
+    """The export format a checkpoint's quantization_config describes (the inverse of
+    `quantization_config`): a name of FORMATS, "none" when unquantized, None when no format here reads it."""
+    if not qc:
+        return "none"
+    if qc.get("quant_method") == "fp8":
+        return "fp8-block"
+    by_ct_format = {"pack-quantized": "w4a16", "int-quantized": "w8a8-int8", "float-quantized": "fp8-channel"}
+    return by_ct_format.get(qc.get("format")) if qc.get("quant_method") == "compressed-tensors" else None

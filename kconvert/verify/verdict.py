@@ -131,7 +131,8 @@ def compare(prompts: list[dict], refs: list, got: dict, limits: dict, reference:
 
 def run_verify(out: str, *, reference: str | None = None, faithful_reference: str | None = None,
                against: str | None = None, per_layer: bool = False, device: str = "cpu", force: bool = False,
-               limits: dict | None = None, progress=None, kv_dtype: str | None = None) -> VerifyReport:
+               limits: dict | None = None, progress=None, kv_dtype: str | None = None, export=None) -> VerifyReport:
+    """`export` (verify/exported.Export): OUT is its temporary conversion, judged as the export's format."""
     import time
 
     t0 = time.perf_counter()
@@ -152,9 +153,10 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
             reference = str(Path(tmp) / "ref.safetensors")
             run_reference(against, reference, prompts_for(meta["config"]), hidden_states=per_layer)
         ref_meta, refs, ref_tensors = load_reference(reference)
-        _check_reference(reference, ref_meta, ref_tensors, meta, force, per_layer)
+        made_from = export.made_from if export else meta["source"]["fingerprint"]
+        _check_reference(reference, ref_meta, ref_tensors, made_from, force, per_layer)
         fq = _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, faithful_reference, against,
-                                 per_layer, force, Path(tmp), phase)
+                                 per_layer, force, Path(tmp), phase, export)
         phase("engine")
         result_path = str(Path(tmp) / "result.safetensors")
         tokens = [r.tokens for r in refs]
@@ -163,7 +165,7 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         world = meta["layout"]["tp"] * meta["layout"].get("pp", 1)  # every rank of the tp x pp layout
         run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv_dtype)
         got = load_result(result_path)
-        report = _report(out, meta, ref_meta, refs, got, fq, limits)
+        report = _report(out, meta, ref_meta, refs, got, fq, limits, export)
         if per_layer:
             report.cost.per_layer = layer_curve(ref_meta, ref_tensors, got)
             report.largest_error_step_layer = largest_step(report.cost.per_layer)
@@ -183,37 +185,41 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
     return report
 
 
-def _check_reference(path, ref_meta, ref_tensors, meta, force: bool, per_layer: bool) -> None:
+def _check_reference(path, ref_meta, ref_tensors, made_from: str | None, force: bool, per_layer: bool) -> None:
+    """made_from: the source fingerprint OUT records; None (an export kconvert did not make): taken on trust."""
     if ref_meta.get("fake_quant"):
         raise UsageError("--reference must be a reference of the unquantized source (this one is fake-quantized: "
                          "pass it as --faithful-reference)", file=path)
-    if ref_meta["source_fingerprint"] != meta["source"]["fingerprint"] and not force:
+    if made_from is not None and ref_meta["source_fingerprint"] != made_from and not force:
         raise UsageError(f"the reference was made from another source (fingerprint {ref_meta['source_fingerprint']}"
-                         f" vs {meta['source']['fingerprint']}); pass --force to compare anyway", file=path)
+                         f" vs {made_from}); pass --force to compare anyway", file=path)
     if per_layer and "prompt.0.hidden.0" not in ref_tensors:
         raise UsageError("--per-layer needs a reference made with --hidden-states", file=path)
 
 
 def _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, path, against, per_layer, force, tmp: Path,
-                        phase):
-    """(label, per-prompt log-probs, tensors) of the fake-quantized reference, or None when no source is at hand."""
+                        phase, export=None):
+    """(label, per-prompt log-probs, tensors) of the fake-quantized reference, or None when no source is at hand.
+    For an export: its source (--against, else the path it records) under its rule and stored scales."""
     from kconvert.verify.fake_quant import plan_digest, planned_slices
 
-    if path is None and all(e["transform"] == "copy" for e in planned_slices(meta).values()):
+    if path is None and (export is None or export.format == "none") and all(
+            e["transform"] == "copy" for e in planned_slices(meta).values()):
         return "the unquantized reference (every weight is copied)", refs, ref_tensors
     if path is None:
-        src = against or meta["source"]["path"]
-        if against is None and not Path(src).exists():  # a Hub id or a moved source: say so, don't guess
+        src = against or (export.source if export else meta["source"]["path"])
+        if against is None and not (src and Path(src).exists()):  # a Hub id or a moved source: say so, don't guess
             return None
         phase("faithfulness reference (fake-quantized source)")
         path = str(tmp / "faithful.safetensors")
-        run_reference(src, path, ref_meta["prompts"], hidden_states=per_layer, like=out)
-        label = f"{src} fake-quantized as {meta['quantization']['scheme']}"
+        run_reference(src, path, ref_meta["prompts"], hidden_states=per_layer, like=out,
+                      like_export=export.path if export else None)
+        label = f"{src} fake-quantized as " + (f"{export.format} with the export's scales" if export else meta['quantization']['scheme'])
     else:
         label = path
     fq_meta, fq_refs, fq_tensors = load_reference(path)
     fake = fq_meta.get("fake_quant") or {}
-    if fake.get("plan_digest") != plan_digest(meta) and not force:
+    if fake.get("plan_digest") != plan_digest(meta, of_export=export is not None) and not force:
         raise UsageError("the faithfulness reference was made for another conversion (scheme, layout or slices "
                          "differ); make it with `kconvert reference SRC --like OUT`", file=path)
     if any(not torch.equal(a.tokens, b.tokens) for a, b in zip(refs, fq_refs)) or len(refs) != len(fq_refs):
@@ -223,9 +229,9 @@ def _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, path,
     return label, fq_refs, fq_tensors
 
 
-def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None) -> VerifyReport:
-    scheme = meta["quantization"]["scheme"]
-    faithful_limits, budget = limits_for(scheme, overrides)
+def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None, export=None) -> VerifyReport:
+    scheme = export.format if export else meta["quantization"]["scheme"]
+    faithful_limits, budget = limits_for(export.budget if export else scheme, overrides)
     prompts = ref_meta["prompts"]
     if fq is None:
         faith = Check("SKIPPED", "no source checkpoint at hand (pass --against SRC or --faithful-reference)",

@@ -1,4 +1,4 @@
-"""`kconvert fixture PRESET OUT`: generate a real-format test checkpoint with random weights."""
+"""`kconvert fixture PRESET OUT`: generate a real-format test checkpoint (seeded random weights, or trained)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ def _presets_help() -> str:
 @click.option("--seed", default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--size", help="Target size for the `scale` preset, e.g. 2GB, 8GB.")
 def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
-    """Write checkpoint PRESET (random weights, real names, shapes and formats) to OUT.
+    """Write checkpoint PRESET (real names, shapes and formats) to OUT: seeded random weights, or for
+    the `-trained` presets a small base model trained on Python standard-library sources.
 
     Built with transformers' own model classes (install the `ref` extra), saved as sharded
     safetensors with an index, config.json and a Kimi-format tokenizer. The `-trained` presets
-    train the text model first (about 2 minutes on 2 cores) on Python standard-library sources;
-    their verify prompts (`stdlib-heldout`) come from stdlib files they never saw.
+    train the text model first (about 2 minutes on 2 cores); their verify prompts (`stdlib-heldout`)
+    come from stdlib files they never saw. They are base models, not chat models: continue code with
+    `python -m engine.chat OUT --complete --prompt "def main("`.
 
     \b
     Example:

@@ -8,9 +8,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kconvert.source.checkpoint import Checkpoint
-from kconvert.plan.inspect import summarize
-
 from .units import fmt_bytes, fmt_count
 
 
@@ -29,6 +26,9 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
       kconvert inspect ./tiny-k3
       kconvert inspect moonshotai/Kimi-K2.5 --json
     """
+    from kconvert.plan.inspect import summarize
+    from kconvert.source.checkpoint import Checkpoint
+
     s = summarize(Checkpoint.open(src, revision=revision, headers_only=True))
     if as_json:
         click.echo(json.dumps(s.to_json(), indent=2))

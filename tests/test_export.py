@@ -156,10 +156,14 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
         assert res.exit_code == 0, res.output
         return json.loads(res.output)
 
+    from kconvert.convert.export_formats import EXPORT_FORMATS
+
     src = inspect(checkpoint("tiny-k3"))
+    assert src["quantization"] is None
     for fmt, out in exported.items():
         got = inspect(out)
         assert got["total_params"] == src["total_params"] and got["params"] == src["params"], fmt
+        assert got["quantization"] == {"format": fmt, "scheme": EXPORT_FORMATS[fmt].scheme}, fmt
         assert shard(ShardJob(out, str(tmp_path / fmt), tp=2)).files_written > 0
         index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
         sizes = sum(t.numel() * t.element_size() for t in load_source(Path(out)).values())

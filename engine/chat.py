@@ -20,6 +20,7 @@ Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 13
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -36,6 +37,7 @@ from kconvert.errors import EngineError, KConvertError, UsageError
 from kconvert.exit_codes import run_reporting_errors
 from kconvert.plan.kv_bytes import KV_DTYPES
 
+COMMANDS = ("/image", "/clear", "/exit", "/quit")  # what the interactive chat takes; any other "/..." is refused
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -77,6 +79,8 @@ class Session:
         self.cache.length = start
         embeds = self._image_embeds(prompt, start, images, counts)
         text = TextStream()  # holds a character's bytes until its last token arrives
+        if self.complete and out:  # a continuation reads as the prompt followed by what the model adds
+            out.write(content)
 
         def show(t):
             if t not in self.sampling.stop_ids:
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
         world = launch.world_for(open_converted(a.path).catalog.world_size, a.nproc, a.device)
         return 0
 
-    code = run_reporting_errors(size_the_world, launch.say_once)
+    code = run_reporting_errors(size_the_world, _say)
     if code:
         return code
     return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
@@ -179,7 +183,15 @@ def main(argv=None) -> int:
 def _guarded(a) -> int:
     """One rank's run; every way it can end is one line and an exit code. A collective fails when another
     rank died: that rank's error is the one to show (launch.peer_failure)."""
-    return run_reporting_errors(lambda: _run(a), launch.say_once, on_internal=lambda e: launch.peer_failure())
+    return run_reporting_errors(lambda: _run(a), _say, on_internal=lambda e: launch.peer_failure())
+
+
+def _say(line: str) -> None:
+    """The run's last line; after Ctrl-C on rank 0 on a line of its own (the answer or "> " holds the cursor)."""
+    if line == "interrupted" and os.environ.get("RANK", "0") == "0":
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    launch.say_once(line)
 
 
 def _context(requested: int | None, model: Model) -> int:
@@ -233,6 +245,12 @@ def _interactive(session: Session, model: Model, par: Group, out) -> None:
         if line == "/clear":
             session.clear()
             pending_image = None
+            if out:
+                print("[conversation cleared: the next turn starts afresh]", file=out)
+            continue
+        if line.startswith("/") and line.split()[0] not in COMMANDS:
+            if out:
+                print(f"error: unknown command {line.split()[0]} ({', '.join(COMMANDS[:3])})", file=err)
             continue
         if line.startswith("/image"):
             path = line[len("/image"):].strip()

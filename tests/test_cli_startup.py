@@ -62,3 +62,20 @@ def test_help_comes_from_the_registries():
     assert parse_size(_option(cmds["export"], "--max-shard-size").default) == DEFAULT_MAX_SHARD
     assert "zstd:3" not in cmds["pack"].help  # level 1 measured best: the example uses the default
     assert "random weights, real names" not in cmds["fixture"].help and "--complete" in cmds["fixture"].help
+
+
+def test_ctrl_c_says_how_to_resume_where_the_same_command_resumes(monkeypatch, tmp_path):
+    from helpers import cli_here
+    from kconvert.convert import pack
+    from kconvert.converted import integrity
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack, "pack", interrupted)
+    monkeypatch.setattr(integrity, "verify_files", interrupted)
+    r = cli_here("pack", tmp_path)
+    assert r.returncode == 130 and r.stderr.strip() == (
+        "kconvert: interrupted: run the same command again to resume (finished files are kept)"), r.stderr
+    r = cli_here("verify-files", tmp_path)  # nothing to resume: a check starts over
+    assert r.returncode == 130 and r.stderr.strip() == "kconvert: interrupted", r.stderr

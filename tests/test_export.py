@@ -345,3 +345,16 @@ def test_verify_of_an_export_names_its_format_and_budget_and_fails_damage(export
         code, rep = _verify_export(bad, "--reference", few_ref, *lifted)
         assert code == 1 and rep["faithfulness"]["verdict"] == "FAIL", (case, rep["faithfulness"]["overall"])
         assert rep["failures"][0].startswith("the conversion is wrong"), rep["failures"]
+
+
+def test_verify_takes_the_kv_options(exported, few_ref):
+    """`verify --kv-dtype --kv-budget --kv-device-budget` (as chat and load take them) reach the engine's cache:
+    a device budget under its two-page minimum is refused there, one of two pages changes no figure (the host
+    tier is exact), a budget that is not a size is one line, exit 2."""
+    runs = [_verify_export(exported["fp8-block"], "--reference", few_ref, "--kv-dtype", "fp8", *extra)[1]
+            for extra in ((), ("--kv-budget", "1GiB", "--kv-device-budget", "192KiB"))]
+    assert runs[0]["cost"]["overall"] == runs[1]["cost"]["overall"]
+    r = cli_here("verify", exported["fp8-block"], "--reference", few_ref, "--kv-device-budget", "96KiB")
+    assert_one_line_error(r, "--kv-device-budget 98304 B holds", "at least 2 are needed")
+    r = cli_here("verify", exported["fp8-block"], "--reference", few_ref, "--kv-budget", "lots")
+    assert_one_line_error(r, "--kv-budget 'lots'")

@@ -131,7 +131,7 @@ def compare(prompts: list[dict], refs: list, got: dict, limits: dict, reference:
 
 def run_verify(out: str, *, reference: str | None = None, faithful_reference: str | None = None,
                against: str | None = None, per_layer: bool = False, device: str = "cpu", force: bool = False,
-               limits: dict | None = None, progress=None, kv_dtype: str | None = None, export=None) -> VerifyReport:
+               limits: dict | None = None, progress=None, kv: tuple | None = None, export=None) -> VerifyReport:
     """`export` (verify/exported.Export): OUT is its temporary conversion, judged as the export's format."""
     import time
 
@@ -163,7 +163,7 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         source = against or meta["source"]["path"]
         layer_opts = {"source": source, "attribute_layer": None} if per_layer else None
         world = meta["layout"]["tp"] * meta["layout"].get("pp", 1)  # every rank of the tp x pp layout
-        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv_dtype)
+        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv)
         got = load_result(result_path)
         report = _report(out, meta, ref_meta, refs, got, fq, limits, export)
         if per_layer:
@@ -179,7 +179,7 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
             if report.first_fault_layer is not None and 0 <= report.first_fault_layer < n_layers:
                 phase(f"attribution (layer {report.first_fault_layer})")
                 layer_opts["attribute_layer"] = report.first_fault_layer
-                run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv_dtype)
+                run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv)
                 report.attribution = json.loads(Path(result_path + ".attribution.json").read_text())
     report.seconds = time.perf_counter() - t0
     return report

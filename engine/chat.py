@@ -20,12 +20,14 @@ Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 13
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 import torch
 
 from engine import launch
+from engine.from_source import converted_dir
 from engine.generate import Sampling, generate
 from engine.image import load_image, preprocess
 from engine.kv_budget import kv_options
@@ -133,7 +135,8 @@ def _on_rank0(par: Group, load):
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m engine.chat", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("path", help="converted checkpoint directory (kconvert shard OUT)")
+    ap.add_argument("path", help="converted checkpoint directory (kconvert shard OUT); a source checkpoint or an "
+                    "export is converted first into a temporary tp 1 directory (the cost is shown)")
     ap.add_argument("--prompt", help="one non-interactive turn")
     ap.add_argument("--image", help="image for the --prompt turn")
     ap.add_argument("--system", default=None)
@@ -167,17 +170,19 @@ def main(argv=None) -> int:
     a = _parse(argv)
     world = None
 
-    def size_the_world() -> int:
+    def size_the_world(stack) -> int:
         nonlocal world
         from kconvert.load.loader import open_converted
 
+        a.path = stack.enter_context(converted_dir(a.path, lambda line: print(line, file=sys.stderr), a.nproc))
         world = launch.world_for(open_converted(a.path).catalog.world_size, a.nproc, a.device)
         return 0
 
-    code = run_reporting_errors(size_the_world, _say)
-    if code:
-        return code
-    return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
+    with contextlib.ExitStack() as stack:
+        code = run_reporting_errors(lambda: size_the_world(stack), _say)
+        if code:
+            return code
+        return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
 
 
 def _guarded(a) -> int:

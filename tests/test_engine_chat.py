@@ -157,3 +157,15 @@ def test_cache_is_sized_by_use_not_by_the_config(tiny_converted):
 def test_context_beyond_the_model_is_one_line(tiny_converted):
     p = chat(tiny_converted, "--prompt", "hi", "--context", "99999999", "--max-new-tokens", "2")
     assert p.returncode == 2 and "--context 99999999" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_chat_runs_a_source_checkpoint_through_a_temporary_conversion(checkpoint, capsys):
+    """`python -m engine.chat SRC` on a checkpoint that is not a converted directory (in this process): it is
+    converted to a temporary tp 1 directory first, which chat says with what it cost, and removes at exit."""
+    from engine import chat as chat_mod
+
+    code = chat_mod.main([str(checkpoint("tiny-k3")), "--prompt", "hello", "--max-new-tokens", "2"])
+    out = capsys.readouterr()
+    assert code == 0 and "TTFT" in out.out, out.err
+    note = next(line for line in out.err.splitlines() if "is not a converted directory" in line)
+    assert "temporary tp 1 directory (--quant none)" in note and "GB written, removed at exit" in note, note

@@ -21,21 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert.converted.catalog import MANIFEST
-from kconvert.convert.export_formats import EXPORT_FORMATS, format_of
+from kconvert.convert.export_formats import EXPORT_FORMATS, format_of, runs_as
 from kconvert.convert.shard import ShardJob, shard
 from kconvert.errors import UsageError
 from kconvert.quant.registry import NONE
 from kconvert.source.checkpoint import INDEX, Checkpoint
-
-# export format -> the `shard --quant` that runs it without rounding twice where the engine can
-_RESHARD_AS = {"fp8-block": "fp8", "w8a8-int8": "int8"}
-
 
 @dataclass(frozen=True)
 class Export:
     path: str
     format: str  # a name of export_formats.FORMATS, or "none" (unquantized)
     budget: str  # the [cost.*] table it is judged by: its scheme's name
+    runs_as: str  # the `shard --quant` its temporary conversion uses (export_formats.ExportFormat.runs_as)
     made_from: str | None  # the source fingerprint the export's index records (None: not made by kconvert)
     source: str | None  # the source path it records
 
@@ -58,7 +55,7 @@ def describe(path: str) -> Export:
         meta = json.loads((root / INDEX).read_text()).get("metadata") or {}
     job = meta.get("kconvert_job") or {}
     budget = EXPORT_FORMATS[fmt].scheme if fmt in EXPORT_FORMATS else NONE
-    return Export(str(path), fmt, budget, job.get("source_fingerprint"), meta.get("source"))
+    return Export(str(path), fmt, budget, runs_as(qc), job.get("source_fingerprint"), meta.get("source"))
 
 
 @contextlib.contextmanager
@@ -66,5 +63,5 @@ def as_converted(export: Export, tp: int = 1):
     """Yield a temporary converted directory (tp ranks) of the export; removed when the context ends."""
     with tempfile.TemporaryDirectory(prefix="kconvert-verify-export-") as tmp:
         out = Path(tmp) / "converted"
-        shard(ShardJob(export.path, str(out), tp=tp, quant=_RESHARD_AS.get(export.format, NONE)))
+        shard(ShardJob(export.path, str(out), tp=tp, quant=export.runs_as))
         yield str(out)

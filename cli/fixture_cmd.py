@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from .progress import byte_progress
 from .units import fmt_bytes, parse_size
 
 
@@ -38,7 +39,16 @@ def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
     """
     from kconvert.fixtures import build_fixture
 
-    path = build_fixture(preset, out, seed=seed, size=parse_size(size) if size else None)
+    with byte_progress(f"fixture {preset}", unit="items") as cb:
+        def training(event: str, **kw) -> None:  # the -trained presets: steps and loss as they go
+            if event == "start":
+                cb("phase", name=kw["phase"])
+                cb("start", total=kw["total"], restart=True)
+            else:
+                cb("advance", n=1)
+                cb("file", path=f"loss {kw['loss']:.3f}")
+
+        path = build_fixture(preset, out, seed=seed, size=parse_size(size) if size else None, progress=training)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     training = path / "kconvert_training.json"
     trained = ""

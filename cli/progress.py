@@ -21,8 +21,8 @@ def byte_progress(description: str, *, enabled: bool = True, unit: str = "bytes"
         task = bar.add_task(description, total=None, note="")
 
         def cb(event: str, **kw) -> None:
-            if event == "start":
-                bar.update(task, total=kw["total"])
+            if event == "start":  # restart=True: a new phase counts from 0
+                bar.update(task, total=kw["total"], **({"completed": 0} if kw.get("restart") else {}))
             elif event == "advance":
                 bar.advance(task, kw["n"])
             elif event == "file":

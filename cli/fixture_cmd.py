@@ -38,8 +38,9 @@ def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
       kconvert fixture scale ./scale-8g --size 8GB
     """
     from kconvert.fixtures import build_fixture
+    from kconvert.fixtures.presets import TRAINED_PRESETS
 
-    with byte_progress(f"fixture {preset}", unit="items") as cb:
+    with byte_progress(f"fixture {preset}", unit="items", enabled=preset in TRAINED_PRESETS) as cb:
         def training(event: str, **kw) -> None:  # the -trained presets: steps and loss as they go
             if event == "start":
                 cb("phase", name=kw["phase"])

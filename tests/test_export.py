@@ -347,12 +347,30 @@ def test_verify_of_an_export_names_its_format_and_budget_and_fails_damage(export
         assert rep["failures"][0].startswith("the conversion is wrong"), rep["failures"]
 
 
-def test_verify_takes_the_kv_options(exported, few_ref):
+def test_verify_takes_the_kv_options_and_its_bar_counts_prompts(exported, few_ref, monkeypatch):
     """`verify --kv-dtype --kv-budget --kv-device-budget` (as chat and load take them) reach the engine's cache:
     a device budget under its two-page minimum is refused there, one of two pages changes no figure (the host
-    tier is exact), a budget that is not a size is one line, exit 2."""
+    tier is exact), a budget that is not a size is one line, exit 2. The bar counts the prompts of each phase
+    (the faithfulness reference, the engine on its ranks), never `engine 0/?`."""
+    import contextlib
+
+    import cli.verify_cmd
+
+    events = []
+
+    @contextlib.contextmanager
+    def recorder(*a, **k):
+        yield lambda event, **kw: events.append((event, kw))
+
+    monkeypatch.setattr(cli.verify_cmd, "byte_progress", recorder)
     runs = [_verify_export(exported["fp8-block"], "--reference", few_ref, "--kv-dtype", "fp8", *extra)[1]
             for extra in ((), ("--kv-budget", "1GiB", "--kv-device-budget", "192KiB"))]
+    starts = [i for i, (e, kw) in enumerate(events) if e == "phase" and kw["name"].startswith("reshard the fp8-block")]
+    first = events[:starts[1]]  # the first run's events
+    for name in ("faithfulness reference (fake-quantized source)", "engine on 1 rank"):
+        at = first.index(("phase", {"name": name}))
+        assert first[at + 1] == ("start", {"total": 2, "restart": True}), first[at:at + 2]
+        assert first[at + 2:at + 4] == [("advance", {"n": 1})] * 2, first[at:at + 5]
     assert runs[0]["cost"]["overall"] == runs[1]["cost"]["overall"]
     r = cli_here("verify", exported["fp8-block"], "--reference", few_ref, "--kv-device-budget", "96KiB")
     assert_one_line_error(r, "--kv-device-budget 98304 B holds", "at least 2 are needed")

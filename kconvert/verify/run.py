@@ -18,7 +18,7 @@ from kconvert.verify.forward import engine_inputs, hidden_states
 
 
 def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
-             per_layer: dict | None = None, device: str = "cpu", kv: tuple | None = None) -> None:
+             per_layer: dict | None = None, device: str = "cpu", kv: tuple | None = None, progress=None) -> None:
     """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
     per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking.
     kv: the command line's (--kv-dtype, --kv-budget, --kv-device-budget) texts, read on each rank (a fraction
@@ -56,6 +56,8 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
                     result[f"prompt.{i}.vision"] = img.float().contiguous()
             if par.rank == 0:
                 result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
+            if progress:  # this process's ranks only (spawned ranks: counted when they finish)
+                progress("advance", n=1)
     if par.rank == 0:
         from safetensors.torch import save_file
 
@@ -84,16 +86,19 @@ def free_port() -> int:
 
 
 def run_all_ranks(out_dir: str, world: int, prompts, tokens, result_path: str, per_layer=None, device="cpu",
-                  kv: tuple | None = None) -> None:
-    """Run the converted model's `world` (tp x pp) ranks (spawned unless already under torchrun) to result_path."""
+                  kv: tuple | None = None, progress=None) -> None:
+    """Run the converted model's `world` (tp x pp) ranks (spawned unless already under torchrun) to result_path;
+    `progress("advance", n=1)` per prompt."""
     args = (out_dir, prompts, tokens, result_path, per_layer, device, kv)
     if world == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        run_rank(*args)
+        run_rank(*args, progress=progress)
         return
     import torch.multiprocessing as mp
 
     mp.start_processes(spawn_main, args=(world, free_port(), args), nprocs=world, join=True,
                        start_method=_start_method())
+    if progress:
+        progress("advance", n=len(prompts))
 
 
 def _start_method() -> str:

@@ -35,13 +35,9 @@ from kconvert.errors import KConvertError, UsageError, VerifyFailed
 from kconvert.family.manifest import manifests_dir
 from kconvert.verify import kld
 from kconvert.verify.reference import load_reference, run_reference
+from kconvert.verify.layer_error import first_fault, largest_step, layer_curve, vision_error
 from kconvert.verify.run import load_result, run_all_ranks
 
-FAULT_REL_ERROR = 1e-4  # hidden-state relative error vs the fake-quantized reference that marks a faulty layer
-# DSA keeps the top-k keys of an indexer score: two correct fp32 implementations can decide a near-tie
-# differently, which changes one position's attention in one layer. A layer whose new departures are that
-# few (positions first over FAULT_REL_ERROR there) is not named as a fault; a damaged tensor moves far more.
-ISOLATED_POSITIONS, ISOLATED_SHARE = 2, 0.002
 WRONG = "the conversion is wrong"
 LOSSY = "the scheme is too lossy for this model"
 CHECKED = ("mean_kld", "p99_kld", "same_top1_pct", "ppl_ratio")
@@ -137,7 +133,14 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
 
     t0 = time.perf_counter()
     meta = Catalog.read(out).doc
-    phase = (lambda name: progress("phase", name=name)) if progress else (lambda name: None)
+
+    def phase(name: str, prompts: int | None = None):
+        """Name the step on the bar; with `prompts`, count them from 0 (returns the callback to pass on)."""
+        if progress:
+            progress("phase", name=name)
+            if prompts is not None:
+                progress("start", total=prompts, restart=True)
+        return progress
     phase("integrity")
     try:
         verify_files(out)
@@ -147,23 +150,23 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         if reference is None:
             if against is None:
                 raise UsageError("give --reference REF.safetensors or --against SRC")
-            phase("reference")
             from kconvert.verify.prompts import prompts_for
 
-            reference = str(Path(tmp) / "ref.safetensors")
-            run_reference(against, reference, prompts_for(meta["config"]), hidden_states=per_layer)
+            reference, prompts = str(Path(tmp) / "ref.safetensors"), prompts_for(meta["config"])
+            run_reference(against, reference, prompts, hidden_states=per_layer,
+                          progress=phase("reference (unquantized source)", len(prompts)))
         ref_meta, refs, ref_tensors = load_reference(reference)
         made_from = export.made_from if export else meta["source"]["fingerprint"]
         _check_reference(reference, ref_meta, ref_tensors, made_from, force, per_layer)
         fq = _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, faithful_reference, against,
                                  per_layer, force, Path(tmp), phase, export)
-        phase("engine")
         result_path = str(Path(tmp) / "result.safetensors")
         tokens = [r.tokens for r in refs]
         source = against or meta["source"]["path"]
         layer_opts = {"source": source, "attribute_layer": None} if per_layer else None
         world = meta["layout"]["tp"] * meta["layout"].get("pp", 1)  # every rank of the tp x pp layout
-        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv)
+        tick = phase(f"engine on {world} rank{'s' * (world > 1)}", len(tokens))
+        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv, progress=tick)
         got = load_result(result_path)
         report = _report(out, meta, ref_meta, refs, got, fq, limits, export)
         if per_layer:
@@ -210,10 +213,10 @@ def _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, path,
         src = against or (export.source if export else meta["source"]["path"])
         if against is None and not (src and Path(src).exists()):  # a Hub id or a moved source: say so, don't guess
             return None
-        phase("faithfulness reference (fake-quantized source)")
         path = str(tmp / "faithful.safetensors")
         run_reference(src, path, ref_meta["prompts"], hidden_states=per_layer, like=out,
-                      like_export=export.path if export else None)
+                      like_export=export.path if export else None,
+                      progress=phase("faithfulness reference (fake-quantized source)", len(ref_meta["prompts"])))
         label = f"{src} fake-quantized as " + (f"{export.format} with the export's scales" if export else meta['quantization']['scheme'])
     else:
         label = path
@@ -243,58 +246,3 @@ def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None, e
         ([f"{LOSSY} ({scheme} budget): " + "; ".join(cost.failures)] if cost.failures else [])
     return VerifyReport(out=str(out), scheme=scheme, tp=meta["layout"]["tp"], pp=meta["layout"].get("pp", 1),
                         verdict="FAIL" if failures else "PASS", faithfulness=faith, cost=cost, failures=failures)
-
-
-def layer_curve(ref_meta, ref_tensors, got) -> list[dict]:
-    """Relative hidden-state error per layer position (0 = embeddings, last = after the final norm), pooled
-    over prompts, and how many token positions first depart (error over FAULT_REL_ERROR) there."""
-    n = sum(1 for k in ref_tensors if k.startswith("prompt.0.hidden."))
-    prompts = range(len(ref_meta["prompts"]))
-    departed = {i: None for i in prompts}  # positions already over FAULT_REL_ERROR at an earlier layer
-    curve = []
-    for L in range(n):
-        num = den = 0.0
-        new = total = 0
-        for i in prompts:
-            r, g = ref_tensors[f"prompt.{i}.hidden.{L}"].float(), got[f"prompt.{i}.hidden.{L}"].float()
-            num += float((g - r).pow(2).sum())
-            den += float(r.pow(2).sum())
-            d, rr = (g - r).reshape(r.shape[0], -1), r.reshape(r.shape[0], -1)  # [T, H] or [T, streams x H]
-            per_pos = (d.pow(2).sum(-1) / rr.pow(2).sum(-1).clamp_min(1e-30)).sqrt()
-            over = ~(per_pos <= FAULT_REL_ERROR)  # NaN counts as over
-            new += int((over if departed[i] is None else over & ~departed[i]).sum())
-            departed[i] = over if departed[i] is None else over | departed[i]
-            total += per_pos.numel()
-        curve.append({"position": L, "after": "embeddings" if L == 0 else f"layer {L - 1}" if L < n - 1 else
-                      f"layer {L - 1} + final norm", "rel_error": (num / max(den, 1e-30)) ** 0.5,
-                      "departed_positions": new, "positions": total})
-    return curve
-
-
-def largest_step(curve: list[dict]) -> int | None:
-    """The decoder layer whose step adds the most error (position L + 1 is after layer L); in a clean
-    quantized model that is where quantization costs the most; None when everything is exact."""
-    errs = [c["rel_error"] for c in curve]
-    if len(errs) < 2 or not max(errs) > 1e-4:
-        return None
-    return max(range(len(errs) - 1), key=lambda L: errs[L + 1] - errs[L])
-
-
-def first_fault(curve: list[dict], vision: float | None) -> tuple[str | None, int | None]:
-    """Where the conversion first departs from its faithful reference: ("layer N", N), ("embeddings", None),
-    ("vision tower", None) or (None, None). A non-finite error is a fault too; a layer where only isolated
-    positions depart (a DSA near-tie decided the other way) is not."""
-    if vision is not None and not vision <= FAULT_REL_ERROR:
-        return "vision tower", None
-    for c in curve:
-        isolated = c["departed_positions"] <= max(ISOLATED_POSITIONS, ISOLATED_SHARE * c["positions"])
-        if not c["rel_error"] <= FAULT_REL_ERROR and not (math.isfinite(c["rel_error"]) and isolated):
-            return (c["after"], None) if c["position"] == 0 else (f"layer {c['position'] - 1}", c["position"] - 1)
-    return None, None
-
-
-def vision_error(ref_tensors, got) -> float | None:
-    vis = [(got[k].float(), ref_tensors[k].float()) for k in got if k.endswith(".vision") and k in ref_tensors]
-    if not vis:
-        return None
-    return (sum(float((g - r).pow(2).sum()) for g, r in vis) / max(sum(float(r.pow(2).sum()) for _, r in vis), 1e-30)) ** 0.5

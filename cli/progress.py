@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import contextlib
 
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeRemainingColumn, TransferSpeedColumn)
+from rich.text import Text
+
+
+class FlooredPercent(ProgressColumn):
+    """The percentage rounded down: "100%" only once everything is counted (the journalled commands count a
+    file's bytes when it is durable), never for 99.6 %."""
+
+    def render(self, task) -> Text:
+        return Text("" if task.total is None else f"{int(task.percentage):>3d}%", style="progress.percentage")
 
 
 @contextlib.contextmanager
 def byte_progress(description: str, *, enabled: bool = True, unit: str = "bytes"):
-    """Yields a callback `cb(event, **kw)` understanding ("start", total=), ("advance", n=), ("file", path=).
+    """Yields a callback `cb(event, **kw)` understanding ("start", total=[, restart=True]), ("advance", n=),
+    ("file", path=), ("phase", name=); other events (("working", n=): bytes in flight) are not counted.
     `unit="items"` counts things (prompts, layers) instead of bytes."""
     if not enabled:
         yield lambda *a, **k: None
         return
     amount = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), *amount,
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), FlooredPercent(), *amount,
                   TimeRemainingColumn(), TextColumn("{task.fields[note]}"), transient=False) as bar:
         task = bar.add_task(description, total=None, note="")
 

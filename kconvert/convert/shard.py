@@ -60,7 +60,8 @@ class ShardJob:
 
 
 def shard(job: ShardJob, progress=None) -> RunResult:
-    """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("advance", n=bytes), ("file", path=...)."""
+    """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("working", n=bytes) as tensors are made,
+    ("advance", n=bytes) and ("file", path=...) as each file becomes durable."""
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
     ck = Checkpoint.open(job.src)

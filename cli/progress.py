@@ -18,14 +18,15 @@ class FlooredPercent(ProgressColumn):
 
 
 @contextlib.contextmanager
-def byte_progress(description: str, *, enabled: bool = True, unit: str = "bytes"):
+def byte_progress(description: str, *, enabled: bool = True, unit: str = "bytes", speed: bool = True):
     """Yields a callback `cb(event, **kw)` understanding ("start", total=[, restart=True]), ("advance", n=),
     ("file", path=), ("phase", name=); other events (("working", n=): bytes in flight) are not counted.
-    `unit="items"` counts things (prompts, layers) instead of bytes."""
+    `unit="items"` counts things (prompts, layers) instead of bytes; `speed=False` leaves the running rate out
+    (a command that prints its own rate at the end)."""
     if not enabled:
         yield lambda *a, **k: None
         return
-    amount = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
+    amount = [DownloadColumn(), *([TransferSpeedColumn()] if speed else [])] if unit == "bytes" else [MofNCompleteColumn()]
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), FlooredPercent(), *amount,
                   TimeRemainingColumn(), TextColumn("{task.fields[note]}"), transient=False) as bar:
         task = bar.add_task(description, total=None, note="")

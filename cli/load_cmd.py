@@ -10,6 +10,7 @@ from rich.table import Table
 
 from kconvert.plan.kv_bytes import KV_DTYPES
 
+from .lazy import RegistryHelpOption, device_help
 from .progress import byte_progress
 from .units import fmt_bytes
 
@@ -20,7 +21,7 @@ from .units import fmt_bytes
 @click.option("--stage", type=int, help="Pipeline stage to load (with --tp-rank; a tp x pp conversion).")
 @click.option("--tp-rank", type=int, help="Tensor-parallel rank within --stage.")
 @click.option("--world-size", type=int, help="Check the conversion was made for this many ranks (tp x pp).")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda[:i], musa[:i] or auto.")
+@click.option("--device", default="auto", show_default=True, cls=RegistryHelpOption, help_from=device_help)
 @click.option("--verify/--no-verify", default=False, show_default=True,
               help="Check each file's CRC-32 against kconvert.json before its tensors are used.")
 @click.option("--prefetch", type=int, default=2, show_default=True, help="Units read ahead of the consumer.")

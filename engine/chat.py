@@ -34,6 +34,7 @@ from engine.kv_budget import kv_options
 from engine.model import Model
 from engine.stream import TextStream
 from engine.tokenizer import Tokenizer
+from kconvert import devices
 from kconvert.distributed import Group
 from kconvert.errors import EngineError, KConvertError, UsageError
 from kconvert.exit_codes import run_reporting_errors
@@ -158,7 +159,7 @@ def _parse(argv):
                     help="most bytes the KV cache may take (8GiB, 512M) or a fraction of free memory (0.9)")
     ap.add_argument("--kv-device-budget", default=None,
                     help="bytes of KV latent kept on the device; older pages go to host memory")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or musa (each rank takes device LOCAL_RANK)")
+    ap.add_argument("--device", default="cpu", help=f"cpu or {', '.join(devices.KNOWN)} (each rank takes device LOCAL_RANK)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--nproc", type=int, default=None,
                     help="processes to start when not under torchrun (default: the conversion's tp x pp)")

@@ -59,6 +59,10 @@ def test_help_comes_from_the_registries():
     for cmd, opt in (("plan", "--kv-cache-dtype"), ("load", "--kv-dtype"), ("verify", "--kv-dtype")):
         assert tuple(_option(cmds[cmd], opt).type.choices) == KV_DTYPES, cmd
     assert all(key in _option(cmds["plan"], "--device").help for key in devices())
+    from kconvert.devices import KNOWN
+
+    device = _option(cmds["load"], "--device")
+    assert all(f"{kind}[:i]" in device.get_help_record(click.Context(cmds["load"]))[1] for kind in KNOWN)
     assert parse_size(_option(cmds["export"], "--max-shard-size").default) == DEFAULT_MAX_SHARD
     assert "zstd:3" not in cmds["pack"].help  # level 1 measured best: the example uses the default
     assert "random weights, real names" not in cmds["fixture"].help and "--complete" in cmds["fixture"].help

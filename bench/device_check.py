@@ -217,7 +217,9 @@ def verify(dev, paths: dict, fixtures: list[str]) -> dict:
             rep = run_verify(str(paths[f"{fx}-{quant}"]), reference=str(paths[f"{fx}-ref"]), device=str(dev))
             out[f"{fx}-{quant}"] = {"verdict": rep.verdict, "faithful": rep.faithfulness.overall,
                                     "cost": rep.cost.overall, "failures": rep.failures, "seconds": rep.seconds}
-    return {"compute_dtype": "float32 (the dtype kconvert verify's engine computes in)", "fixtures": out}
+    failed = any(v["verdict"] != "PASS" for v in out.values())  # a verify that FAILs is this step's FAIL
+    return {"status": "FAIL" if failed else "ok", "compute_dtype": "float32 (the dtype kconvert verify's engine "
+            "computes in)", "fixtures": out}
 
 
 def decode(dev, conv_dir: Path, contexts: list[int], steps: int) -> dict:
@@ -265,7 +267,7 @@ def tp2(dev, conv_dir: Path, work: Path) -> dict:
 def table(steps: dict) -> str:
     lines = [f"{'step':<10} {'status':<8} {'seconds':>8}  result"]
     for name, s in steps.items():
-        if s["status"] != "ok":
+        if s["status"] not in ("ok", "FAIL"):  # skipped or failed: nothing measured
             lines.append(f"{name:<10} {s['status']:<8} {'':>8}  {s.get('why') or s.get('error')}")
             continue
         if name == "h2d":
@@ -286,7 +288,7 @@ def table(steps: dict) -> str:
             res = ", ".join(f"{c} ctx {v['ms_per_token']:.1f} ms/token" for c, v in s["contexts"].items())
         else:
             res = ", ".join(f"{k} {v}" for k, v in s.items() if k not in ("status", "seconds", "paths"))[:160]
-        lines.append(f"{name:<10} {'ok':<8} {s['seconds']:>8.1f}  {res}")
+        lines.append(f"{name:<10} {s['status']:<8} {s['seconds']:>8.1f}  {res}")
     return "\n".join(lines)
 
 
@@ -296,12 +298,21 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
 
 
+def default_workdir(scale: int, fixtures: list[str]) -> Path:
+    """The build folder for these sizes under the system temp directory: a --quick run never reuses (or is
+    taken for) a full-size build, and runs of other sizes keep their own."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"kconvert-device-check-scale{scale}-{'+'.join(fixtures)}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda[:i], musa[:i], standin")
     ap.add_argument("--quick", action="store_true", help="CI sizes: 8 MB scale, tiny fixtures, short contexts")
-    ap.add_argument("--workdir", default="/tmp/kconvert-device-check", help="built checkpoints (reused if present)")
-    ap.add_argument("--out", help="JSON report (default: WORKDIR/device_check.json)")
+    ap.add_argument("--workdir", help="built checkpoints, reused if present (default: one per --scale-size and "
+                    "fixture set under the system temp directory)")
+    ap.add_argument("--out", help="JSON report (default: WORKDIR/device_check-DEVICE-TIME-PID.json, one per run)")
     ap.add_argument("--scale-size", help="scale checkpoint size (default 4GB; --quick 8MB)")
     ap.add_argument("--contexts", help="decode contexts in tokens (default 1024,4096; --quick 32,64)")
     ap.add_argument("--budget", type=float, default=420, help="seconds after which remaining steps are skipped")
@@ -312,11 +323,11 @@ def main(argv=None) -> int:
 
         standin.install()
     dev = devices.resolve(a.device)
-    work = Path(a.workdir)
-    work.mkdir(parents=True, exist_ok=True)
     scale = parse_size(a.scale_size or ("8MB" if a.quick else "4GB"))
     contexts = [int(c) for c in (a.contexts or ("32,64" if a.quick else "1024,4096")).split(",")]
     fixtures = ["tiny-k3"] + ([] if a.quick else ["small-k3"])
+    work = Path(a.workdir) if a.workdir else default_workdir(scale, fixtures)
+    work.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
     run = Run(a.budget)
     run.step("env", env, dev)
@@ -337,14 +348,17 @@ def main(argv=None) -> int:
             run.skip(name, "--skip") if name in skip else run.step(name, fn, *args)
     report = {"device": str(dev), "quick": a.quick, "scale_bytes": scale, "total_seconds": time.perf_counter() - run.t0,
               "steps": run.steps}
-    out = Path(a.out or work / "device_check.json")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(a.out or work / f"device_check-{str(dev).replace(':', '')}-{stamp}-{os.getpid()}.json")
     out.write_text(json.dumps(report, indent=2, default=str))
     print(table(run.steps))
     print(f"wrote {out} ({report['total_seconds']:.0f} s)")
-    left = {k: v.get("why") or v.get("error") for k, v in run.steps.items() if v["status"] != "ok"}
+    left = {k: v.get("why") or v.get("error") for k, v in run.steps.items() if v["status"] not in ("ok", "FAIL")}
     for k, why in left.items():
         print(f"not measured: {k}: {why}")
-    return 1 if any(v["status"] == "failed" for v in run.steps.values()) else 0
+    for k in (k for k, v in run.steps.items() if v["status"] == "FAIL"):
+        print(f"FAIL: {k}: " + "; ".join(f for v in run.steps[k]["fixtures"].values() for f in v["failures"])[:300])
+    return 1 if any(v["status"] in ("failed", "FAIL") for v in run.steps.values()) else 0
 
 
 if __name__ == "__main__":

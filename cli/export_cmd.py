@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import click
 
-from kconvert.convert.export import DEFAULT_MAX_SHARD, ExportJob, export as _export
-from kconvert.convert.export_formats import FORMATS
-
 from .calibrate_opts import calibration_factory, calibration_options
+from .lazy import RegistryChoice, export_formats, scale_formats
 from .progress import byte_progress
 from .run_summary import io_facts, print_run
 from .units import parse_size
@@ -17,13 +15,13 @@ from .params import COUNT, Whole
 @click.command()
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--format", "fmt", type=click.Choice(FORMATS), required=True,
+@click.option("--format", "fmt", type=RegistryChoice(export_formats), required=True,
               help="fp8-block: DeepSeek/Kimi FP8 release format; w4a16: compressed-tensors int4 routed experts; "
                    "w8a8-int8 / fp8-channel: compressed-tensors per-channel weights, dynamic per-token activations.")
 @click.option("--group-size", type=Whole(8, 65536), default=32, show_default=True, help="w4a16: input columns per int4 scale.")
-@click.option("--scale-format", type=click.Choice(["fp32", "ue8m0"]),
+@click.option("--scale-format", type=RegistryChoice(scale_formats),
               help="fp8-block scales: float32 or powers of two (default: as a block-FP8 source stores them, else fp32).")
-@click.option("--max-shard-size", default=f"{DEFAULT_MAX_SHARD // 10**9}GB", show_default=True,
+@click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest model-0000K-of-0000N.safetensors file.")
 @click.option("--workers", type=COUNT,
               help="Tensors read and quantized in parallel (threads); default: cores + 1, fewer if memory is short.")
@@ -43,6 +41,8 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
       kconvert export ./tiny-k3 ./tiny-k3-gptq --format w4a16 --calibrate calib.jsonl   # GPTQ, layer by layer
       kconvert verify ./tiny-k3-w4a16 --against ./tiny-k3
     """
+    from kconvert.convert.export import ExportJob, export as _export
+
     job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size, "--max-shard-size"), workers, overwrite)
     with byte_progress(f"export {fmt}", enabled=not as_json) as cb:
         r = _export(job, progress=cb, calibrate=calibration_factory(

@@ -1,9 +1,10 @@
-"""`kconvert fixture PRESET OUT`: generate a real-format test checkpoint with random weights."""
+"""`kconvert fixture PRESET OUT`: generate a real-format test checkpoint (seeded random weights, or trained)."""
 
 from __future__ import annotations
 
 import click
 
+from .progress import byte_progress
 from .units import fmt_bytes, parse_size
 from .params import SEED
 
@@ -22,12 +23,14 @@ def _presets_help() -> str:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--size", help="Target size for the `scale` preset, e.g. 2GB, 8GB.")
 def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
-    """Write checkpoint PRESET (random weights, real names, shapes and formats) to OUT.
+    """Write checkpoint PRESET (real names, shapes and formats) to OUT: seeded random weights, or for
+    the `-trained` presets a small base model trained on Python standard-library sources.
 
     Built with transformers' own model classes (install the `ref` extra), saved as sharded
     safetensors with an index, config.json and a Kimi-format tokenizer. The `-trained` presets
-    train the text model first (about 2 minutes on 2 cores) on Python standard-library sources;
-    their verify prompts (`stdlib-heldout`) come from stdlib files they never saw.
+    train the text model first (about 2 minutes on 2 cores); their verify prompts (`stdlib-heldout`)
+    come from stdlib files they never saw. They are base models, not chat models: continue code with
+    `python -m engine.chat OUT --complete --prompt "def main("`.
 
     \b
     Example:
@@ -36,8 +39,19 @@ def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
       kconvert fixture scale ./scale-8g --size 8GB
     """
     from kconvert.fixtures import build_fixture
+    from kconvert.fixtures.presets import TRAINED_PRESETS
 
-    path = build_fixture(preset, out, seed=seed, size=parse_size(size, "--size") if size else None)
+    with byte_progress(f"fixture {preset}", unit="items", enabled=preset in TRAINED_PRESETS) as cb:
+        def training(event: str, **kw) -> None:  # the -trained presets: steps and loss as they go
+            if event == "start":
+                cb("phase", name=kw["phase"])
+                cb("start", total=kw["total"], restart=True)
+            else:
+                cb("advance", n=1)
+                cb("file", path=f"loss {kw['loss']:.3f}")
+
+        path = build_fixture(preset, out, seed=seed, size=parse_size(size, "--size") if size else None,
+                             progress=training)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     training = path / "kconvert_training.json"
     trained = ""

@@ -8,9 +8,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kconvert.source.checkpoint import Checkpoint
-from kconvert.plan.inspect import summarize
-
 from .units import fmt_bytes, fmt_count
 
 
@@ -22,19 +19,31 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
     """Describe checkpoint SRC (a local directory or a Hub repo id) from its config and headers only.
 
     Validates every tensor against the family manifest (names, shapes, nothing missing) and
-    counts parameters by component; no weights are read, so a 1 TB checkpoint takes seconds.
+    counts parameters by component; no weights are read, so a 1 TB checkpoint takes seconds. An export
+    (or a quantized release) also shows its format and scheme. A converted directory (`kconvert shard`
+    output) shows its family, tp x pp, scheme, bytes per rank and whether it is compressed.
 
     \b
     Example:
       kconvert inspect ./tiny-k3
       kconvert inspect moonshotai/Kimi-K2.5 --json
+      kconvert inspect ./tiny-k3-tp2-fp8
     """
+    from kconvert.plan.inspect import summarize
+    from kconvert.plan.inspect_converted import is_converted, summarize_converted
+    from kconvert.source.checkpoint import Checkpoint
+
+    if is_converted(src):
+        _print_converted(summarize_converted(src), as_json)
+        return
     s = summarize(Checkpoint.open(src, revision=revision, headers_only=True))
     if as_json:
         click.echo(json.dumps(s.to_json(), indent=2))
         return
     con = Console()
     con.print(f"[bold]{s.source}[/]  family [cyan]{s.family}[/] ({', '.join(s.architectures)})")
+    if s.quantization:
+        con.print(f"quantized: format [cyan]{s.quantization['format']}[/] (scheme {s.quantization['scheme']})")
     m = s.model
     con.print(f"{m['layers']} layers ({m['dense_layers']} dense, {m['mtp_layers']} MTP), hidden {m['hidden_size']}, "
               f"{m['attention_heads']} heads, {m['routed_experts']} routed experts ({m['experts_per_token']} per token) "
@@ -58,3 +67,22 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
         f.add_row(row["format"], row["dtype"], str(row["tensors"]), fmt_count(row["params"]), fmt_bytes(row["bytes"]))
     con.print(f)
     con.print(f"{s.tensors} tensors in {s.files} files, {fmt_bytes(s.bytes_on_disk)} on disk")
+
+
+def _print_converted(c, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(c.to_json(), indent=2))
+        return
+    con = Console()
+    q = c.quantization
+    opts = ", ".join(f"{k} {v}" for k, v in q.items() if k != "scheme" and v not in (None, [], False))
+    con.print(f"[bold]{c.path}[/]  converted, family [cyan]{c.family}[/]; tp {c.tp} x pp {c.pp} = {c.ranks} ranks "
+              f"(ep {c.ep}); scheme [cyan]{c.scheme}[/]" + (f" ({opts})" if opts else ""))
+    con.print(f"{c.tensors} tensors in {c.files} files, {fmt_bytes(c.bytes_on_disk)} on disk, compressed: {c.compressed}; "
+              f"from {c.source['path']} (fingerprint {c.source['fingerprint']})")
+    t = Table(title="on disk per rank")
+    t.add_column("rank", justify="right")
+    t.add_column("bytes", justify="right")
+    for rank, n in c.bytes_per_rank.items():
+        t.add_row(str(rank), fmt_bytes(n))
+    con.print(t)

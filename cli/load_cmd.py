@@ -10,6 +10,7 @@ from rich.table import Table
 
 from kconvert.plan.kv_bytes import KV_DTYPES
 
+from .lazy import RegistryHelpOption, device_help
 from .progress import byte_progress
 from .units import fmt_bytes
 from .params import COUNT, Whole
@@ -21,7 +22,7 @@ from .params import COUNT, Whole
 @click.option("--stage", type=Whole(0), help="Pipeline stage to load (with --tp-rank; a tp x pp conversion).")
 @click.option("--tp-rank", type=Whole(0), help="Tensor-parallel rank within --stage.")
 @click.option("--world-size", type=COUNT, help="Check the conversion was made for this many ranks (tp x pp).")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda[:i], musa[:i] or auto.")
+@click.option("--device", default="auto", show_default=True, cls=RegistryHelpOption, help_from=device_help)
 @click.option("--verify/--no-verify", default=False, show_default=True,
               help="Check each file's CRC-32 against kconvert.json before its tensors are used.")
 @click.option("--prefetch", type=Whole(0, 1024), default=2, show_default=True, help="Units read ahead of the consumer.")
@@ -54,7 +55,7 @@ def load(out, rank, stage, tp_rank, world_size, device, verify, prefetch, thread
     from engine.time_to_ready import load_rank
 
     rank0 = os.environ.get("RANK", "0") == "0"
-    with byte_progress("load", enabled=not as_json and rank0) as cb:
+    with byte_progress("load", enabled=not as_json and rank0, speed=False) as cb:  # one rate: the summary's
         report = load_rank(out, rank=rank, stage=stage, tp_rank=tp_rank, world_size=world_size, device=device,
                            verify=verify, prefetch=prefetch, threads=threads, warmup=warmup, kv_dtype=kv_dtype,
                            kv_budget=kv_budget, kv_device_budget=kv_device_budget, progress=cb)
@@ -73,15 +74,19 @@ def _print_table(report: dict, warmup: int) -> None:
     t = Table()
     t.add_column("phase")
     t.add_column("seconds", justify="right")
-    for phase in ("open", "read", "verify", "copy", "load", "warmup", "ready"):
+    for phase in ("start_ranks", "open", "read", "verify", "copy", "load", "warmup", "ready"):
         if (phase == "verify" and not report["verified"]) or (phase == "copy" and report["device"] == "cpu") \
-                or (phase == "warmup" and not warmup):
+                or (phase in ("warmup", "start_ranks") and not warmup):
             continue
-        t.add_row(phase, f"{report['seconds'][phase]:.3f}")
+        t.add_row(phase.replace("_", " "), f"{report['seconds'][phase]:.3f}")
     Console().print(t)
     dev_peak = report["peak_device_bytes"]
-    click.echo(f"{report['GBps']:.2f} GB/s, peak host RSS {fmt_bytes(report['peak_host_rss_bytes'])}"
-               + (f", peak device {fmt_bytes(dev_peak)}" if dev_peak is not None else ""))
+    click.echo(f"load: {report['GBps']:.2f} GB/s (this rank's bytes / the load phase), peak host RSS "
+               f"{fmt_bytes(report['peak_host_rss_bytes'])}" + (f", peak device {fmt_bytes(dev_peak)}" if dev_peak is not None else ""))
+    if report.get("kv"):
+        kv = report["kv"]
+        click.echo(f"KV cache: {kv['dtype'] or 'compute dtype'}, budget {kv['budget'] or 'unbounded'}, device budget "
+                   f"{kv['device_budget'] or 'none (no host tier)'}")
 
 
 def _launched_ranks(out, device) -> bool:

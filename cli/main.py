@@ -41,6 +41,8 @@ app.add_command(shard_cmd.verify_files)
 app.add_command(pack_cmd.pack)
 app.add_command(pack_cmd.unpack)
 app.add_command(export_cmd.export)
+# journalled commands (convert/run.Run): interrupted, the same command resumes from the files already written
+RESUMABLE = (shard_cmd.shard, export_cmd.export, pack_cmd.pack, pack_cmd.unpack)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         except click.exceptions.Exit as e:
             return e.exit_code
 
-    return run_reporting_errors(run, lambda line: click.echo(f"kconvert: {line}", err=True),
-                                interrupts=(KeyboardInterrupt, click.exceptions.Abort))
+    args = sys.argv[1:] if argv is None else argv
+    resumes = bool(args) and app.commands.get(args[0]) in RESUMABLE
+
+    def say(line: str) -> None:
+        if line == "interrupted" and resumes:
+            line += ": run the same command again to resume (finished files are kept)"
+        click.echo(f"kconvert: {line}", err=True)
+
+    return run_reporting_errors(run, say, interrupts=(KeyboardInterrupt, click.exceptions.Abort))
 
 
 def entry() -> None:

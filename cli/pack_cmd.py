@@ -34,7 +34,7 @@ def pack(out, codec, threads, as_json):
 
     \b
     Example:
-      kconvert pack ./tiny-k3-tp2 --compress zstd:3
+      kconvert pack ./tiny-k3-tp2                 # zstd level 1; --compress zstd:LEVEL for another
     """
     from kconvert.io.compressed import parse_codec
     from kconvert.convert.pack import pack as _pack

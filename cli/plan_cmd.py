@@ -9,10 +9,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kconvert.errors import UsageError
-from kconvert.plan.device_presets import GIB
-from kconvert.plan.memory import make_plan
+from kconvert.errors import ManifestError, UsageError
+from kconvert.plan.device_presets import GIB, devices
+from kconvert.plan.kv_bytes import KV_DTYPES
 
+from .lazy import RegistryChoice, shard_schemes
 from .units import fmt_count
 from .params import COUNT, Real
 
@@ -55,6 +56,14 @@ def _room(n: int | None) -> str:
     return f"[green]+{gib(n)}[/]" if n >= 0 else f"[red]-{gib(-n)}[/]"
 
 
+def _device_names() -> str:
+    """The presets' names for --help, read from the registry the planner uses (a broken file: say where)."""
+    try:
+        return ", ".join(devices())
+    except ManifestError:
+        return "see the file"
+
+
 def _tries(p) -> str:
     tries = ["--kv-cache-dtype fp8"] if p.kv_cache["dtype"] != "fp8" else []
     tries += ["a shorter --context"] + (["a smaller --batch"] if p.memory["batch"] > 1 else [])
@@ -71,15 +80,15 @@ def _tries(p) -> str:
 @click.option("--pp-layers", metavar="A-B,C-D,...", help="Decoder layers of each stage instead of the balanced split.")
 @click.option("--gpus-per-node", type=COUNT, default=8, show_default=True,
               help="Devices per node, for the node count of a tp x pp layout.")
-@click.option("--quant", default="none", show_default=True, help="Weight scheme after conversion: none, fp8, int8, int4, fp4, or auto (the source's own format where "
-                   "--device runs it, else the device's best: FP4 experts become fp8 on GPUs without FP4).")
-@click.option("--device", default="H200", show_default=True,
-              help="Device preset (manifests/devices.toml): H200, H100, H20, B200, A100, S5000, S4000.")
+@click.option("--quant", type=RegistryChoice(shard_schemes, check=False), default="none", show_default=True,
+              help="Weight scheme after conversion (as `shard --quant`), or auto: the source's own format where "
+                   "--device runs it, else the device's best (FP4 experts become fp8 on GPUs without FP4).")
+@click.option("--device", default="H200", show_default=True, help=f"Device preset (manifests/devices.toml): {_device_names()}.")
 @click.option("--context", "context_text", help="Tokens per sequence, e.g. 4096, 128k, 1M (k = 1024). "
               "Default: the model's max_position_embeddings.")
 @click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences held in the KV cache at once.")
-@click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", default="bf16", show_default=True,
-              help="bf16, or fp8 (FlashMLA latent layout: 656 B per layer at 512 + 64; indexer 132 B at 128).")
+@click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", type=RegistryChoice(lambda: KV_DTYPES, check=False), default="bf16",
+              show_default=True, help="KV cache format (as engine.chat --kv-dtype; docs/KV_CACHE.md gives the bytes).")
 @click.option("--reserve-gb", type=Real(0, 2**20), help="Activation/workspace reserve per rank in GiB "
               "(default: 2 GiB + 8192 tokens x hidden x 2 B x 24 buffers).")
 @click.option("--mem-fraction", type=Real(0, 1, lo_open=True), default=0.92, show_default=True,
@@ -103,6 +112,8 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
       kconvert plan kimi-k3-3t --tp 8 --pp 3 --quant fp8 --device H200 --context 128k
       kconvert plan ./tiny-k3 --tp 4 --quant fp8 --kv-cache-dtype fp8 --json
     """
+    from kconvert.plan.memory import make_plan
+
     context = parse_tokens(context_text) if context_text is not None else None
     p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision, host_gb,
                   pp=pp, pp_layers=pp_layers, gpus_per_node=gpus_per_node)

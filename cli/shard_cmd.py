@@ -8,11 +8,8 @@ import os
 import click
 from rich.table import Table
 
-from kconvert.converted.integrity import verify_files as _verify_files
-from kconvert.convert.quant_policy import SCALE_FORMATS, SCHEMES
-from kconvert.convert.shard import ShardJob, shard as _shard
-
 from .calibrate_opts import calibration_factory, calibration_options
+from .lazy import RegistryChoice, int4_scale_rules, scale_formats, shard_schemes
 from .progress import byte_progress
 from .run_summary import io_facts, print_run
 from .units import fmt_bytes
@@ -32,12 +29,12 @@ def _rank0() -> bool:
               help="Pipeline stages: contiguous layers per stage, balanced by bytes per rank; tp x pp ranks in all.")
 @click.option("--pp-layers", metavar="A-B,C-D,...",
               help="The decoder layers of each stage instead of the balanced split, e.g. 0-14,15-30,31-60.")
-@click.option("--quant", type=click.Choice(SCHEMES), default="none", show_default=True,
+@click.option("--quant", type=RegistryChoice(shard_schemes), default="none", show_default=True,
               help="Target weight format for quantizable tensors.")
-@click.option("--scale-format", type=click.Choice(SCALE_FORMATS), default="fp32", show_default=True,
+@click.option("--scale-format", type=RegistryChoice(scale_formats), default="fp32", show_default=True,
               help="FP8 block scales: float32, or powers of two (UE8M0) as DeepSeek-V3.1+ uses.")
 @click.option("--group-size", type=Whole(2, 65536), default=32, show_default=True, help="int4: inputs per scale group.")
-@click.option("--int4-scales", type=click.Choice(["mse", "amax"]), default="mse", show_default=True,
+@click.option("--int4-scales", type=RegistryChoice(int4_scale_rules), default="mse", show_default=True,
               help="int4 scales: clipping search for the least squared error per group, or plain amax / 7.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Keep matching tensors in bf16 (glob, repeatable).")
 @click.option("--quantize", "force", multiple=True, metavar="PATTERN",
@@ -71,6 +68,8 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
       kconvert shard ./tiny-k3 ./tiny-k3-tp2-pp2 --tp 2 --pp 2          # 4 ranks: 2 stages of 2
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
     """
+    from kconvert.convert.shard import ShardJob, shard as _shard
+
     job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, keep_mtp, workers,
                    overwrite, compress, group_size, int4_scales, pp, pp_layers)
     with byte_progress(f"shard tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" {quant}", enabled=not as_json and _rank0()) as cb:
@@ -83,7 +82,8 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
     table.add_column("bytes", justify="right")
     for rank, n in sorted(r.per_rank_bytes.items()):
         table.add_row(str(rank), fmt_bytes(n))
-    print_run(r, out, as_json, f"wrote {r.files_written} files ({r.files_resumed} resumed)", io_facts(r), table=table)
+    print_run(r, out, as_json, f"wrote {r.files_written} files ({r.files_resumed} resumed)", io_facts(r), table=table,
+              how=f" by {r.processes} processes together" if r.details.get("processes", 1) > 1 else "")
 
 
 @click.command("verify-files")
@@ -98,6 +98,8 @@ def verify_files(out, as_json):
     Example:
       kconvert verify-files ./tiny-k3-tp2-fp8
     """
+    from kconvert.converted.integrity import verify_files as _verify_files
+
     with byte_progress("verify", enabled=not as_json) as cb:
         r = _verify_files(out, progress=lambda n: cb("advance", n=n))
     if as_json:

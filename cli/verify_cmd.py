@@ -78,9 +78,12 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES),
               help="Run the engine with this KV cache format: the KLD then includes what KV quantization adds "
                    "(fp8 / int8: 8-bit latent, bf16 indexer keys; fp8-ds: fp8 keys too, DeepSeek-V3.2's layout).")
+@click.option("--kv-budget", help="Bytes the engine's KV cache may take (8GiB), or a fraction of free memory (0.9).")
+@click.option("--kv-device-budget",
+              help="Bytes of KV pages kept on the device; older pages go to the host tier (the logits must not change).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 def verify(out, reference_file, faithful_file, against, per_layer, device, force, tp, threshold, plot_file, kv_dtype,
-           as_json):
+           kv_budget, kv_device_budget, as_json):
     """Check converted (or exported: see --tp) checkpoint OUT: integrity first, then two questions. Faithfulness: does the
     engine on OUT match the source fake-quantized with OUT's own scheme (any slicing, scale or
     placement fault FAILs: "the conversion is wrong")? Cost: KLD, same-top-1, RMS Δp, PPL ratio
@@ -94,11 +97,15 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
       kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --per-layer
       kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --threshold mean_kld=0.01
       kconvert verify ./tk3-w4a16 --reference ref.safetensors --tp 2   # an export: resharded, then verified
+      kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --kv-dtype fp8 --kv-device-budget 64KiB
     """
     from kconvert.errors import UsageError
     from kconvert.errors import VerifyFailed
     from kconvert.verify.verdict import CHECKED, run_verify
 
+    from engine.kv_budget import kv_options
+
+    kv_options(kv_dtype, kv_budget, kv_device_budget, device)  # bad KV options fail before any work
     if plot_file:  # before minutes of verification, not after
         from kconvert.deps import require
 
@@ -110,19 +117,19 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
             raise UsageError(f"unknown threshold {key!r} ({', '.join(CHECKED)}, or faithful.KEY)")
         limits[key] = number(value, f"--threshold {key}", 0)
     from kconvert.io.workdir import terminate_as_interrupt
-    from kconvert.verify.exported import as_converted, is_converted, reference_matches
+    from kconvert.verify.exported import as_converted, describe, is_converted
 
     # SIGTERM as Ctrl-C: the temporary reshard and results are removed, the spawned ranks stopped
-    with terminate_as_interrupt(), contextlib.ExitStack() as stack, byte_progress("verify", enabled=not as_json, unit="items") as cb:
-        target = out
+    with terminate_as_interrupt(), contextlib.ExitStack() as stack, \
+            byte_progress("verify", enabled=not as_json, unit="items") as cb:
+        target, export = out, None
         if not is_converted(out):  # an export: resharded into a temporary converted dir
-            cb("phase", name="reshard")
-            target, bounds, made_from = stack.enter_context(as_converted(out, tp))
-            limits = {**bounds, **limits}
-            force = force or reference_matches(made_from, reference_file, against)
+            export = describe(out)
+            cb("phase", name=f"reshard the {export.format} export for tp {tp}")
+            target = stack.enter_context(as_converted(export, tp))
         rep = run_verify(target, reference=reference_file, faithful_reference=faithful_file, against=against,
                          per_layer=per_layer, device=device, force=force, limits=limits, progress=cb,
-                         kv_dtype=kv_dtype)
+                         kv=(kv_dtype, kv_budget, kv_device_budget), export=export)
         rep.out = out
     if plot_file:
         from .verify_plot import plot

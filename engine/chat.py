@@ -19,11 +19,14 @@ Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 13
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 import torch
 
 from engine import launch
+from engine.from_source import converted_dir
 from engine.generate import Sampling, generate
 from engine.chat_args import DTYPES, parse_args
 from engine.image import load_image, preprocess
@@ -31,9 +34,12 @@ from engine.kv_budget import kv_options
 from engine.model import Model
 from engine.stream import TextStream
 from engine.tokenizer import Tokenizer
+from kconvert import devices
 from kconvert.distributed import Group
 from kconvert.errors import EngineError, KConvertError, UsageError
 from kconvert.exit_codes import run_reporting_errors
+
+COMMANDS = ("/image", "/clear", "/exit", "/quit")  # what the interactive chat takes; any other "/..." is refused
 
 class Session:
     def __init__(self, model: Model, tok: Tokenizer, sampling: Sampling, system: str | None, context: int,
@@ -73,6 +79,8 @@ class Session:
         self.cache.length = start
         embeds = self._image_embeds(prompt, start, images, counts)
         text = TextStream()  # holds a character's bytes until its last token arrives
+        if self.complete and out:  # a continuation reads as the prompt followed by what the model adds
+            out.write(content)
 
         def show(t):
             if t not in self.sampling.stop_ids:
@@ -126,24 +134,34 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = world = None
 
-    def size_the_world() -> int:  # every argument and the world are checked before a rank starts
+    def size_the_world(stack) -> int:  # every argument and the world are checked before a rank starts
         nonlocal a, world
         from kconvert.load.loader import open_converted
 
         a = parse_args(argv, __doc__)
+        a.path = stack.enter_context(converted_dir(a.path, lambda line: print(line, file=sys.stderr), a.nproc))
         world = launch.world_for(open_converted(a.path), a.nproc, a.device)
         return 0
 
-    code = run_reporting_errors(size_the_world, launch.say_once)
-    if code:
-        return code
-    return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
+    with contextlib.ExitStack() as stack:
+        code = run_reporting_errors(lambda: size_the_world(stack), _say)
+        if code:
+            return code
+        return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
 
 
 def _guarded(a) -> int:
     """One rank's run; every way it can end is one line and an exit code. A collective fails when another
     rank died: that rank's error is the one to show (launch.peer_failure)."""
-    return run_reporting_errors(lambda: _run(a), launch.say_once, on_internal=lambda e: launch.peer_failure())
+    return run_reporting_errors(lambda: _run(a), _say, on_internal=lambda e: launch.peer_failure())
+
+
+def _say(line: str) -> None:
+    """The run's last line; after Ctrl-C on rank 0 on a line of its own (the answer or "> " holds the cursor)."""
+    if line == "interrupted" and os.environ.get("RANK", "0") == "0":
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    launch.say_once(line)
 
 
 def _context(requested: int | None, model: Model) -> int:
@@ -197,6 +215,12 @@ def _interactive(session: Session, model: Model, par: Group, out) -> None:
         if line == "/clear":
             session.clear()
             pending_image = None
+            if out:
+                print("[conversation cleared: the next turn starts afresh]", file=out)
+            continue
+        if line.startswith("/") and line.split()[0] not in COMMANDS:
+            if out:
+                print(f"error: unknown command {line.split()[0]} ({', '.join(COMMANDS[:3])})", file=err)
             continue
         if line.startswith("/image"):
             path = line[len("/image"):].strip()

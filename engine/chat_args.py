@@ -23,10 +23,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (python -m engine.chat --help)")
 
 
+def _known_devices() -> tuple[str, ...]:
+    from kconvert.devices import KNOWN
+
+    return KNOWN
+
+
 def parse_args(argv: list[str], description: str | None = None) -> argparse.Namespace:
     ap = _Parser(prog="python -m engine.chat", description=description,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("path", help="converted checkpoint directory (kconvert shard OUT)")
+    ap.add_argument("path", help="converted checkpoint directory (kconvert shard OUT); a source checkpoint or an "
+                    "export is converted first into a temporary tp 1 directory (the cost is shown)")
     ap.add_argument("--prompt", help="one non-interactive turn")
     ap.add_argument("--image", help="image for the --prompt turn")
     ap.add_argument("--system", default=None)
@@ -48,7 +55,8 @@ def parse_args(argv: list[str], description: str | None = None) -> argparse.Name
                     help="most bytes the KV cache may take (8GiB, 512M) or a fraction of free memory (0.9)")
     ap.add_argument("--kv-device-budget", default=None,
                     help="bytes of KV latent kept on the device; older pages go to host memory")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or musa (each rank takes device LOCAL_RANK)")
+    ap.add_argument("--device", default="cpu", help="cpu or " + ", ".join(_known_devices())
+                    + " (each rank takes device LOCAL_RANK)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--nproc", default=None,
                     help="processes to start when not under torchrun (default, and the only count that works: "

@@ -26,17 +26,21 @@ def load_rank(out, *, rank: int | None = None, stage: int | None = None, tp_rank
               threads: int = 4, warmup: int = 0, kv_dtype: str | None = None, kv_budget: str | None = None,
               kv_device_budget: str | None = None, progress: Progress | None = None) -> dict:
     """The phase report of loading one rank: {out, rank, stage, tp_rank, world_size, pp, device, files, bytes,
-    tensors, seconds: {open, load, read, verify, copy, warmup, ready}, GBps, peak_host_rss_bytes,
-    peak_device_bytes, verified}. With warmup > 0 the rank is the launched process's (RANK), not `rank`."""
+    tensors, seconds: {start_ranks, open, load, read, verify, copy, warmup, ready}, GBps, peak_host_rss_bytes,
+    peak_device_bytes, verified, kv}. With warmup > 0 the rank is the launched process's (RANK), not `rank`, and
+    `start_ranks` is the wait for every rank to join (their start-up), apart from `open`."""
     progress = progress or (lambda *a, **k: None)
     t0 = time.perf_counter()
     dev = devices.resolve(device)
     if dev.type != "cpu" and "LOCAL_RANK" in os.environ:  # one accelerator per torchrun process
         dev = devices.resolve(f"{dev.type}:{os.environ['LOCAL_RANK']}")
-    par = None
+    par, t_ranks = None, 0.0
     if warmup:
-        par = Group.from_env(dev)
+        progress("phase", name="start ranks")
+        par = Group.from_env(dev)  # returns once every rank has joined: their start-up, not this rank's open
         rank, world_size = par.rank, par.world  # checked against the conversion's layout by open_converted
+        t_ranks = time.perf_counter() - t0
+    t0 = time.perf_counter()
     conv = open_converted(out, rank=rank, world_size=world_size, stage=stage, tp_rank=tp_rank)
     model = None
     if warmup:
@@ -78,10 +82,12 @@ def load_rank(out, *, rank: int | None = None, stage: int | None = None, tp_rank
         "out": str(out), "rank": conv.rank, "stage": conv.stage, "tp_rank": conv.tp_rank,
         "world_size": conv.world_size, "pp": conv.pp, "device": str(dev), "files": s.files, "bytes": s.bytes,
         "tensors": tensors,
-        "seconds": {"open": t_open, "load": t_load, "read": s.read_seconds, "verify": s.verify_seconds,
-                    "copy": s.copy_seconds, "warmup": t_warm, "ready": t_open + t_load + t_warm},
+        "seconds": {"start_ranks": t_ranks, "open": t_open, "load": t_load, "read": s.read_seconds,
+                    "verify": s.verify_seconds, "copy": s.copy_seconds, "warmup": t_warm,
+                    "ready": t_ranks + t_open + t_load + t_warm},
         "GBps": s.bytes / t_load / 1e9 if t_load else 0.0,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": devices.memory_allocated_peak(dev),
         "verified": verify,
+        "kv": {"dtype": kv_dtype, "budget": kv_budget, "device_budget": kv_device_budget} if warmup else None,
     }

@@ -211,6 +211,16 @@ class Group:
             dist.broadcast(x, src)
         return x
 
+    def all_gather_object(self, obj) -> list:
+        """Every process's `obj`, in rank order (e.g. each one's share of a conversion, for one summary)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def broadcast_object(self, obj, src: int = 0):
         if self.world == 1:
             return obj

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import assert_one_line_error, run_cli, rewrite_catalog
+from helpers import assert_one_line_error, cli_here, run_cli, rewrite_catalog
 from kconvert.io import compressed as comp_mod
 from kconvert.io.compress_file import compress_file
 from kconvert.io.compressed import parse_codec
@@ -270,3 +270,17 @@ def test_unknown_codec(convs, tmp_path):
     for fn in (lambda: verify_files(out), lambda: unpack(out)):
         msg = one_line(fn)
         assert REL in msg and "unknown codec 'lz9x'" in msg and "tensor " in msg, msg
+
+
+def test_inspect_reads_converted_directories(convs):
+    """`kconvert inspect OUT` of a converted directory, plain and compressed: family, tp x pp, ranks, scheme,
+    bytes on disk per rank (what each rank's files take) and compressed or not."""
+    for out, compressed in zip(convs["none"], ("no", "yes")):
+        r = cli_here("inspect", out, "--json")
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert (got["kind"], got["family"], got["tp"], got["pp"], got["ranks"]) == ("converted", "kimi_k25", 2, 1, 2)
+        assert got["scheme"] == "none" and got["compressed"] == compressed
+        on_disk = {r: sum(f.stat().st_size for f in (out / f"rank-{r:03d}").glob("*.safetensors")) for r in (0, 1)}
+        assert {int(k): v for k, v in got["bytes_per_rank"].items()} == on_disk
+        assert "2 ranks" in cli_here("inspect", out).stdout

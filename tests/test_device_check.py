@@ -29,3 +29,29 @@ def test_device_check_runs_on_cpu(tmp_path):
     for name in ("h2d", "verify", "tp2"):  # each skip says why, in the JSON and on stdout
         assert steps[name]["why"] and f"not measured: {name}: " in r.stdout
     assert "step" in r.stdout and "load" in r.stdout  # the table
+
+
+def test_a_verify_fail_is_shown_as_fail_and_builds_are_kept_apart_by_size(monkeypatch, tmp_path):
+    """A verify that FAILs is the step's FAIL (status, table, exit), never "ok"; the default build folder is
+    keyed by the sizes, so a --quick run never reuses a full-size build nor the other way round."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "bench" / "device_check.py")
+    dc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dc)
+    import kconvert.verify.verdict as verdict
+
+    def run_verify(out, **kw):
+        check = SimpleNamespace(overall={"mean_kld": 0.5})
+        return SimpleNamespace(verdict="FAIL", faithfulness=check, cost=check, seconds=0.1,
+                               failures=["the conversion is wrong: mean KLD 0.5 > 1e-05"])
+
+    monkeypatch.setattr(verdict, "run_verify", run_verify)
+    run = dc.Run(budget=60)
+    run.step("verify", dc.verify, "cpu", {"tiny-k3-none": "a", "tiny-k3-fp8": "b", "tiny-k3-ref": "r"}, ["tiny-k3"])
+    assert run.steps["verify"]["status"] == "FAIL"
+    row = next(line for line in dc.table(run.steps).splitlines() if line.startswith("verify"))
+    assert row.split()[1] == "FAIL" and " ok " not in row, row
+    quick, full = dc.default_workdir(8 << 20, ["tiny-k3"]), dc.default_workdir(4 << 30, ["tiny-k3", "small-k3"])
+    assert quick != full and quick.parent == full.parent

@@ -43,6 +43,31 @@ def test_interactive_chat_survives_bad_input(tiny_converted, image_file):
     assert "Traceback" not in p.stderr
 
 
+def test_chat_refuses_unknown_commands_confirms_clear_and_echoes_a_completion(tiny_converted, monkeypatch, capsys):
+    """`/foo` is an unknown command, not a prompt for the model; `/clear` says it cleared; --complete shows the
+    prompt it continues (in this process: the interactive loop on the loaded model, stdin scripted)."""
+    import io
+
+    from engine import chat as chat_mod
+    from engine.generate import Sampling
+    from engine.model import Model
+    from engine.tokenizer import Tokenizer
+
+    model = Model.from_converted(tiny_converted, dtype=torch.float32)
+    tok = Tokenizer(tiny_converted)
+    session = chat_mod.Session(model, tok, Sampling(max_new_tokens=2, stop_ids=tok.stop_ids), None, 256)
+    lines = iter(["/foo bar", "/clear", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    monkeypatch.setattr(session, "turn", lambda *a: pytest.fail("a command reached the model"))
+    chat_mod._interactive(session, model, model.par, sys.stdout)
+    out = capsys.readouterr()
+    assert "error: unknown command /foo (/image, /clear, /exit)" in out.err, out.err
+    assert "[conversation cleared" in out.out, out.out
+    buf = io.StringIO()
+    chat_mod.Session(model, tok, Sampling(max_new_tokens=2), None, 256, complete=True).turn("def main(", None, buf)
+    assert buf.getvalue().startswith("def main("), buf.getvalue()
+
+
 def test_chat_rejects_prompt_longer_than_context(tiny_converted):
     p = chat(tiny_converted, "--prompt", "word " * 200, "--context", "64", "--max-new-tokens", "4")
     assert p.returncode == 2 and "context" in p.stderr and "Traceback" not in p.stderr, p.stderr
@@ -132,3 +157,15 @@ def test_cache_is_sized_by_use_not_by_the_config(tiny_converted):
 def test_context_beyond_the_model_is_one_line(tiny_converted):
     p = chat(tiny_converted, "--prompt", "hi", "--context", "99999999", "--max-new-tokens", "2")
     assert p.returncode == 2 and "--context 99999999" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_chat_runs_a_source_checkpoint_through_a_temporary_conversion(checkpoint, capsys):
+    """`python -m engine.chat SRC` on a checkpoint that is not a converted directory (in this process): it is
+    converted to a temporary tp 1 directory first, which chat says with what it cost, and removes at exit."""
+    from engine import chat as chat_mod
+
+    code = chat_mod.main([str(checkpoint("tiny-k3")), "--prompt", "hello", "--max-new-tokens", "2"])
+    out = capsys.readouterr()
+    assert code == 0 and "TTFT" in out.out, out.err
+    note = next(line for line in out.err.splitlines() if "is not a converted directory" in line)
+    assert "temporary tp 1 directory (--quant none)" in note and "GB written, removed at exit" in note, note

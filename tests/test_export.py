@@ -1,12 +1,15 @@
 """`kconvert export`: every exported tensor dequantized by the formats' own implementations
 (compressed-tensors' decompressors, transformers' fine-grained FP8 loading) equals kconvert's reading
 of it; the transformers-loaded export's KLD to the source matches what `kconvert verify` reports; the
-exports read back through inspect and shard; resume, atomicity and bad input."""
+exports read back through inspect and shard; resume, atomicity and bad input; `kconvert verify` of an export
+(its format, its budget, its faithfulness reference, damaged exports FAIL). Over 300 lines: the verify tests
+share this module's exports (making them again would cost ~30 s)."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import assert_one_line_error, load_source, run_cli
+from helpers import assert_one_line_error, cli_here, load_source, one_thread, run_cli
 from kconvert.convert.export import ExportJob, export
 from kconvert.source.checkpoint import Checkpoint
 
@@ -153,10 +156,14 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
         assert res.exit_code == 0, res.output
         return json.loads(res.output)
 
+    from kconvert.convert.export_formats import EXPORT_FORMATS
+
     src = inspect(checkpoint("tiny-k3"))
+    assert src["quantization"] is None
     for fmt, out in exported.items():
         got = inspect(out)
         assert got["total_params"] == src["total_params"] and got["params"] == src["params"], fmt
+        assert got["quantization"] == {"format": fmt, "scheme": EXPORT_FORMATS[fmt].scheme}, fmt
         assert shard(ShardJob(out, str(tmp_path / fmt), tp=2)).files_written > 0
         index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
         sizes = sum(t.numel() * t.element_size() for t in load_source(Path(out)).values())
@@ -264,3 +271,110 @@ def test_quantizers_equal_the_documented_formulas(chunk, monkeypatch):
                     assert q.dtype == want_q.dtype and torch.equal(q.view(torch.uint8) if q.element_size() == 1 else q,
                                                                    want_q.view(torch.uint8) if q.element_size() == 1 else want_q), (fmt, shape, mag, dtype)
                     assert torch.equal(s, want_s.to(s.dtype)), (fmt, shape, mag, dtype)
+
+
+# --------------------------------------------------------------------------- verify of an export
+
+
+@pytest.mark.parametrize("fmt", ("fp8-block", *CT_FORMATS))
+def test_export_faithfulness_reference_is_exactly_the_export(exported, checkpoint, tmp_path, fmt):
+    """The faithfulness reference of an export (the source fake-quantized by compressed-tensors with the export's
+    rule and stored scales) holds the exported weights bit for bit (layer 1's attention, dense parts and experts 0-3,
+    for time: the verify test below covers every weight through the logits); a damaged expert it does not."""
+    from kconvert.verify import damage
+    from kconvert.verify.fake_quant import export_values, stored_rule
+
+    src, ours = Checkpoint.open(checkpoint("tiny-k3")), Checkpoint.open(exported[fmt])
+    rule = stored_rule(ours.quantization_config)
+
+    def faithful(ck: Checkpoint, name: str) -> bool:
+        return torch.equal(export_values(ck.logical[name], src.read(name, dtype=torch.float32), rule),
+                           ck.read(name, dtype=torch.float32))
+
+    names = [n for n in ours.logical if ".layers.1." in n and not re.search(r"\.experts\.([4-9]|1\d)\.", n)]
+    assert len(names) > 12 and all(faithful(ours, name) for name in names)
+    for case, apply in damage.EXPORT_CASES.items():
+        bad = tmp_path / case.replace(" ", "_")
+        shutil.copytree(exported[fmt], bad)
+        apply(bad)
+        assert not faithful(Checkpoint.open(bad), damage.EXPORT_EXPERT), case
+
+
+@pytest.fixture(scope="module")
+def few_ref(checkpoint, tmp_path_factory):
+    """An unquantized reference of tiny-k3 on two prompts (one long enough for DSA to select)."""
+    from kconvert.verify.prompts import prompts_for
+
+    src = checkpoint("tiny-k3")
+    d = tmp_path_factory.mktemp("few")
+    prompts = [p for p in prompts_for(Checkpoint.open(src).config) if p["id"] in ("short-1", "chat-1")]
+    (d / "prompts.json").write_text(json.dumps(prompts))
+    assert cli_here("reference", src, "--out", d / "ref.safetensors", "--prompts", d / "prompts.json").returncode == 0
+    return d / "ref.safetensors"
+
+
+def _verify_export(out, *args) -> tuple[int, dict]:
+    with one_thread():
+        r = cli_here("verify", out, "--json", *args)
+    assert r.stdout.strip().startswith("{"), r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def test_verify_of_an_export_names_its_format_and_budget_and_fails_damage(exported, checkpoint, few_ref, tmp_path,
+                                                                          monkeypatch):
+    """`kconvert verify EXPORT --reference REF` and `--against SRC` (the example of `export --help`): labelled
+    w4a16, judged by int4's budget, faithful to the source fake-quantized with the export's scales (random
+    weights: the cost budget is lifted for the damage); each damaged copy FAILs as "the conversion is wrong"."""
+    from kconvert.verify import damage, prompts
+    from kconvert.verify.reference import load_reference
+    from kconvert.verify.verdict import thresholds
+
+    few = load_reference(few_ref)[0]["prompts"]
+    monkeypatch.setattr(prompts, "prompts_for", lambda config: few)  # --against runs the reference on these
+    for given in (("--reference", few_ref), ("--against", checkpoint("tiny-k3"))):
+        code, rep = _verify_export(exported["w4a16"], *given)
+        assert rep["scheme"] == "w4a16" and rep["cost"]["limits"] == thresholds()["cost"]["int4"], given
+        faith = rep["faithfulness"]
+        assert faith["verdict"] == "PASS" and faith["overall"]["mean_kld"] < 1e-6, (given, faith)
+        assert "fake-quantized as w4a16 with the export's scales" in faith["reference"]
+        assert rep["cost"]["overall"]["mean_kld"] > 100 * faith["overall"]["mean_kld"]
+    lifted = ("--threshold", "mean_kld=10", "--threshold", "p99_kld=100", "--threshold", "same_top1_pct=0",
+              "--threshold", "ppl_ratio=100")
+    for case, apply in damage.EXPORT_CASES.items():
+        bad = tmp_path / case.replace(" ", "_")
+        shutil.copytree(exported["w4a16"], bad)
+        apply(bad)
+        code, rep = _verify_export(bad, "--reference", few_ref, *lifted)
+        assert code == 1 and rep["faithfulness"]["verdict"] == "FAIL", (case, rep["faithfulness"]["overall"])
+        assert rep["failures"][0].startswith("the conversion is wrong"), rep["failures"]
+
+
+def test_verify_takes_the_kv_options_and_its_bar_counts_prompts(exported, few_ref, monkeypatch):
+    """`verify --kv-dtype --kv-budget --kv-device-budget` (as chat and load take them) reach the engine's cache:
+    a device budget under its two-page minimum is refused there, one of two pages changes no figure (the host
+    tier is exact), a budget that is not a size is one line, exit 2. The bar counts the prompts of each phase
+    (the faithfulness reference, the engine on its ranks), never `engine 0/?`."""
+    import contextlib
+
+    import cli.verify_cmd
+
+    events = []
+
+    @contextlib.contextmanager
+    def recorder(*a, **k):
+        yield lambda event, **kw: events.append((event, kw))
+
+    monkeypatch.setattr(cli.verify_cmd, "byte_progress", recorder)
+    runs = [_verify_export(exported["fp8-block"], "--reference", few_ref, "--kv-dtype", "fp8", *extra)[1]
+            for extra in ((), ("--kv-budget", "1GiB", "--kv-device-budget", "192KiB"))]
+    starts = [i for i, (e, kw) in enumerate(events) if e == "phase" and kw["name"].startswith("reshard the fp8-block")]
+    first = events[:starts[1]]  # the first run's events
+    for name in ("faithfulness reference (fake-quantized source)", "engine on 1 rank"):
+        at = first.index(("phase", {"name": name}))
+        assert first[at + 1] == ("start", {"total": 2, "restart": True}), first[at:at + 2]
+        assert first[at + 2:at + 4] == [("advance", {"n": 1})] * 2, first[at:at + 5]
+    assert runs[0]["cost"]["overall"] == runs[1]["cost"]["overall"]
+    r = cli_here("verify", exported["fp8-block"], "--reference", few_ref, "--kv-device-budget", "96KiB")
+    assert_one_line_error(r, "--kv-device-budget 98304 B holds", "at least 2 are needed")
+    r = cli_here("verify", exported["fp8-block"], "--reference", few_ref, "--kv-budget", "lots")
+    assert_one_line_error(r, "--kv-budget 'lots'")

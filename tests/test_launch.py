@@ -97,8 +97,9 @@ def test_ctrl_c_ends_every_rank(conversions):
         seen += os.read(p.stdout.fileno(), 4096).decode()
     assert "TTFT" in seen, seen
     p.send_signal(signal.SIGINT)  # what the terminal sends on Ctrl-C, to rank 0 (the other rank has its own session)
-    _, err = p.communicate(timeout=60)
+    out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err.strip() == "interrupted", (p.returncode, err)
+    assert (seen + out).endswith("\n"), (seen + out)[-80:]  # the "> " line is ended: "interrupted" is on its own
     assert_no_ranks_left(conversions / "tp2")
 
 
@@ -109,10 +110,15 @@ def test_nproc_that_does_not_match_is_one_line(conversions):
 
 
 def test_load_warmup_without_rank_runs_every_rank(conversions):
-    p = run_cli("load", conversions / "tp2", "--warmup", "1", "--device", "cpu", "--json", timeout=300)
+    p = run_cli("load", conversions / "tp2", "--warmup", "1", "--device", "cpu", "--kv-dtype", "fp8", "--json",
+                timeout=300)
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)
     assert report["rank"] == 0 and report["seconds"]["warmup"] > 0
+    sec = report["seconds"]  # waiting for the other rank to start is its own phase, not part of "open"
+    assert sec["start_ranks"] > 0 and sec["start_ranks"] > sec["open"], sec
+    assert abs(sec["ready"] - (sec["start_ranks"] + sec["open"] + sec["load"] + sec["warmup"])) < 1e-6
+    assert report["kv"] == {"dtype": "fp8", "budget": None, "device_budget": None}  # the KV options echoed
     q = run_cli("load", conversions / "tp2", "--warmup", "1", "--rank", "1", "--device", "cpu")
     assert q.returncode == 2 and "drop --rank" in q.stderr and "Traceback" not in q.stderr, q.stderr
 

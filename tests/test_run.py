@@ -116,3 +116,28 @@ def test_a_run_finishes_only_when_every_process_journalled_every_file(tmp_path):
     (run.out / "kconvert.json").write_text(json.dumps({"job": {"job": 1}}))
     again = Run(tmp_path / "out")
     assert again.prepare({"job": 1}, overwrite=False) and again.result.already_complete
+
+
+def test_the_bar_counts_a_file_when_it_is_durable(checkpoint, tmp_path):
+    """shard's and export's bars count each file's bytes as it is journalled (durable), so they reach their total
+    with the last file and never before (in-flight work is a separate, uncounted event); the percentage is
+    rounded down, so "100%" means everything."""
+    from types import SimpleNamespace
+
+    from cli.progress import FlooredPercent
+    from kconvert.convert.export import ExportJob, export
+    from kconvert.convert.shard import ShardJob, shard
+
+    for run in (lambda cb: shard(ShardJob(str(checkpoint("tiny-k3")), str(tmp_path / "s"), tp=2), progress=cb),
+                lambda cb: export(ExportJob(str(checkpoint("tiny-k3")), str(tmp_path / "e"), "fp8-block",
+                                            max_shard_bytes=4_000_000), progress=cb)):
+        events = []
+        result = run(lambda event, **kw: events.append((event, kw)))
+        total = events[0][1]["total"]
+        counted = [(i, kw["n"]) for i, (e, kw) in enumerate(events) if e == "advance"]
+        files = [i for i, (e, _) in enumerate(events) if e == "file"]
+        assert len(counted) == len(files) == result.files_written > 1
+        assert all(events[i + 1][0] == "file" for i, _ in counted)  # each count is a durable file's
+        assert sum(n for _, n in counted) == total and sum(n for _, n in counted[:-1]) < total
+        assert any(e == "working" for e, _ in events)
+    assert FlooredPercent().render(SimpleNamespace(total=1000, percentage=99.6)).plain == " 99%"

@@ -170,13 +170,16 @@ def test_resume_after_sigkill_is_byte_identical(checkpoint, tmp_path):
 def test_torchrun_two_processes_match_one(checkpoint, tmp_path):
     src = checkpoint("tiny-k3")
     one, two = tmp_path / "one", tmp_path / "two"
-    run_cli("shard", src, one, "--tp", 2, "--quant", "int8", check=True)
+    alone = json.loads(run_cli("shard", src, one, "--tp", 2, "--quant", "int8", "--json", check=True).stdout)
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", "29517", "-m", "cli.main", "shard",
-                           str(src), str(two), "--tp", "2", "--quant", "int8"], cwd=ROOT, capture_output=True,
+                           str(src), str(two), "--tp", "2", "--quant", "int8", "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _tree(one) == _tree(two)
+    both = json.loads(proc.stdout)  # rank 0's summary totals both processes' files and bytes
+    assert both["processes"] == 2 and alone["processes"] == 1
+    assert (both["files_written"], both["bytes_in"]) == (alone["files_written"], alone["bytes_in"])
 
 
 def test_verify_files_names_damaged_file_and_tensor(checkpoint, tmp_path):

@@ -48,8 +48,15 @@ def test_training_is_reproducible(monkeypatch):
     monkeypatch.setattr(trained, "STEPS", 3)
     monkeypatch.setitem(trained.RECIPE_OVERRIDES, "tiny-dsv32", {"indexer_steps": 2})  # the distillation too
     train = trained.trained_text_state.__wrapped__
-    (a, la), (b, lb) = train(5), train(5)
+    heard = []
+    with trained.reporting(lambda event, **kw: heard.append((event, kw))):
+        a, la = train(5)
+    b, lb = train(5)
     assert len(la) == 3 and la == lb and all(torch.equal(a[k], b[k]) for k in a)
+    # the fixture's progress hears every step with its loss, phase by phase (`kconvert fixture` shows them)
+    assert heard[0] == ("start", {"total": 3, "phase": "train on stdlib sources"})
+    assert [kw["loss"] for e, kw in heard[1:4]] == list(la) and [kw["n"] for _, kw in heard[1:4]] == [1, 2, 3]
+    assert heard[4] == ("start", {"total": 2, "phase": "distil the DSA indexer"}) and len(heard) == 7
 
 
 def test_fixture_cli_writes_the_trained_preset(checkpoint, tmp_path):

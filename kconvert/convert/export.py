@@ -104,7 +104,8 @@ class ExportPolicy:
 
 
 def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
-    """Run `job`. `progress(event, **kw)`: ("start", total=bytes), ("advance", n=bytes), ("file", path=...).
+    """Run `job`. `progress(event, **kw)`: ("start", total=bytes), ("working", n=bytes) as tensors are made,
+    ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
     `calibrate(ck, policy, progress)`: makes the calibration of an int4 format (engine/calibrate.py)."""
     run = Run(job.out, progress)
     out = run.out
@@ -198,8 +199,8 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
                 for (tname, _, _), t in zip(e.specs(), tensors):
                     writer.write(tname, t)
                 del tensors
-                if progress:
-                    progress("advance", n=e.bytes_in)
+                if progress:  # in flight: the bar counts a file's bytes when it is durable (Run.wrote)
+                    progress("working", n=e.bytes_in)
                 if k == sizes[name] - 1:
                     rec, writer = writer.commit(), None
                     yield name, rec

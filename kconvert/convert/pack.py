@@ -71,7 +71,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
         write_atomic(state, json.dumps({"op": op, "level": level}).encode())
     done = run.journalled(_journalled_size)
     run.start(sum(cat.files[rel]["bytes"] for rel in todo))
-    advance = (lambda n: progress("advance", n=n)) if progress else None
+    advance = (lambda n: progress("working", n=n)) if progress else None  # in flight; counted when durable
     with run.log(LOG) as log:
         for rel in todo:
             rec = cat.files[rel]
@@ -82,7 +82,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
                 continue
             stored = _convert_one(out, rel, rec, cat, op, level, threads, advance)
             log.add({"file": rel, "stored": stored})
-            run.wrote(rel)
+            run.wrote(rel, durable_bytes=rec["bytes"])
 
     def rewrite_catalog(journalled: dict) -> None:  # every file of todo, as the journal recorded it
         for rel in todo:

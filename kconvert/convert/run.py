@@ -104,11 +104,13 @@ class Run:
                 (worker_runtime(workers) if workers else contextlib.nullcontext()):
             yield log
 
-    def wrote(self, name: str, bytes_in: int = 0) -> None:
-        """`name` is durable and journalled."""
+    def wrote(self, name: str, bytes_in: int = 0, *, durable_bytes: int | None = None) -> None:
+        """`name` is durable and journalled: only now does the bar count its bytes (`durable_bytes`, else
+        `bytes_in`), so it never reads 100 % while a file can still be lost."""
         self.result.files_written += 1
         self.result.bytes_in += bytes_in
         if self.progress:
+            self.progress("advance", n=bytes_in if durable_bytes is None else durable_bytes)
             self.progress("file", path=name)
 
     def finish(self, expected: list[str], size_of: Callable[[dict], int | None], write_last: Callable[[dict], object]):

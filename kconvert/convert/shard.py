@@ -64,7 +64,8 @@ class ShardJob:
 
 
 def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
-    """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("advance", n=bytes), ("file", path=...).
+    """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("working", n=bytes) as tensors are made,
+    ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
     `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 job."""
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
@@ -125,7 +126,10 @@ def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
             log.add_all(entries)  # the unit's files are durable (commit_all) before this records them
             for w in batch:
                 run.wrote(w.file, w.bytes_in)
-    dist.barrier()
+    # under torchrun each process wrote its share: the summary totals every process's
+    shares = dist.all_gather_object((result.files_written, result.files_resumed, result.bytes_in))
+    result.files_written, result.files_resumed, result.bytes_in = (sum(s[i] for s in shares) for i in range(3))
+    result.details["processes"] = dist.world
     cat = None
     if dist.rank == 0:
         cat = run.finish([w.file for w in items], Catalog.stored_bytes,

@@ -76,8 +76,8 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
                     except KConvertError as e:
                         e.file = e.file or str(ck.logical[o.src].main.file)
                         raise
-                    if progress:
-                        progress("advance", n=o.bytes_in)
+                    if progress:  # in flight: the bar counts a file's bytes when it is durable (Run.wrote)
+                        progress("working", n=o.bytes_in)
                 del x, made
         for wr in writers:
             wr.finish()

@@ -181,11 +181,18 @@ class ModelMap:
         key = family.get("text_config", ".")
         self.text_config: dict = config if key == "." else config.get(key, {})
         self._index: dict[str, list[Rule]] = {}
+        self.aliases = family_aliases(family)
         # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
         self.renames = any(r.engine or r.reference for p in parts for r in p.rules)
         for part in parts:
             for rule in part.rules:
                 self._index.setdefault(_key(rule.pattern), []).append(rule)
+
+    def canonical(self, name: str) -> str:
+        """A stored name as the manifest names it: the family's [family.aliases] rules, each once at the start."""
+        for pattern, published in self.aliases:
+            name = pattern.sub(published, name, count=1)
+        return name
 
     @property
     def text(self) -> BoundPart:
@@ -247,6 +254,14 @@ def families() -> tuple[tuple[str, dict], ...]:
         if "family" in spec:
             out.append((path.name, spec))
     return tuple(out)
+
+
+def family_aliases(family: dict) -> tuple[tuple[re.Pattern, str], ...]:
+    """A family's [family.aliases]: (pattern matching a stored name's start, the published start)."""
+    try:
+        return tuple((re.compile(p), str(to)) for p, to in (family.get("aliases") or {}).items())
+    except (re.error, AttributeError) as e:
+        raise ManifestError(f"family {family.get('name')}: bad [family.aliases]: {e}") from None
 
 
 def find_family(config: dict, *, config_file: str = "config.json") -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
+from kconvert.convert.export_formats import EXPORT_FORMATS, format_of
 from kconvert.source.checkpoint import Checkpoint
 
 COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
@@ -26,6 +27,8 @@ class Summary:
     files: int = 0
     bytes_on_disk: int = 0
     tensors: int = 0
+    quantization: dict | None = None  # {"format": fp8-block | w4a16 | ..., "scheme": ...} of a quantized checkpoint
+    kind: str = "checkpoint"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -76,5 +79,16 @@ def summarize(ck: Checkpoint) -> Summary:
         source=ck.source, family=ck.family, architectures=list(ck.config.get("architectures") or []), model=model,
         params={c: params[c] for c in COMPONENTS if params.get(c)}, total_params=sum(params.values()),
         active_params=active, formats=sorted(formats.values(), key=lambda r: -r["bytes"]),
-        files=len(ck.files), bytes_on_disk=bytes_on_disk, tensors=len(ck.logical),
+        files=len(ck.files), bytes_on_disk=bytes_on_disk, tensors=len(ck.logical), quantization=_quantization(ck),
     )
+
+
+def _quantization(ck: Checkpoint) -> dict | None:
+    """The export format its quantization_config declares (a `kconvert export` or a release in one of those
+    formats) and the registry scheme behind it; None when unquantized."""
+    fmt = format_of(ck.quantization_config)
+    if fmt == "none":
+        return None
+    qc = ck.quantization_config
+    return {"format": fmt or f"{qc.get('quant_method')}/{qc.get('format')}",
+            "scheme": EXPORT_FORMATS[fmt].scheme if fmt in EXPORT_FORMATS else None}

@@ -13,10 +13,12 @@ import hashlib
 import json
 import sysconfig
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kconvert.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 BUNDLED = "stdlib"
 BUNDLED_FILES = ("argparse.py", "dataclasses.py", "enum.py", "functools.py")
@@ -84,6 +86,8 @@ def calibration_windows(data: str, encode, tokens: int = DEFAULT_TOKENS, seq: in
         raise UsageError(f"--calibration-tokens must be >= 1 and --calibration-seq >= 2 (got {tokens}, {seq})")
     docs = read_documents(data)
     text = "\n\n".join(docs)
+    import torch  # here, not at import: the CLI reads this module's defaults for its --help
+
     ids = torch.tensor(encode(text), dtype=torch.int64)
     if ids.numel() < seq:
         raise UsageError(f"calibration data holds {ids.numel()} tokens, fewer than one window of {seq}", file=data)

@@ -38,8 +38,10 @@ class Checkpoint:
                  stored: dict[str, TensorEntry], *, source: str, remote: bool = False):
         self.root, self.config, self.files, self.stored = root, config, files, stored
         self.source, self.remote = source, remote
-        self.logical: dict[str, LogicalTensor] = fold(stored)
         self.model: ModelMap = bind(config, config_file=str(root / "config.json"))
+        if self.model.aliases:  # the family's other spellings (transformers' save-side names) read as published
+            self.stored = _canonical(self.model, stored)
+        self.logical: dict[str, LogicalTensor] = fold(self.stored)
         self._info: dict[str, TensorInfo] = {}
 
     # ------------------------------------------------------------------ opening
@@ -183,6 +185,18 @@ class Checkpoint:
         for fname, header in sorted(self.files.items()):
             h.update(f"{fname}:{header.size if header else -1}\n".encode())
         return h.hexdigest()[:32]
+
+
+def _canonical(model: ModelMap, stored: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """Stored tensors under the names the manifest knows (entries keep their on-disk names for messages)."""
+    out: dict[str, TensorEntry] = {}
+    for name, entry in stored.items():
+        key = model.canonical(name)
+        if key in out:
+            raise CheckpointError(f"stored under two spellings of {key} (also as {out[key].name})",
+                                  file=str(entry.file), tensor=name)
+        out[key] = entry
+    return out
 
 
 def read_config(root: Path) -> dict:

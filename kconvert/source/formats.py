@@ -91,7 +91,7 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
                                       file=str(e.file), tensor=name)
             shape = (e.shape[0], e.shape[1] * 8)
             out[base] = LogicalTensor(base, shape, "int4_packed", {"packed": e, "scale": scale, "shape": shape_t})
-            used.update({name, scale.name, shape_t.name})
+            used.update({name, base + "_scale", base + "_shape"})  # keys, not on-disk names (family aliases)
         elif name.endswith(".scale"):  # DeepSeek-V4's sidecar: `X.scale` beside `X.weight`
             base = name[: -len(".scale")] + ".weight"
             if base not in stored:

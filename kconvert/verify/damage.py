@@ -100,3 +100,50 @@ CASES = {
     "experts swapped between ranks": Damage(lambda out: swap_expert_ranks(out, 1), 1, None, min_tp=2),
     "one row sign-flipped": Damage(lambda out: flip_row(out, Q_B), 1, Q_B),
 }
+
+
+# --------------------------------------------------------------------------- exports (Hugging Face layout)
+
+
+def rewrite_export(out: str | Path, name: str, mutate: Callable[[dict], None]) -> None:
+    """Change the export file holding stored tensor `name` in place and re-record its size and CRC-32 in
+    the index (`kconvert_files`): an export that looks whole, wrong only in its numbers."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    rel = index["weight_map"][name]
+    tensors = load_file(out / rel)
+    mutate(tensors)
+    save_file(tensors, out / rel, metadata={"format": "pt"})
+    data = (out / rel).read_bytes()
+    index["metadata"].get("kconvert_files", {})[rel] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def scale_export(out: str | Path, weight: str, factor: float) -> None:
+    """Multiply the stored scales of export weight `weight` (X.weight_scale or X.weight_scale_inv)."""
+    index = json.loads((Path(out) / "model.safetensors.index.json").read_text())["weight_map"]
+    name = next(weight + s for s in ("_scale", "_scale_inv") if weight + s in index)
+    rewrite_export(out, name, lambda t: t.__setitem__(name, (t[name].float() * factor).to(t[name].dtype)))
+
+
+def swap_export_rows(out: str | Path, weight: str, a: int = 1, b: int = 6) -> None:
+    """Exchange two output rows of export weight `weight`'s stored values (packed int4 words, int8 or e4m3
+    codes), scales untouched: each row keeps a plausible scale, only the faithfulness check can tell."""
+    index = json.loads((Path(out) / "model.safetensors.index.json").read_text())["weight_map"]
+    name = weight + "_packed" if weight + "_packed" in index else weight
+
+    def swap(t):
+        w = t[name].clone()
+        w[[a, b]] = w[[b, a]]
+        t[name] = w
+
+    rewrite_export(out, name, swap)
+
+
+EXPORT_EXPERT = "language_model.model.layers.1.mlp.experts.3.down_proj.weight"  # quantized by every format
+EXPORT_CASES = {
+    "one expert's scales x2": lambda out: scale_export(out, EXPORT_EXPERT, 2.0),
+    "two rows of one expert swapped": lambda out: swap_export_rows(out, EXPORT_EXPERT),
+}

@@ -1,65 +1,71 @@
 """`kconvert verify` of a Hugging Face-layout directory (a `kconvert export`, or any release kconvert
-reads): it is resharded through `shard` into a temporary converted directory (tp `--tp`) and that is
-verified, so the engine runs exactly the exported weights.
+reads). What it is (`describe`): its format (fp8-block, w4a16, w8a8-int8, fp8-channel, or none), the cost
+budget that format is judged by (its scheme's, manifests/verify_thresholds.toml), and the source it was
+made from as the export's index records it (fingerprint and path).
 
-Block-FP8 and int8 weights stay in their format (fp8 blocks are copied, int8 per-channel re-quantizes
-to the same bytes); int4 and per-channel fp8 are dequantized to bf16 (exact for fp8, and int4 × bf16
-scale rounds once) and judged by the fp8 bounds. A reference made from the export's own source is
-accepted without --force (the index records that source's fingerprint)."""
+How the engine runs it (`as_converted`): resharded through `shard` into a temporary converted directory
+(tp `--tp`). Block-FP8 blocks are copied and int8 per-channel re-quantizes to the same bytes; int4 and
+per-channel fp8 are dequantized to bf16. The faithfulness reference is the source fake-quantized with the
+export's own rule and the scales the export stores, then put through that conversion's own transform
+(verify/fake_quant.py `write_export_fake_quant_source`), so a clean export agrees to fp32 round-off and a
+damaged one (weights or scales) FAILs.
+
+The temporary directory lives in `as_converted` only, under kconvert's work directory (io/workdir): removed on
+every way out, reclaimed by the next run after a kill, and never named in a message."""
 
 from __future__ import annotations
 
 import contextlib
-from kconvert.io.workdir import base_dir, scrub, work_dir
+from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert.converted.catalog import MANIFEST
+from kconvert.convert.export_formats import EXPORT_FORMATS, format_of, runs_as
 from kconvert.convert.shard import ShardJob, shard
 from kconvert.errors import KConvertError, UsageError
 from kconvert.io.side_files import MAX_INDEX, read_json
+from kconvert.io.workdir import base_dir, scrub, work_dir
+from kconvert.quant.registry import NONE
 from kconvert.source.checkpoint import INDEX, Checkpoint
-from kconvert.verify.verdict import thresholds
 
-# exported quantization -> (shard --quant that keeps it, thresholds it is judged by)
-_SCHEME = {"fp8-block": ("fp8", "fp8"), "int-quantized": ("int8", "int8"), "float-quantized": ("none", "fp8"),
-           "pack-quantized": ("none", "fp8"), None: ("none", "none")}
+@dataclass(frozen=True)
+class Export:
+    path: str
+    format: str  # a name of export_formats.FORMATS, or "none" (unquantized)
+    budget: str  # the [cost.*] table it is judged by: its scheme's name
+    runs_as: str  # the `shard --quant` its temporary conversion uses (export_formats.ExportFormat.runs_as)
+    made_from: str | None  # the source fingerprint the export's index records (None: not made by kconvert)
+    source: str | None  # the source path it records
 
 
 def is_converted(path: str) -> bool:
     return (Path(path) / MANIFEST).exists()
 
 
-@contextlib.contextmanager
-def as_converted(path: str, tp: int = 1):
-    """Yield (converted dir, thresholds, fingerprint of the source the export was made from or None)."""
+def describe(path: str) -> Export:
     root = Path(path)
     if not (root / "config.json").exists():
         raise UsageError(f"neither a converted directory ({MANIFEST}) nor a checkpoint (config.json)", file=path)
-    ck = Checkpoint.open(path)
-    qc = ck.quantization_config
-    kind = "fp8-block" if qc.get("quant_method") == "fp8" else qc.get("format")
-    if kind not in _SCHEME:
-        raise UsageError(f"verify cannot judge quantization format {kind!r}", file=str(root / "config.json"))
-    quant, scheme = _SCHEME[kind]
-    made_from = None
+    qc = Checkpoint.open(path, headers_only=True).quantization_config
+    fmt = format_of(qc)
+    if fmt is None:
+        raise UsageError(f"verify cannot judge quantization {qc.get('quant_method')!r} / {qc.get('format')!r} "
+                         f"(exports: {', '.join(EXPORT_FORMATS)})", file=str(root / "config.json"))
+    meta = {}
     if (root / INDEX).exists():
-        made_from = (read_json(root / INDEX, limit=MAX_INDEX).get("metadata") or {}).get("kconvert_job", {}).get(
-            "source_fingerprint")
+        meta = read_json(root / INDEX, limit=MAX_INDEX).get("metadata") or {}
+    job = meta.get("kconvert_job") or {}
+    budget = EXPORT_FORMATS[fmt].scheme if fmt in EXPORT_FORMATS else NONE
+    return Export(str(path), fmt, budget, runs_as(qc), job.get("source_fingerprint"), meta.get("source"))
+
+
+@contextlib.contextmanager
+def as_converted(export: Export, tp: int = 1):
+    """Yield a temporary converted directory (tp ranks) of the export; removed when the context ends."""
     with work_dir("verify-export") as tmp:  # as large as the conversion: removed on every way out
         out = Path(tmp) / "converted"
         try:
-            shard(ShardJob(path, str(out), tp=tp, quant=quant))
+            shard(ShardJob(export.path, str(out), tp=tp, quant=export.runs_as))
         except KConvertError as e:
             raise scrub(e, tmp, f"resharding the export for verify (under {base_dir()}, removed)") from None
-        yield str(out), dict(thresholds()["cost"][scheme]), made_from
-
-
-def reference_matches(made_from: str | None, reference: str | None, against: str | None) -> bool:
-    """Whether the reference (file or source) was made from the source the export was made from."""
-    if made_from is None:
-        return False
-    if against is not None:
-        return Checkpoint.open(against, headers_only=True).fingerprint() == made_from
-    from kconvert.verify.reference import load_reference
-
-    return reference is not None and load_reference(reference)[0]["source_fingerprint"] == made_from
+        yield str(out)

@@ -122,13 +122,17 @@ def planned_slices(meta: dict) -> dict[str, dict]:
     return plan
 
 
-def plan_digest(meta: dict) -> str:
-    """What a faithfulness reference depends on: scheme settings and every tensor's transform and slices."""
+def plan_digest(meta: dict, of_export: bool = False) -> str:
+    """What a faithfulness reference depends on: scheme settings and every tensor's transform and slices;
+    `of_export` (meta is the temporary conversion of an export): also the export itself, whose stored
+    scales the reference uses (its fingerprint is the conversion's source fingerprint)."""
     q = meta["quantization"]
     key = {"scheme": q["scheme"], "scale_format": q.get("scale_format"), "group_size": q.get("group_size"),
            "int4_scales": q.get("int4_scales"), **({"calibration": q["calibration"]} if q.get("calibration") else {}),
            "plan": sorted((n, e["transform"], [list(s) if s else None for s in e["slices"]])
                           for n, e in planned_slices(meta).items())}
+    if of_export:
+        key["export"] = meta["source"]["fingerprint"]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -191,6 +195,54 @@ def stored_int4_pieces(converted: str | Path | None, meta: dict) -> dict[str, li
             q = torch.stack([(packed & 0xF) - 8, (packed >> 4) - 8], dim=-1).reshape(packed.shape[0], -1)
             out.setdefault(name, []).append((t["slice"], q.to(torch.float32) * scale.repeat_interleave(group, dim=1)))
     return out
+
+
+def stored_rule(qc: dict) -> dict:
+    """compressed-tensors QuantizationArgs (as keywords) of the weights a checkpoint's quantization_config
+    declares: its own rule, as a serving engine reads it (DeepSeek block-FP8 or one compressed-tensors group)."""
+    if qc.get("quant_method") == "fp8":
+        return dict(num_bits=8, type="float", strategy="block",
+                    block_structure=list(qc.get("weight_block_size") or [128, 128]))
+    groups = [g for g in (qc.get("config_groups") or {}).values() if g.get("weights")]
+    if len(groups) != 1:
+        raise VerifyFailed(f"faithfulness: the export declares {len(groups)} weight config groups; one is read")
+    return dict(groups[0]["weights"])
+
+
+def export_values(stored, x: torch.Tensor, rule: dict) -> torch.Tensor:
+    """What an export faithful to source values x holds for one logical tensor `stored`
+    (source.formats.LogicalTensor): x fake-quantized by the export's rule with the scales the export
+    stores, or x rounded to the dtype of a tensor it keeps unquantized."""
+    from kconvert.io.dtypes import DTYPES
+    from kconvert.io.safetensors_read import read_tensor
+
+    if stored.format == "plain":
+        dtype = DTYPES[stored.main.dtype]
+        return x.to(dtype).to(torch.float32) if dtype.is_floating_point else x
+    return _fq(x, read_tensor(stored.parts["scale"]).to(torch.float32), **rule)
+
+
+def write_export_fake_quant_source(src: str, export_dir: str, meta: dict, out_dir: Path) -> Path:
+    """An fp32 checkpoint in out_dir holding what the temporary conversion `meta` of export `export_dir`
+    should hold if the export is faithful to SRC: each tensor `export_values` of SRC's, then the
+    conversion's own transform (a dequantized int4 expert rounds to bf16, int8 re-quantizes per slice)."""
+    from kconvert.errors import UsageError
+    from kconvert.source.checkpoint import Checkpoint
+
+    exp = Checkpoint.open(export_dir)
+    names = set(Checkpoint.open(src, headers_only=True).logical)
+    odd = sorted(names ^ set(exp.logical))
+    if odd:
+        raise UsageError(f"the export and the source hold different tensors ({len(odd)}, first {odd[0]}): "
+                         "pass the source the export was made from", file=str(export_dir), tensor=odd[0])
+    rule = stored_rule(exp.quantization_config) if exp.quantization_config else {}
+    plan, q = planned_slices(meta), meta["quantization"]
+
+    def values(name, x):
+        y = export_values(exp.logical[name], x, rule)
+        return expected_tensor(y, plan[name], q) if name in plan else y
+
+    return _write_source(src, out_dir, values)
 
 
 def write_dequantized_source(src: str, out_dir: Path) -> Path:

@@ -122,10 +122,12 @@ def reference_model(ck: Checkpoint, dtype: torch.dtype):
 
 
 def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str = "float32", top_k: int | None = None,
-                  hidden_states: bool = False, like: str | None = None, progress=None) -> dict:
+                  hidden_states: bool = False, like: str | None = None, like_export: str | None = None,
+                  progress=None) -> dict:
     """Reference log-probs of SRC over `prompts` into `out`. With `like` (a converted directory): of SRC
     with every weight that conversion quantized fake-quantized the same way (verify/fake_quant.py),
-    the reference for the faithfulness check."""
+    the reference for the faithfulness check. With `like_export` too (`like` is then the temporary
+    conversion of that export): SRC fake-quantized by the export's rule and stored scales first."""
     ck = Checkpoint.open(src)
     ck.validate()
     if dtype not in ("float32", "bfloat16"):
@@ -142,17 +144,22 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
         tensors, specs = _run(ck, prompts, dtype, top_k, hidden_states, progress)
     else:
         from kconvert.converted.catalog import Catalog
-        from kconvert.verify.fake_quant import plan_digest, write_fake_quant_source
+        from kconvert.verify.exported import describe
+        from kconvert.verify.fake_quant import plan_digest, write_export_fake_quant_source, write_fake_quant_source
 
         conv = Catalog.read(like).doc
-        if conv["source"]["fingerprint"] != meta["source_fingerprint"]:
-            raise UsageError(f"{like} was converted from another source", file=str(src))
+        made_from = describe(like_export).made_from if like_export else conv["source"]["fingerprint"]
+        if made_from is not None and made_from != meta["source_fingerprint"]:  # None: an export kconvert did not make
+            raise UsageError(f"{like_export or like} was made from another source", file=str(src))
         q = conv["quantization"]
-        meta["fake_quant"] = {"scheme": q["scheme"], "scale_format": q.get("scale_format"),
-                              "group_size": q.get("group_size"), "int4_scales": q.get("int4_scales"),
-                              "tp": conv["layout"]["tp"], "plan_digest": plan_digest(conv)}
+        meta["fake_quant"] = {"scheme": describe(like_export).format if like_export else q["scheme"],
+                              "scale_format": q.get("scale_format"), "group_size": q.get("group_size"),
+                              "int4_scales": q.get("int4_scales"), "tp": conv["layout"]["tp"],
+                              "plan_digest": plan_digest(conv, of_export=bool(like_export))}
         with work_dir("reference-fq") as tmp:
-            fq = Checkpoint.open(write_fake_quant_source(src, conv, Path(tmp), like))
+            written = (write_export_fake_quant_source(src, like_export, conv, Path(tmp)) if like_export
+                       else write_fake_quant_source(src, conv, Path(tmp), like))
+            fq = Checkpoint.open(written)
             tensors, specs = _run(fq, prompts, dtype, top_k, hidden_states, progress)
     meta["prompts"] = specs
     from safetensors.torch import save

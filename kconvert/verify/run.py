@@ -19,19 +19,21 @@ from kconvert.verify.forward import engine_inputs, hidden_states
 
 
 def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
-             per_layer: dict | None = None, device: str = "cpu", kv_dtype: str | None = None) -> None:
+             per_layer: dict | None = None, device: str = "cpu", kv: tuple | None = None, progress=None) -> None:
     """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
     per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking.
-    kv_dtype (default: the compute dtype) is the KV cache format every model.new_cache takes, so the
-    KLD includes what KV quantization adds."""
+    kv: the command line's (--kv-dtype, --kv-budget, --kv-device-budget) texts, read on each rank (a fraction
+    is of that rank's free memory); the KV cache every model.new_cache takes, so the KLD includes what KV
+    quantization and the host tier add (default: the compute dtype, unbounded)."""
     from engine.cache import KVOptions
+    from engine.kv_budget import kv_options
     from engine.model import Model
     from kconvert.distributed import Group
 
     par = Group.from_env(device)
     model = Model.from_converted(out_dir, device=device, dtype=torch.float32, par=par)
     par = model.par  # laid out as the conversion's tp x pp
-    model.kv = KVOptions(kv_dtype)
+    model.kv = kv_options(*kv, device) if kv else KVOptions()
     if per_layer is not None and per_layer.get("attribute_layer") is not None:
         from kconvert.verify.attribution import attribute
 
@@ -55,6 +57,8 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
                     result[f"prompt.{i}.vision"] = img.float().contiguous()
             if par.rank == 0:
                 result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
+            if progress:  # this process's ranks only (spawned ranks: counted when they finish)
+                progress("advance", n=1)
     if par.rank == 0:
         from safetensors.torch import save_file
 
@@ -92,11 +96,12 @@ def free_port() -> int:
 
 
 def run_all_ranks(out_dir: str, world: int, prompts, tokens, result_path: str, per_layer=None, device="cpu",
-                  kv_dtype: str | None = None) -> None:
-    """Run the converted model's `world` (tp x pp) ranks (spawned unless already under torchrun) to result_path."""
-    args = (out_dir, prompts, tokens, result_path, per_layer, device, kv_dtype)
+                  kv: tuple | None = None, progress=None) -> None:
+    """Run the converted model's `world` (tp x pp) ranks (spawned unless already under torchrun) to result_path;
+    `progress("advance", n=1)` per prompt."""
+    args = (out_dir, prompts, tokens, result_path, per_layer, device, kv)
     if world == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        run_rank(*args)
+        run_rank(*args, progress=progress)
         return
     import torch.multiprocessing as mp
 
@@ -118,6 +123,8 @@ def run_all_ranks(out_dir: str, world: int, prompts, tokens, result_path: str, p
         for p in ctx.processes:
             p.join(5)
         raise
+    if progress:
+        progress("advance", n=len(prompts))
 
 
 def _die_with(parent: int) -> None:

@@ -35,13 +35,9 @@ from kconvert.errors import KConvertError, UsageError, VerifyFailed
 from kconvert.family.manifest import manifests_dir
 from kconvert.verify import kld
 from kconvert.verify.reference import load_reference, run_reference
+from kconvert.verify.layer_error import first_fault, largest_step, layer_curve, vision_error
 from kconvert.verify.run import load_result, run_all_ranks
 
-FAULT_REL_ERROR = 1e-4  # hidden-state relative error vs the fake-quantized reference that marks a faulty layer
-# DSA keeps the top-k keys of an indexer score: two correct fp32 implementations can decide a near-tie
-# differently, which changes one position's attention in one layer. A layer whose new departures are that
-# few (positions first over FAULT_REL_ERROR there) is not named as a fault; a damaged tensor moves far more.
-ISOLATED_POSITIONS, ISOLATED_SHARE = 2, 0.002
 WRONG = "the conversion is wrong"
 LOSSY = "the scheme is too lossy for this model"
 CHECKED = ("mean_kld", "p99_kld", "same_top1_pct", "ppl_ratio")
@@ -131,12 +127,20 @@ def compare(prompts: list[dict], refs: list, got: dict, limits: dict, reference:
 
 def run_verify(out: str, *, reference: str | None = None, faithful_reference: str | None = None,
                against: str | None = None, per_layer: bool = False, device: str = "cpu", force: bool = False,
-               limits: dict | None = None, progress=None, kv_dtype: str | None = None) -> VerifyReport:
+               limits: dict | None = None, progress=None, kv: tuple | None = None, export=None) -> VerifyReport:
+    """`export` (verify/exported.Export): OUT is its temporary conversion, judged as the export's format."""
     import time
 
     t0 = time.perf_counter()
     meta = Catalog.read(out).doc
-    phase = (lambda name: progress("phase", name=name)) if progress else (lambda name: None)
+
+    def phase(name: str, prompts: int | None = None):
+        """Name the step on the bar; with `prompts`, count them from 0 (returns the callback to pass on)."""
+        if progress:
+            progress("phase", name=name)
+            if prompts is not None:
+                progress("start", total=prompts, restart=True)
+        return progress
     phase("integrity")
     try:
         verify_files(out)
@@ -146,24 +150,25 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         if reference is None:
             if against is None:
                 raise UsageError("give --reference REF.safetensors or --against SRC")
-            phase("reference")
             from kconvert.verify.prompts import prompts_for
 
-            reference = str(Path(tmp) / "ref.safetensors")
-            run_reference(against, reference, prompts_for(meta["config"]), hidden_states=per_layer)
+            reference, prompts = str(Path(tmp) / "ref.safetensors"), prompts_for(meta["config"])
+            run_reference(against, reference, prompts, hidden_states=per_layer,
+                          progress=phase("reference (unquantized source)", len(prompts)))
         ref_meta, refs, ref_tensors = load_reference(reference)
-        _check_reference(reference, ref_meta, ref_tensors, meta, force, per_layer)
+        made_from = export.made_from if export else meta["source"]["fingerprint"]
+        _check_reference(reference, ref_meta, ref_tensors, made_from, force, per_layer)
         fq = _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, faithful_reference, against,
-                                 per_layer, force, Path(tmp), phase)
-        phase("engine")
+                                 per_layer, force, Path(tmp), phase, export)
         result_path = str(Path(tmp) / "result.safetensors")
         tokens = [r.tokens for r in refs]
         source = against or meta["source"]["path"]
         layer_opts = {"source": source, "attribute_layer": None} if per_layer else None
         world = meta["layout"]["tp"] * meta["layout"].get("pp", 1)  # every rank of the tp x pp layout
-        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv_dtype)
+        tick = phase(f"engine on {world} rank{'s' * (world > 1)}", len(tokens))
+        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv, progress=tick)
         got = load_result(result_path)
-        report = _report(out, meta, ref_meta, refs, got, fq, limits)
+        report = _report(out, meta, ref_meta, refs, got, fq, limits, export)
         if per_layer:
             report.cost.per_layer = layer_curve(ref_meta, ref_tensors, got)
             report.largest_error_step_layer = largest_step(report.cost.per_layer)
@@ -177,43 +182,47 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
             if report.first_fault_layer is not None and 0 <= report.first_fault_layer < n_layers:
                 phase(f"attribution (layer {report.first_fault_layer})")
                 layer_opts["attribute_layer"] = report.first_fault_layer
-                run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv_dtype)
+                run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv)
                 report.attribution = json.loads(Path(result_path + ".attribution.json").read_text())
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _check_reference(path, ref_meta, ref_tensors, meta, force: bool, per_layer: bool) -> None:
+def _check_reference(path, ref_meta, ref_tensors, made_from: str | None, force: bool, per_layer: bool) -> None:
+    """made_from: the source fingerprint OUT records; None (an export kconvert did not make): taken on trust."""
     if ref_meta.get("fake_quant"):
         raise UsageError("--reference must be a reference of the unquantized source (this one is fake-quantized: "
                          "pass it as --faithful-reference)", file=path)
-    if ref_meta["source_fingerprint"] != meta["source"]["fingerprint"] and not force:
+    if made_from is not None and ref_meta["source_fingerprint"] != made_from and not force:
         raise UsageError(f"the reference was made from another source (fingerprint {ref_meta['source_fingerprint']}"
-                         f" vs {meta['source']['fingerprint']}); pass --force to compare anyway", file=path)
+                         f" vs {made_from}); pass --force to compare anyway", file=path)
     if per_layer and "prompt.0.hidden.0" not in ref_tensors:
         raise UsageError("--per-layer needs a reference made with --hidden-states", file=path)
 
 
 def _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, path, against, per_layer, force, tmp: Path,
-                        phase):
-    """(label, per-prompt log-probs, tensors) of the fake-quantized reference, or None when no source is at hand."""
+                        phase, export=None):
+    """(label, per-prompt log-probs, tensors) of the fake-quantized reference, or None when no source is at hand.
+    For an export: its source (--against, else the path it records) under its rule and stored scales."""
     from kconvert.verify.fake_quant import plan_digest, planned_slices
 
-    if path is None and all(e["transform"] == "copy" for e in planned_slices(meta).values()):
+    if path is None and (export is None or export.format == "none") and all(
+            e["transform"] == "copy" for e in planned_slices(meta).values()):
         return "the unquantized reference (every weight is copied)", refs, ref_tensors
     if path is None:
-        src = against or meta["source"]["path"]
-        if against is None and not Path(src).exists():  # a Hub id or a moved source: say so, don't guess
+        src = against or (export.source if export else meta["source"]["path"])
+        if against is None and not (src and Path(src).exists()):  # a Hub id or a moved source: say so, don't guess
             return None
-        phase("faithfulness reference (fake-quantized source)")
         path = str(tmp / "faithful.safetensors")
-        run_reference(src, path, ref_meta["prompts"], hidden_states=per_layer, like=out)
-        label = f"{src} fake-quantized as {meta['quantization']['scheme']}"
+        run_reference(src, path, ref_meta["prompts"], hidden_states=per_layer, like=out,
+                      like_export=export.path if export else None,
+                      progress=phase("faithfulness reference (fake-quantized source)", len(ref_meta["prompts"])))
+        label = f"{src} fake-quantized as " + (f"{export.format} with the export's scales" if export else meta['quantization']['scheme'])
     else:
         label = path
     fq_meta, fq_refs, fq_tensors = load_reference(path)
     fake = fq_meta.get("fake_quant") or {}
-    if fake.get("plan_digest") != plan_digest(meta) and not force:
+    if fake.get("plan_digest") != plan_digest(meta, of_export=export is not None) and not force:
         raise UsageError("the faithfulness reference was made for another conversion (scheme, layout or slices "
                          "differ); make it with `kconvert reference SRC --like OUT`", file=path)
     if any(not torch.equal(a.tokens, b.tokens) for a, b in zip(refs, fq_refs)) or len(refs) != len(fq_refs):
@@ -223,9 +232,9 @@ def _faithful_reference(out, meta, reference, ref_meta, refs, ref_tensors, path,
     return label, fq_refs, fq_tensors
 
 
-def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None) -> VerifyReport:
-    scheme = meta["quantization"]["scheme"]
-    faithful_limits, budget = limits_for(scheme, overrides)
+def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None, export=None) -> VerifyReport:
+    scheme = export.format if export else meta["quantization"]["scheme"]
+    faithful_limits, budget = limits_for(export.budget if export else scheme, overrides)
     prompts = ref_meta["prompts"]
     if fq is None:
         faith = Check("SKIPPED", "no source checkpoint at hand (pass --against SRC or --faithful-reference)",
@@ -237,58 +246,3 @@ def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None) -
         ([f"{LOSSY} ({scheme} budget): " + "; ".join(cost.failures)] if cost.failures else [])
     return VerifyReport(out=str(out), scheme=scheme, tp=meta["layout"]["tp"], pp=meta["layout"].get("pp", 1),
                         verdict="FAIL" if failures else "PASS", faithfulness=faith, cost=cost, failures=failures)
-
-
-def layer_curve(ref_meta, ref_tensors, got) -> list[dict]:
-    """Relative hidden-state error per layer position (0 = embeddings, last = after the final norm), pooled
-    over prompts, and how many token positions first depart (error over FAULT_REL_ERROR) there."""
-    n = sum(1 for k in ref_tensors if k.startswith("prompt.0.hidden."))
-    prompts = range(len(ref_meta["prompts"]))
-    departed = {i: None for i in prompts}  # positions already over FAULT_REL_ERROR at an earlier layer
-    curve = []
-    for L in range(n):
-        num = den = 0.0
-        new = total = 0
-        for i in prompts:
-            r, g = ref_tensors[f"prompt.{i}.hidden.{L}"].float(), got[f"prompt.{i}.hidden.{L}"].float()
-            num += float((g - r).pow(2).sum())
-            den += float(r.pow(2).sum())
-            d, rr = (g - r).reshape(r.shape[0], -1), r.reshape(r.shape[0], -1)  # [T, H] or [T, streams x H]
-            per_pos = (d.pow(2).sum(-1) / rr.pow(2).sum(-1).clamp_min(1e-30)).sqrt()
-            over = ~(per_pos <= FAULT_REL_ERROR)  # NaN counts as over
-            new += int((over if departed[i] is None else over & ~departed[i]).sum())
-            departed[i] = over if departed[i] is None else over | departed[i]
-            total += per_pos.numel()
-        curve.append({"position": L, "after": "embeddings" if L == 0 else f"layer {L - 1}" if L < n - 1 else
-                      f"layer {L - 1} + final norm", "rel_error": (num / max(den, 1e-30)) ** 0.5,
-                      "departed_positions": new, "positions": total})
-    return curve
-
-
-def largest_step(curve: list[dict]) -> int | None:
-    """The decoder layer whose step adds the most error (position L + 1 is after layer L); in a clean
-    quantized model that is where quantization costs the most; None when everything is exact."""
-    errs = [c["rel_error"] for c in curve]
-    if len(errs) < 2 or not max(errs) > 1e-4:
-        return None
-    return max(range(len(errs) - 1), key=lambda L: errs[L + 1] - errs[L])
-
-
-def first_fault(curve: list[dict], vision: float | None) -> tuple[str | None, int | None]:
-    """Where the conversion first departs from its faithful reference: ("layer N", N), ("embeddings", None),
-    ("vision tower", None) or (None, None). A non-finite error is a fault too; a layer where only isolated
-    positions depart (a DSA near-tie decided the other way) is not."""
-    if vision is not None and not vision <= FAULT_REL_ERROR:
-        return "vision tower", None
-    for c in curve:
-        isolated = c["departed_positions"] <= max(ISOLATED_POSITIONS, ISOLATED_SHARE * c["positions"])
-        if not c["rel_error"] <= FAULT_REL_ERROR and not (math.isfinite(c["rel_error"]) and isolated):
-            return (c["after"], None) if c["position"] == 0 else (f"layer {c['position'] - 1}", c["position"] - 1)
-    return None, None
-
-
-def vision_error(ref_tensors, got) -> float | None:
-    vis = [(got[k].float(), ref_tensors[k].float()) for k in got if k.endswith(".vision") and k in ref_tensors]
-    if not vis:
-        return None
-    return (sum(float((g - r).pow(2).sum()) for g, r in vis) / max(sum(float(r.pow(2).sum()) for _, r in vis), 1e-30)) ** 0.5

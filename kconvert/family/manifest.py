@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert.errors import ManifestError
+from kconvert.family.compose import part_applies, with_traits
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
 from kconvert.family.schedule import read_schedules
@@ -233,15 +234,6 @@ class ModelMap:
                         yield TensorInfo(name, rule, L, E), required
 
 
-def with_traits(family: dict, parts: list[BoundPart]) -> dict:
-    """The family's table with its text parts' traits laid over it (the engine table merged key by key)."""
-    out = dict(family)
-    for part in parts:
-        for key, value in part.traits.items():
-            out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
-    return out
-
-
 def _key(name: str) -> str:
     return _NUM.sub("#", name.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
 
@@ -295,11 +287,7 @@ def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
         sub = config if p.get("config", ".") == "." else config.get(p["config"])
         if not isinstance(sub, dict):
             raise ManifestError(f"config has no {p['config']!r} section (family {spec['family']['name']})", file=config_file)
-        if "if_config_has" in p and p["if_config_has"] not in sub:
-            continue
-        if "if_model_type" in p and sub.get("model_type") != p["if_model_type"]:
-            continue
-        if "unless_model_type" in p and sub.get("model_type") == p["unless_model_type"]:
+        if not part_applies(p, sub):
             continue
         part_spec = _read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),

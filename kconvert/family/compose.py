@@ -1,0 +1,24 @@
+"""How a family manifest composes its parts (kconvert/family/manifest.py binds them): which `[[parts]]` entry
+applies to a config, and the family traits a text part brings (`[part.family]`), so a family over another
+model's text (Kimi over DeepSeek-V4) takes that model's parts and traits instead of copying them."""
+
+from __future__ import annotations
+
+
+def part_applies(entry: dict, sub: dict) -> bool:
+    """Whether a family's `[[parts]]` entry applies to its config section `sub`: `if_config_has` (a key),
+    `if_model_type` / `unless_model_type` (the section's model_type)."""
+    if "if_config_has" in entry and entry["if_config_has"] not in sub:
+        return False
+    if "if_model_type" in entry and sub.get("model_type") != entry["if_model_type"]:
+        return False
+    return not ("unless_model_type" in entry and sub.get("model_type") == entry["unless_model_type"])
+
+
+def with_traits(family: dict, parts) -> dict:
+    """The family's table with its parts' traits (`BoundPart.traits`) laid over it, tables merged key by key."""
+    out = dict(family)
+    for part in parts:
+        for key, value in part.traits.items():
+            out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out

@@ -161,8 +161,11 @@ def run_quality(a, work: Path) -> None:
     wins = windows(model, conv, a.kld_tokens, a.text_windows)
     added = {d: {} for d in DTYPES if d != "bf16"}
     worst = dict.fromkeys(added, 0.0)
+    bf16_vs_fp32 = {}
     for w, ids in wins.items():
         base = model.forward(ids, model.new_cache(1, ids.shape[1], kv=KVOptions("bf16"))).log_softmax(-1)
+        full = model.forward(ids, model.new_cache(1, ids.shape[1])).log_softmax(-1)
+        bf16_vs_fp32[w] = float((full.exp() * (full - base)).sum(-1).mean())
         for d in added:
             lp = model.forward(ids, model.new_cache(1, ids.shape[1], kv=KVOptions(d))).log_softmax(-1)
             k = (base.exp() * (base - lp)).sum(-1).flatten()
@@ -171,6 +174,8 @@ def run_quality(a, work: Path) -> None:
                 worst[d] = max(worst[d], float(k.max()))
     print(f"tiny-dsv4-trained, {a.kld_tokens} tokens per window, {a.text_windows} held-out text windows + 1 random; "
           "added KLD vs the bf16 cache, mean over positions:")
+    text = [bf16_vs_fp32[w] for w in bf16_vs_fp32 if w != "random"]
+    print(f"  (bf16 cache vs the fp32 cache: text {sum(text) / len(text):.2e}, random {bf16_vs_fp32['random']:.2e})")
     for d, v in added.items():
         text = [v[w] for w in v if w != "random"]
         lo, hi = bootstrap_ci(text)

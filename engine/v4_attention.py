@@ -75,7 +75,7 @@ class V4Attention(nn.Module):
         logits = [torch.einsum("bshd,btd->bhst", q, keys).masked_fill(~near[:, None], float("-inf"))]
         values = [keys]
         if self.compressor is not None:
-            self.compressor(x, st.compressor, fmt)
+            self.compressor(x, st.compressor, fmt, host=st.host_entries and self.kind == CSA)
             if self.kind == CSA:
                 key_fmt = st.key_format(c.index_head_dim, x.dtype)
                 chosen, valid, n = self.compressor.indexer.choose(x, q_lora, pos, st.indexer, cos, sin, key_fmt)

@@ -37,12 +37,13 @@ class CompressorState:
     has_overlap: bool = False
     count: int = 0  # entries emitted: the next window starts at token count * rate
 
-    def ready(self, fmt, B: int, rate: int, width: int, dim: int, overlap: bool, device) -> None:
-        """Allocate the fixed-size state at the first call (the byte count plan predicts)."""
+    def ready(self, fmt, B: int, rate: int, width: int, dim: int, overlap: bool, device, host: bool = False) -> None:
+        """Allocate the fixed-size state at the first call (the byte count plan predicts); `host`: the entries
+        live in host memory (the host tier)."""
         if self.store is not None:
             return
         self.fmt = fmt
-        self.store = PagedRows(B, fmt.row_bytes, device)
+        self.store = PagedRows(B, fmt.row_bytes, device, host)
         f32 = dict(dtype=torch.float32, device=device)
         self.pending_kv, self.pending_gate = torch.zeros(B, rate, width, **f32), torch.zeros(B, rate, width, **f32)
         if overlap:
@@ -82,11 +83,23 @@ class CompressorState:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate) if t is not None]
 
+    def _layer(self) -> V4LayerState:
+        return V4LayerState(*self.codes, host_entries=self.device_budget is not None)
+
+    def device_bytes(self) -> int:
+        return self.bytes_in_use() - sum(s.compressor.host_bytes() for s in self.layers)
+
+    def fetched(self) -> int:
+        return sum(s.fetched() for s in self.layers)
+
     def bytes_in_use(self) -> int:
         return (self.store.bytes_in_use() if self.store else 0) + sum(t.numel() * 4 for t in self.tensors())
 
     def nbytes(self) -> int:
         return (self.store.nbytes() if self.store else 0) + sum(t.numel() * 4 for t in self.tensors())
+
+    def host_bytes(self) -> int:
+        return self.store.bytes_in_use() if self.store is not None and self.store.host else 0
 
 
 def _decode(fmt, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,6 +112,7 @@ class V4LayerState:
     """One layer's cache. Made alone (a layer called directly, as tests do) it stores the compute dtype."""
     entry_code: str | None = None
     index_code: str | None = None
+    host_entries: bool = False  # the host tier: CSA entries in host memory, a step fetches what it attends to
     length: int = 0  # tokens seen
     ring: Ring | None = None  # the sliding branch's last window - 1 K=V rows
     ring_fmt: EntryFormat | None = None
@@ -108,7 +122,7 @@ class V4LayerState:
     def at(self, start: int) -> "V4LayerState":
         """This layer's state for tokens from `start`: a new sequence (start 0) clears it."""
         if start == 0 and self.length:
-            self.__init__(self.entry_code, self.index_code)
+            self.__init__(self.entry_code, self.index_code, self.host_entries)
         if start != self.length:
             raise EngineError(f"DeepSeek-V4 cache holds {self.length} tokens; cannot continue at {start}")
         return self
@@ -126,6 +140,15 @@ class V4LayerState:
             self.ring = Ring(B, size, fmt.row_bytes, device)
         return self.ring
 
+    def _layer(self) -> V4LayerState:
+        return V4LayerState(*self.codes, host_entries=self.device_budget is not None)
+
+    def device_bytes(self) -> int:
+        return self.bytes_in_use() - sum(s.compressor.host_bytes() for s in self.layers)
+
+    def fetched(self) -> int:
+        return sum(s.fetched() for s in self.layers)
+
     def bytes_in_use(self) -> int:
         ring = self.ring.nbytes() if self.ring else 0
         return ring + self.compressor.bytes_in_use() + self.indexer.bytes_in_use()
@@ -134,21 +157,29 @@ class V4LayerState:
         ring = self.ring.nbytes() if self.ring else 0
         return ring + self.compressor.nbytes() + self.indexer.nbytes()
 
+    def fetched(self) -> int:
+        """Bytes of host-tier rows copied to the device so far."""
+        return self.compressor.store.fetched if self.compressor.store is not None else 0
+
 
 class V4Cache:
     """The cache Model.new_cache makes for the mHC block kind (engine/layers.py): the API generate, chat
     and the pipeline use (begin / commit / length / reset), over one V4LayerState per layer of the stage.
     `kv.kv_dtype` picks the rows' codes (kconvert.plan.kv_bytes.LATENT_CODE for K=V rows, INDEX_CODE for
-    indexer keys); budgets and the host tier are the MLA cache's only."""
+    indexer keys). `kv.device_budget` turns the host tier on: CSA layers' entries (the bulk: one per 4 tokens)
+    live in host memory and a decode step copies only the `index_topk` rows each CSA layer's indexer chose;
+    windows, indexer keys, HCA entries and compressor state stay on the device, within that budget (checked
+    after each step). `--kv-budget` is the MLA cache's only."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, device="cpu", kv: KVOptions | None = None):
         kv = kv or KVOptions()
-        if kv.budget or kv.device_budget:
-            raise UsageError("the DeepSeek-V4 cache takes --kv-dtype only: --kv-budget / --kv-device-budget are "
-                             "the MLA cache's (its size per sequence: kconvert plan)")
+        if kv.budget:
+            raise UsageError("the DeepSeek-V4 cache takes --kv-dtype and --kv-device-budget: --kv-budget is the "
+                             "MLA cache's (V4's size per sequence: kconvert plan)")
         self.codes = row_codes(check_kv_dtype(kv.kv_dtype), kv.index_dtype)
+        self.device_budget = kv.device_budget
         self.batch, self.max_len, self.device = batch, max_len, torch.device(device)
-        self.layers = [V4LayerState(*self.codes) for _ in range(num_layers)]
+        self.layers = [self._layer() for _ in range(num_layers)]
         self.lengths = [0] * batch
         self.step: Step | None = None
 
@@ -169,8 +200,17 @@ class V4Cache:
             raise EngineError(f"sequence of {tokens} tokens exceeds the cache ({self.max_len} tokens)")
 
     def reset(self) -> None:
-        self.layers = [V4LayerState(*self.codes) for _ in self.layers]
+        self.layers = [self._layer() for _ in self.layers]
         self.lengths = [0] * self.batch
+
+    def _layer(self) -> V4LayerState:
+        return V4LayerState(*self.codes, host_entries=self.device_budget is not None)
+
+    def device_bytes(self) -> int:
+        return self.bytes_in_use() - sum(s.compressor.host_bytes() for s in self.layers)
+
+    def fetched(self) -> int:
+        return sum(s.fetched() for s in self.layers)
 
     def bytes_in_use(self) -> int:
         """Bytes of every row and state held: kconvert.plan's context_bytes(length) x batch."""
@@ -195,3 +235,7 @@ class V4Cache:
         for b, p in zip(step.seqs, step.positions[:, -1].tolist()):
             self.lengths[b] = p + 1
         self.step = None
+        if self.device_budget is not None and self.device_bytes() > self.device_budget:
+            raise EngineError(f"KV device budget exhausted: the DeepSeek-V4 cache's device part holds "
+                              f"{self.device_bytes()} B at {self.length} tokens, over --kv-device-budget "
+                              f"{self.device_budget} B; raise it or shorten the context")

@@ -33,11 +33,11 @@ class Compressor(nn.Module):
         slot(self, "position_bias")
         self.kv_norm = V4RMSNorm(c.eps)
 
-    def forward(self, x: torch.Tensor, state: CompressorState, fmt) -> None:
+    def forward(self, x: torch.Tensor, state: CompressorState, fmt, host: bool = False) -> None:
         """Append to `state` the entries completed by x [B, S, hidden] (the next tokens of its sequence);
-        `fmt` encodes them (engine/v4_format.py)."""
+        `fmt` encodes them (engine/v4_format.py); `host`: they live in host memory."""
         B, d, r = x.shape[0], self.dim, self.rate
-        state.ready(fmt, B, r, 2 * d if self.overlap else d, d, self.overlap, x.device)
+        state.ready(fmt, B, r, 2 * d if self.overlap else d, d, self.overlap, x.device, host)
         kv, gate, first = state.take(self.kv_proj(x), self.gate_proj(x), r)
         n = kv.shape[1] // r
         if n == 0:

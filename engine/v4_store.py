@@ -13,9 +13,16 @@ from engine.kv_tier import PAGE
 
 
 class PagedRows:
-    def __init__(self, batch: int, row_bytes: int, device):
-        self.rows = torch.zeros(batch, 0, row_bytes, dtype=torch.uint8, device=device)
+    """Rows on `device`; with `host` set, stored in host memory (pinned where the device allows) and each read
+    copies only the rows it asks for to `device`, counted in `fetched` (bytes)."""
+
+    def __init__(self, batch: int, row_bytes: int, device, host: bool = False):
+        self.device = torch.device(device)
+        self.host = host
+        where = "cpu" if host else self.device
+        self.rows = torch.zeros(batch, 0, row_bytes, dtype=torch.uint8, device=where)
         self.count = 0
+        self.fetched = 0
 
     def append(self, new: torch.Tensor) -> None:
         """new uint8 [B, n, row_bytes] after the rows so far."""
@@ -25,28 +32,43 @@ class PagedRows:
             grown = max(need, cap + cap // 4)
             grown = -(-grown // PAGE) * PAGE
             rows = self.rows.new_zeros(self.rows.shape[0], grown, self.rows.shape[2])
+            if self.host and self.device.type != "cpu":
+                rows = _pinned(rows)
             rows[:, :self.count] = self.rows[:, :self.count]
             self.rows = rows
         self.rows[:, self.count:need] = new
         self.count = need
 
     def all(self) -> torch.Tensor:
-        """[B, count, row_bytes]: a view of the rows in use."""
-        return self.rows[:, :self.count]
+        """[B, count, row_bytes] on the device: a view of the rows in use (with `host`, all of them copied)."""
+        return self._arrive(self.rows[:, :self.count])
 
     def take(self, index: torch.Tensor) -> torch.Tensor:
-        """index [B, ...] of row numbers -> [B, ..., row_bytes] (copied: only these rows are read)."""
+        """index [B, ...] of row numbers -> [B, ..., row_bytes] on the device: only these rows are read."""
         B = index.shape[0]
-        flat = index.reshape(B, -1)
+        flat = index.reshape(B, -1).to(self.rows.device)
         got = torch.stack([self.rows[b].index_select(0, flat[b]) for b in range(B)]) if B > 1 else \
             self.rows[0].index_select(0, flat[0])[None]
-        return got.view(*index.shape, self.rows.shape[2])
+        return self._arrive(got.view(*index.shape, self.rows.shape[2]))
+
+    def _arrive(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self.host:
+            return rows
+        self.fetched += rows.numel()
+        return rows.to(self.device, non_blocking=True)
 
     def bytes_in_use(self) -> int:
         return self.rows.shape[0] * self.count * self.rows.shape[2]
 
     def nbytes(self) -> int:
         return self.rows.numel()
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return t.pin_memory()
+    except RuntimeError:  # no page-locking on this build: plain host memory still works
+        return t
 
 
 class Ring:

@@ -74,7 +74,7 @@ def test_cache_bytes_equal_plan(ref, monkeypatch, kv_dtype):
         assert used <= allocated <= 1.25 * used + 3 * ref.cfg.num_layers * 64 * 2 * 2 * ref.section["head_dim"]
     assert plan.per_sequence > 0 and plan.context_bytes(0) == 0
     assert plan.max_context(2 * plan.context_bytes(1000), 2) in range(1000, 1000 + 2 * max(
-        r for r, _, _ in plan.layer_terms))  # inverts context_bytes up to the entries' granularity
+        t[0] for t in plan.layer_terms))  # inverts context_bytes up to the entries' granularity
 
 
 def test_a_long_prefill_leaves_only_the_cache(ref, monkeypatch):
@@ -112,3 +112,33 @@ def test_kv_dtype_logits(ref, monkeypatch, kv_dtype):
     # float32 roundoff between chunkings can flip a row's rounding: ~1e-8 here; in-chunk keys unrounded: ~1e-3
     assert abs(kld(whole, chunked)) < 1e-6
     assert 0 < kld(base, whole) < 5e-2  # the random tiny models are touchy (as the MLA cache's test says)
+
+
+def test_host_tier_fetches_only_the_chosen_entries(ref, monkeypatch):
+    """--kv-device-budget: CSA entries in host memory; a decode step copies exactly index_topk rows per CSA layer
+    and sequence, the logits equal the flat cache's bit for bit, and the device part is held to the budget."""
+    from engine.v4_config import CSA
+    from kconvert.errors import EngineError
+
+    model = engine_model_of(ref, monkeypatch)
+    ids = ids_of(ref, 36, seed=int(torch.randint(0, 1 << 30, ())))
+    flat = model.new_cache(2, 36, kv=KVOptions("fp8"))
+    tier = model.new_cache(2, 36, kv=KVOptions("fp8", device_budget=1 << 30))
+    logits = {}
+    for name, cache in (("flat", flat), ("tier", tier)):
+        logits[name] = [model.forward(ids[:, :28], cache)]
+        steps = []
+        for t in range(28, 36):
+            before = cache.fetched()
+            logits[name].append(model.forward(ids[:, t:t + 1], cache))
+            steps.append(cache.fetched() - before)
+    assert torch.equal(torch.cat(logits["tier"], 1), torch.cat(logits["flat"], 1))
+    csa = sum(model.layer(L).self_attn.kind == CSA for L in range(ref.cfg.num_layers))
+    row = tier.layers[0].entry_format(ref.section["head_dim"], ref.section["qk_rope_head_dim"], torch.float32).row_bytes
+    assert steps == [2 * csa * ref.section["index_topk"] * row] * 8 and flat.fetched() == 0
+    assert 0 < tier.device_bytes() < tier.bytes_in_use() == flat.bytes_in_use()
+    plan = kv_bytes(ref.section, "fp8")
+    assert tier.device_bytes() == 2 * plan.context_bytes(36, "device")  # plan's host-tier split, exactly
+    small = model.new_cache(2, 36, kv=KVOptions("fp8", device_budget=tier.device_bytes() // 2))
+    with pytest.raises(EngineError, match="--kv-device-budget"):
+        model.forward(ids, small)

@@ -16,7 +16,7 @@ Per decoder layer (MTP layers excluded: the converter drops them by default) a t
   8-bit latent: docs/KV_CACHE.md has the measurements behind these choices.
 Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
 DeepSeek-V4 (no latent; compressed entries, sliding windows, compressor state) is `compressed_kv_bytes`:
-an exact per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`).
+an exact per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`), its host tier too.
 
 Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank
 holds the whole latent and indexer cache of every sequence it serves, so these are bytes per token
@@ -44,8 +44,9 @@ class KVBytes:
     latent_bytes: int  # per token per layer
     indexer_bytes: int  # per token per layer
     cache: str = "mla"  # mla: one latent per token; compressed (V4): entries per rate, averaged over layers
-    # compressed (V4) only, exact: per layer (rate, bytes per compressed entry, bytes per sequence); rate 0 =
-    # sliding window only. A sequence of L >= 1 tokens keeps sum(per_sequence + (L // rate) * entry).
+    # compressed (V4) only, exact: per layer (rate, bytes per compressed entry, bytes per sequence, bytes per
+    # entry the host tier keeps in host memory); rate 0 = sliding window only. A sequence of L >= 1 tokens
+    # keeps sum(per_sequence + (L // rate) * per_entry), of which sum((L // rate) * host) in host memory.
     layer_terms: tuple = ()
 
     @property
@@ -60,30 +61,44 @@ class KVBytes:
     @property
     def per_sequence(self) -> int:
         """Bytes a sequence keeps whatever its length (V4: each layer's sliding window and compressor state)."""
-        return sum(fixed for _, _, fixed in self.layer_terms)
+        return sum(t[2] for t in self.layer_terms)
 
-    def context_bytes(self, context: int) -> int:
-        """Exact bytes of one sequence of `context` tokens on this rank."""
+    def context_bytes(self, context: int, part: str = "all") -> int:
+        """Exact bytes of one sequence of `context` tokens on this rank; part "host" / "device": what the host
+        tier keeps in host memory / on the device."""
         if not self.layer_terms:
-            return context * self.per_token
+            return context * self.per_token if part != "host" else 0
         if context <= 0:
             return 0
-        return sum(fixed + (context // rate if rate else 0) * entry for rate, entry, fixed in self.layer_terms)
+        total = 0
+        for rate, entry, fixed, host in self.layer_terms:
+            n = context // rate if rate else 0
+            total += {"all": fixed + n * entry, "host": n * host, "device": fixed + n * (entry - host)}[part]
+        return total
 
-    def max_context(self, free: int, batch: int) -> int | None:
-        """The longest context whose `batch` sequences fit in `free` bytes."""
+    def max_context(self, free: int, batch: int, host_free: int | None = None) -> int | None:
+        """The longest context whose `batch` sequences fit in `free` bytes (with `host_free`: the host tier's
+        device part in `free`, its host part in `host_free`)."""
         if not self.layer_terms:
             return max(free, 0) // (batch * self.per_token) if self.per_token else None
-        if batch * self.context_bytes(1) > free:
+
+        def fits(n: int) -> bool:
+            if host_free is None:
+                return batch * self.context_bytes(n) <= free
+            return batch * self.context_bytes(n, "device") <= free and batch * self.context_bytes(n, "host") <= host_free
+
+        if not fits(1):
             return 0
-        if all(rate == 0 for rate, _, _ in self.layer_terms):
+        if all(t[0] == 0 for t in self.layer_terms):
             return None  # sliding windows only: any context
-        lo, hi = 1, 1
-        while batch * self.context_bytes(hi) <= free:
+        lo, hi = 1, 2
+        while fits(hi):
             lo, hi = hi, hi * 2
-        while hi - lo > 1:  # context_bytes grows with the context: bisect
+            if hi > 1 << 50:
+                return None  # nothing grows here (host tier: the device part is per sequence only)
+        while hi - lo > 1:  # the bytes grow with the context: bisect
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if batch * self.context_bytes(mid) <= free else (lo, mid)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
     def stage(self, first: int, end: int) -> "KVBytes":
@@ -195,7 +210,7 @@ def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
         if csa:
             fixed += compressor_state_bytes(r, index_dim, True)
             index += key / r
-        terms.append((r, entry + (key if csa else 0), fixed))
+        terms.append((r, entry + (key if csa else 0), fixed, entry if csa else 0))
     n = int(tc["num_hidden_layers"])
     return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(latent / n), indexer_bytes=math.ceil(index / n),
                    cache="compressed", layer_terms=tuple(terms))
@@ -207,15 +222,16 @@ TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (
 def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int) -> list[dict]:
     """Per KV format: bytes per token, the longest context the device's free bytes hold, and the context
     the host tier reaches: indexer keys of every token + 1/TIER_DEVICE_SHARE of the latent stay on the
-    device, the whole latent is in `host_bytes` of host memory (engine.cache with --kv-device-budget; MLA
-    only: None for DeepSeek-V4, whose cache has no host tier)."""
+    device, the whole latent is in `host_bytes` of host memory (engine.cache with --kv-device-budget). DeepSeek-V4's
+    host tier (engine/v4_cache.py) keeps the CSA entries in host memory, everything else on the device."""
     out = []
     free = max(free_bytes, 0)
     for dtype in KV_DTYPES:
         kv = kv_bytes(text_config, dtype)
         lat, idx = kv.layers * kv.latent_bytes, kv.layers * kv.indexer_bytes
         on_device = idx + lat / TIER_DEVICE_SHARE
-        tiered = None if kv.layer_terms else int(min(free / (batch * on_device), host_bytes / (batch * lat)))
+        tiered = kv.max_context(free, batch, host_bytes) if kv.layer_terms else \
+            int(min(free / (batch * on_device), host_bytes / (batch * lat)))
         out.append({"dtype": dtype, "latent_bytes_per_token": lat, "indexer_bytes_per_token": idx,
                     "bytes_per_token": lat + idx, "max_context": kv.max_context(free, batch),
                     "tiered_max_context": tiered, "host_bytes": host_bytes})

@@ -30,9 +30,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_bench import parse_ctx  # noqa: E402
 
 DTYPES = ("bf16", "fp8", "int8", "fp8-ds")
+
+
+def parse_ctx(s: str) -> int:
+    """1k = 1024, 1M = 1048576 tokens."""
+    s = s.strip().lower()
+    scale = {"k": 1024, "m": 1024 ** 2}.get(s[-1:], 1)
+    return int(float(s[:-1] if scale > 1 else s) * scale)
 
 
 def rss_mib() -> float:
@@ -76,52 +82,56 @@ def fill(model, cache, ctx: int, prefill_max: int, chunk: int) -> str:
     return "synthetic"
 
 
-def decode_cost(model, ctx: int, a) -> list[dict]:
+def decode_cost(model, ctx: int, a, ref=None) -> list[dict]:
+    """Per --kv-dtype (and transformers with its own cache, where `ref` is given): median ms per decode step
+    over `a.rounds` rounds, interleaved so a loaded machine slows every contender alike."""
     from engine.cache import KVOptions
 
     caches, how = {}, None
     for d in a.dtypes:
-        caches[d] = model.new_cache(1, ctx + a.steps * a.rounds + 2, kv=KVOptions(d))
+        caches[d] = model.new_cache(1, ctx + a.steps * (a.rounds + 1) + 2, kv=KVOptions(d))
         how = fill(model, caches[d], ctx, a.prefill_max, a.chunk)
     tok = torch.tensor([[1]])
-    ms = {d: [] for d in caches}
-    for cache in caches.values():
-        model.forward(tok, cache, last_only=True)
+    steps = {d: (lambda c=c: model.forward(tok, c, last_only=True)) for d, c in caches.items()}
+    if ref is not None and how == "prefill":
+        steps["transformers"] = hf_stepper(ref, ctx, a.chunk)
+    ms = {d: [] for d in steps}
+    for step in steps.values():
+        step()  # warm-up
     for _ in range(a.rounds):
-        for d, cache in caches.items():
+        for d, step in steps.items():
             t0 = time.perf_counter()
             for _ in range(a.steps):
-                model.forward(tok, cache, last_only=True)
+                step()
             ms[d].append((time.perf_counter() - t0) * 1000 / a.steps)
+    hf = statistics.median(ms["transformers"]) if "transformers" in ms else float("nan")
     rows = []
     for d, cache in caches.items():
         entries = sum(min(s.compressor.count, model.cfg.section.get("index_topk", 0)) if s.indexer.store is not None
                       else s.compressor.count for s in cache.layers)
         keys = sum(s.indexer.count for s in cache.layers)
-        rows.append({"context": ctx, "kv": d, "fill": how, "ms": statistics.median(ms[d]), "rounds": ms[d],
+        rows.append({"context": ctx, "kv": d, "fill": how, "ms": statistics.median(ms[d]), "rounds": ms[d], "hf": hf,
                      "entries_read": entries, "keys_scored": keys, "in_use": cache.bytes_in_use(),
                      "allocated": cache.nbytes(), "rss": rss_mib()})
-    del caches
+    del caches, steps
     return rows
 
 
-@torch.no_grad()
-def hf_decode(ref, ctx: int, a) -> float:
+def hf_stepper(ref, ctx: int, chunk: int):
+    """transformers prefilled with the same ids (its DynamicCache); returns one decode step."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=ref.config.get_text_config())
     ids = torch.randint(0, ref.config.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(ctx))
-    for s in range(0, ctx, a.chunk):
-        ref(input_ids=ids[:, s:s + a.chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
     tok = torch.tensor([[1]])
-    ref(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    times = []
-    for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            ref(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        times.append((time.perf_counter() - t0) * 1000 / a.steps)
-    return statistics.median(times)
+    with torch.no_grad():
+        for s in range(0, ctx, chunk):
+            ref(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    @torch.no_grad()
+    def step():
+        ref(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return step
 
 
 def run_cost(a, work: Path) -> None:
@@ -141,10 +151,9 @@ def run_cost(a, work: Path) -> None:
           f"{a.steps} steps x {a.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
     print(f"{'context':>8} {'kv':>7} {'fill':>9} {'ms/token':>9} {'hf ms/tok':>9} {'entries read':>12} "
           f"{'keys scored':>11} {'cache MiB':>10} {'alloc MiB':>10} {'RSS MiB':>8}  rounds (ms)")
-    for ctx in map(parse_ctx, a.contexts.split(",")):
-        hf = hf_decode(ref, ctx, a) if ref is not None and ctx <= a.prefill_max else float("nan")
-        for r in decode_cost(model, ctx, a):
-            print(f"{r['context']:>8} {r['kv']:>7} {r['fill']:>9} {r['ms']:>9.2f} {hf:>9.2f} {r['entries_read']:>12} "
+    for ctx in [parse_ctx(c) for c in a.contexts.split(",")]:
+        for r in decode_cost(model, ctx, a, ref):
+            print(f"{r['context']:>8} {r['kv']:>7} {r['fill']:>9} {r['ms']:>9.2f} {r['hf']:>9.2f} {r['entries_read']:>12} "
                   f"{r['keys_scored']:>11} {r['in_use'] / 2 ** 20:>10.2f} {r['allocated'] / 2 ** 20:>10.2f} "
                   f"{r['rss']:>8.0f}  " + " ".join(f"{x:.1f}" for x in r["rounds"]), flush=True)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")

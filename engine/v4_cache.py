@@ -6,7 +6,7 @@ compressed entries in pages (engine/v4_store.py) plus a fixed-size float32 runni
 rows of the window still filling up and, for CSA, the last full window's first series (windows overlap).
 Rows are stored in the --kv-dtype's code (engine/v4_format.py); nothing the cache keeps is a view of a
 forward call's tensors, so a long prefill leaves only these behind. Bytes: kconvert.plan.kv_bytes'
-`compressed_kv_bytes`, exactly (`bytes_in_use`).
+`compressed_kv_bytes`, exactly (`bytes_in_use`). The host tier (V4Cache) keeps CSA entries in host memory.
 
 Every sequence of a batch moves in lock-step (same length): the compressors' state cannot be rewound, so
 the cache is kept only at its length or reset to 0."""

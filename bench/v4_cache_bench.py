@@ -9,7 +9,8 @@ steps are timed (median of `--rounds` interleaved rounds). Contexts up to --pref
 chunked prefill (and transformers' DeepseekV4ForCausalLM decodes the same context side by side); longer ones
 are filled synthetically: a real prefill of 1k tokens, then each layer's compressed entries and indexer keys
 extended with random rows in the cache's code up to context // rate (decode cost depends on the counts, not
-the values; the selection still runs over every key). Prints ms/token, the compressed entries a step reads,
+the values; the selection still runs over every key). Prints ms/token (wall and CPU time: on a shared machine
+the CPU time moves less with other jobs), the compressed entries a step reads,
 the cache's bytes (in use = plan's formula; allocated) and the process RSS, so growth is visible.
 
 Quality (tiny-dsv4-trained, built once into --work): added KLD(bf16-cache run || this run), mean over
@@ -95,22 +96,26 @@ def decode_cost(model, ctx: int, a, ref=None) -> list[dict]:
     steps = {d: (lambda c=c: model.forward(tok, c, last_only=True)) for d, c in caches.items()}
     if ref is not None and how == "prefill":
         steps["transformers"] = hf_stepper(ref, ctx, a.chunk)
-    ms = {d: [] for d in steps}
+    ms, cpu = {d: [] for d in steps}, {d: [] for d in steps}
     for step in steps.values():
         step()  # warm-up
     for _ in range(a.rounds):
         for d, step in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(a.steps):
                 step()
             ms[d].append((time.perf_counter() - t0) * 1000 / a.steps)
-    hf = statistics.median(ms["transformers"]) if "transformers" in ms else float("nan")
+            cpu[d].append((time.process_time() - c0) * 1000 / a.steps)  # CPU time: less moved by other jobs
+    nan = float("nan")
+    hf, hf_cpu = (statistics.median(ms["transformers"]), statistics.median(cpu["transformers"])) \
+        if "transformers" in ms else (nan, nan)
     rows = []
     for d, cache in caches.items():
         entries = sum(min(s.compressor.count, model.cfg.section.get("index_topk", 0)) if s.indexer.store is not None
                       else s.compressor.count for s in cache.layers)
         keys = sum(s.indexer.count for s in cache.layers)
         rows.append({"context": ctx, "kv": d, "fill": how, "ms": statistics.median(ms[d]), "rounds": ms[d], "hf": hf,
+                     "cpu": statistics.median(cpu[d]), "hf_cpu": hf_cpu,
                      "entries_read": entries, "keys_scored": keys, "in_use": cache.bytes_in_use(),
                      "allocated": cache.nbytes(), "rss": rss_mib()})
     del caches, steps
@@ -149,11 +154,12 @@ def run_cost(a, work: Path) -> None:
     print(f"tiny-dsv4: {model.cfg.num_layers} layers {s.get('layer_types')}, window {s.get('sliding_window')}, "
           f"rates {s.get('compress_rates')}, index_topk {s.get('index_topk')}; fp32, {torch.get_num_threads()} threads, "
           f"{a.steps} steps x {a.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'context':>8} {'kv':>7} {'fill':>9} {'ms/token':>9} {'hf ms/tok':>9} {'entries read':>12} "
+    print(f"{'context':>8} {'kv':>7} {'fill':>9} {'ms/token':>9} {'hf ms/tok':>9} {'cpu ms/tok':>10} {'hf cpu':>7} {'entries read':>12} "
           f"{'keys scored':>11} {'cache MiB':>10} {'alloc MiB':>10} {'RSS MiB':>8}  rounds (ms)")
     for ctx in [parse_ctx(c) for c in a.contexts.split(",")]:
         for r in decode_cost(model, ctx, a, ref):
-            print(f"{r['context']:>8} {r['kv']:>7} {r['fill']:>9} {r['ms']:>9.2f} {r['hf']:>9.2f} {r['entries_read']:>12} "
+            print(f"{r['context']:>8} {r['kv']:>7} {r['fill']:>9} {r['ms']:>9.2f} {r['hf']:>9.2f} {r['cpu']:>10.2f} "
+                  f"{r['hf_cpu']:>7.2f} {r['entries_read']:>12} "
                   f"{r['keys_scored']:>11} {r['in_use'] / 2 ** 20:>10.2f} {r['allocated'] / 2 ** 20:>10.2f} "
                   f"{r['rss']:>8.0f}  " + " ".join(f"{x:.1f}" for x in r["rounds"]), flush=True)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")

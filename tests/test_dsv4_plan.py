@@ -48,3 +48,22 @@ def test_plan_reads_params_by_component():
     params = plan.get("params") or {}
     for c in ("attention", "compressor", "indexer", "mhc", "hash_router", "routed_experts"):
         assert params.get(c, 0) > 0, (c, params)
+
+
+def test_plan_sizes_v4_kv_with_the_exact_formula():
+    """The KV at --context and the largest context that fits use the per-layer formula (entries per rate, plus each
+    layer's sliding window and compressor state per sequence), not an average per token."""
+    context, batch = 300_001, 3
+    plan = make_plan("deepseek-v4-flash", 8, context=context, batch=batch, kv_dtype="fp8").to_json()
+    kv = kv_bytes(json.loads(_example("deepseek-v4-flash")), "fp8")
+    mem = plan["memory"]
+    assert mem["kv_bytes"] == batch * kv.context_bytes(context) != batch * context * kv.per_token
+    free, n = mem["headroom_bytes"] + mem["kv_bytes"], mem["max_context"]
+    assert batch * kv.context_bytes(n) <= free < batch * kv.context_bytes(n + 1)  # the largest that fits
+    assert plan["kv_cache"]["bytes_per_sequence"] == kv.per_sequence > 0
+
+
+def _example(name: str) -> str:
+    from kconvert.family.manifest import manifests_dir
+
+    return (manifests_dir() / "examples" / name / "config.json").read_text()

@@ -227,8 +227,8 @@ class V4Cache:
         start = self.lengths[0]
         self.ensure(start + S)
         positions = (start + torch.arange(S))[None].expand(self.batch, S).to(self.device)
-        rows = torch.arange(start + S, device=self.device)[None].expand(self.batch, -1)
-        self.step = Step(seqs, positions, rows, positions, owned)
+        # V4 layers address their own rows (ring slots, entry numbers): no map of every position (O(length) a step)
+        self.step = Step(seqs, positions, positions, positions, owned)
         return self.step
 
     def commit(self, step: Step) -> None:

@@ -53,7 +53,26 @@ class V4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, start: int, cache: V4LayerState, cos=None, sin=None) -> torch.Tensor:
         """x [B,S,hidden] at positions start..start+S-1 (the model's cos/sin are not used: each layer
-        kind has its own rope); returns this rank's partial output."""
+        kind has its own rope); returns this rank's partial output. A long prefill runs in blocks of queries
+        whose score tensors stay within `block_elements` (the cache carries the state from block to block, as
+        from one decode step to the next), so its transient memory does not grow with the prompt squared."""
+        B, S, _ = x.shape
+        blk = self._block(cache.at(start).length, B, S)
+        if blk >= S:
+            return self._forward(x, start, cache)
+        return torch.cat([self._forward(x[:, a:a + blk], start + a, cache) for a in range(0, S, blk)], 1)
+
+    block_elements = 1 << 27  # float32 elements of the largest score tensor a block may make (512 MiB)
+
+    def _block(self, length: int, B: int, S: int) -> int:
+        """Queries per block: the window's [heads, blk, blk + window] and the entries' / indexer's scores fit."""
+        c, blk = self.c, S
+        n = (length + S) // self.rate if self.rate else 0
+        while blk > 1 and B * blk * max(self.heads * (blk + c.window + n), c.index_heads * n) > self.block_elements:
+            blk = (blk + 1) // 2
+        return blk
+
+    def _forward(self, x: torch.Tensor, start: int, cache: V4LayerState) -> torch.Tensor:
         c, st = self.c, cache.at(start)
         B, S, _ = x.shape
         pos = (start + torch.arange(S, device=x.device))[None].expand(B, S)

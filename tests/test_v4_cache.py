@@ -142,3 +142,16 @@ def test_host_tier_fetches_only_the_chosen_entries(ref, monkeypatch):
     small = model.new_cache(2, 36, kv=KVOptions("fp8", device_budget=tier.device_bytes() // 2))
     with pytest.raises(EngineError, match="--kv-device-budget"):
         model.forward(ids, small)
+
+
+def test_a_long_prefill_runs_in_blocks_of_queries(ref, monkeypatch):
+    """Score tensors bounded to a few thousand elements: the prompt runs in blocks of a few queries, with the
+    logits of one block (the reference-matched path)."""
+    from engine.v4_attention import V4Attention
+
+    model = engine_model_of(ref, monkeypatch)
+    ids = ids_of(ref, 40, seed=int(torch.randint(0, 1 << 30, ())))
+    whole = model.forward(ids)
+    monkeypatch.setattr(V4Attention, "block_elements", 2000)
+    assert model.layer(0).self_attn._block(0, 2, 40) < 40
+    assert (model.forward(ids) - whole).abs().max() < 1e-5 * whole.abs().max()

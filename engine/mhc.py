@@ -19,7 +19,6 @@ from engine.v4_cache import V4Cache
 from engine.v4_config import v4_config
 from engine.v4_norm import V4RMSNorm, unweighted_rms_norm
 from kconvert.distributed import Group
-from kconvert.errors import UsageError
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -122,7 +121,4 @@ class MHCStack:
         return head(x)
 
     def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv) -> V4Cache:
-        if kv is not None and (kv.kv_dtype or kv.budget or kv.device_budget or kv.index_dtype):
-            raise UsageError("the DeepSeek-V4 cache is dense, in the compute dtype: --kv-dtype / --kv-budget / "
-                             "--kv-device-budget come with its long-context cache (not yet)")
-        return V4Cache(cfg.num_layers, batch, max_len, device)
+        return V4Cache(cfg.num_layers, batch, max_len, device, kv)

@@ -17,6 +17,7 @@ from engine.linear import LinearSlot
 from engine.slots import slot
 from engine.v4_cache import CompressorState
 from engine.v4_config import V4Config
+from engine.v4_format import key_format
 from engine.v4_norm import V4RMSNorm
 from engine.v4_rope import V4Rotary, rope_tail
 
@@ -32,13 +33,15 @@ class Compressor(nn.Module):
         slot(self, "position_bias")
         self.kv_norm = V4RMSNorm(c.eps)
 
-    def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """All entries so far [B, n, dim] after x [B, S, hidden] (the next tokens of `state`'s sequence)."""
+    def forward(self, x: torch.Tensor, state: CompressorState, fmt, host: bool = False) -> None:
+        """Append to `state` the entries completed by x [B, S, hidden] (the next tokens of its sequence);
+        `fmt` encodes them (engine/v4_format.py); `host`: they live in host memory."""
         B, d, r = x.shape[0], self.dim, self.rate
+        state.ready(fmt, B, r, 2 * d if self.overlap else d, d, self.overlap, x.device, host)
         kv, gate, first = state.take(self.kv_proj(x), self.gate_proj(x), r)
         n = kv.shape[1] // r
         if n == 0:
-            return state.entries if state.entries is not None else kv.new_zeros(B, 0, d)
+            return
         kv = kv.view(B, n, r, -1)
         gate = gate.view(B, n, r, -1) + self.position_bias
         if self.overlap:
@@ -46,21 +49,21 @@ class Compressor(nn.Module):
         weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
         new = self.kv_norm((kv * weights).sum(dim=2))
         cos, sin = self.rotary(first + r * torch.arange(n, device=x.device), new.dtype)
-        return state.append(rope_tail(new, cos, sin))
+        state.append(rope_tail(new, cos, sin))
 
     def _overlapping(self, kv, gate, state: CompressorState):
         """[B, n, 2r, dim]: window w - 1's first series (from the cache for w = 0; none at the start:
         weight 0) then window w's second series."""
         B, n, r, _ = kv.shape
         d = self.dim
-        if state.overlap is not None:
-            prev_kv, prev_gate = state.overlap[0][:, None].to(kv.dtype), state.overlap[1][:, None].to(gate.dtype)
+        if state.has_overlap:
+            prev_kv, prev_gate = state.overlap_kv[:, None].to(kv.dtype), state.overlap_gate[:, None].to(gate.dtype)
         else:
             prev_kv = kv.new_zeros(B, 1, r, d)
             prev_gate = gate.new_full((B, 1, r, d), float("-inf"))
-        state.overlap = (kv[:, -1, :, :d].clone(), gate[:, -1, :, :d].clone())
         first_kv = torch.cat([prev_kv, kv[:, :-1, :, :d]], dim=1)
         first_gate = torch.cat([prev_gate, gate[:, :-1, :, :d]], dim=1)
+        state.keep_overlap(kv[:, -1, :, :d], gate[:, -1, :, :d])
         return torch.cat([first_kv, kv[..., d:]], dim=2), torch.cat([first_gate, gate[..., d:]], dim=2)
 
 
@@ -92,21 +95,30 @@ class Indexer(Compressor):
         self.q_b_proj = LinearSlot()
         self.scorer = Scorer()
 
-    def select(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, state: CompressorState,
-               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """[B, S, n] bool: the entries each query attends to (its top-k among the complete ones). cos / sin:
-        the attention's, at the same positions (the indexer shares its rotary)."""
+    def choose(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, state: CompressorState,
+               cos: torch.Tensor, sin: torch.Tensor, fmt=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(entries [B, S, k] each query attends to (its top-k among the complete ones), valid [B, S, k],
+        entries so far n) after appending x's keys to `state` (encoded by `fmt`; default: the compute dtype).
+        cos / sin: the attention's, at the same positions (the indexer shares its rotary)."""
         B, S, _ = x.shape
-        keys = self.forward(x, state)  # [B, n, dim]
-        n = keys.shape[1]
+        self.forward(x, state, fmt or state.fmt or key_format(self.dim, None, x.dtype))
+        n = state.count
         if n == 0:
-            return torch.zeros(B, S, 0, dtype=torch.bool, device=x.device)
+            empty = torch.zeros(B, S, 0, dtype=torch.long, device=x.device)
+            return empty, empty.bool(), 0
+        keys = state.entries(torch.float32)  # [B, n, dim]: every key is scored
         q = self.q_b_proj(q_lora).view(B, S, self.heads, self.dim)
         q = rope_tail(q, cos[:, :, None], sin[:, :, None])
-        scores = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float())) * self.dim ** -0.5
+        scores = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys)) * self.dim ** -0.5
         w = self.scorer.weights_proj(x).float() * self.heads ** -0.5
         index = torch.einsum("bshn,bsh->bsn", scores, w)
         ok = visible(positions, n, self.rate)
         chosen = top_keys(index.masked_fill(~ok, float("-inf")), min(self.topk, n))
-        mask = torch.zeros(B, S, n, dtype=torch.bool, device=x.device).scatter_(-1, chosen, True)
-        return mask & ok
+        return chosen, ok.gather(-1, chosen), n
+
+    def select(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, state: CompressorState,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[B, S, n] bool: `choose`'s entries as a mask over all of them."""
+        chosen, valid, n = self.choose(x, q_lora, positions, state, cos, sin)
+        mask = torch.zeros(*chosen.shape[:2], n, dtype=torch.bool, device=x.device)
+        return mask.scatter_(-1, chosen, valid)

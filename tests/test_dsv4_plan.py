@@ -59,3 +59,23 @@ def test_auto_quant_follows_what_the_device_runs():
     assert picks["B200"].converted_bytes < 0.6 * picks["H200"].converted_bytes  # experts at half a byte
     assert make_plan("kimi-k3-3t", 8, quant="auto", device="H200").quant == "none"  # a bf16 config stays bf16
     assert "no FP4 kernels" in " ".join(make_plan("deepseek-v4-flash", 8, quant="fp4", device="H200").warnings)
+
+
+def test_plan_sizes_v4_kv_with_the_exact_formula():
+    """The KV at --context and the largest context that fits use the per-layer formula (entries per rate, plus each
+    layer's sliding window and compressor state per sequence), not an average per token."""
+    context, batch = 300_001, 3
+    plan = make_plan("deepseek-v4-flash", 8, context=context, batch=batch, kv_dtype="fp8").to_json()
+    kv = kv_bytes(json.loads(_example("deepseek-v4-flash")), "fp8")
+    mem = plan["memory"]
+    assert mem["kv_bytes"] == batch * kv.context_bytes(context) != batch * context * kv.per_token
+    free, n = mem["headroom_bytes"] + mem["kv_bytes"], mem["max_context"]
+    assert batch * kv.context_bytes(n) <= free < batch * kv.context_bytes(n + 1)  # the largest that fits
+    assert plan["kv_cache"]["bytes_per_sequence"] == kv.per_sequence > 0
+
+
+def _example(name: str) -> str:
+    from kconvert.family.manifest import manifests_dir
+
+    return (manifests_dir() / "examples" / name / "config.json").read_text()
+

@@ -1,6 +1,6 @@
 """DeepSeek-V4's engine layers (attention "v4" with CSA / HCA and the indexer, "v4_moe", the "mhc" block and its
 stack hooks in engine/model.py) against transformers 5.23 on two tiny configs that are no preset: each layer
-on the reference's own inputs, the full stack's logits, and decoding with the dense cache."""
+on the reference's own inputs, the full stack's logits, and decoding with the V4 cache."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_bf16_with_the_release_dtypes_stays_close(ref, monkeypatch):
     assert kld < 2e-2
 
 
-def test_generate_runs_on_the_dense_cache(ref, monkeypatch):
+def test_generate_runs_on_the_v4_cache(ref, monkeypatch):
     """engine.generate over the V4 cache: greedy tokens are those a full forward of the whole text picks; a
     cache cannot be cut back (the compressors do not rewind), only reset."""
     from engine.generate import Sampling, generate
@@ -176,10 +176,10 @@ def test_generate_runs_on_the_dense_cache(ref, monkeypatch):
     assert cache.length == 0 and all(s.length == 0 for s in cache.layers)
 
 
-def test_kv_options_of_the_paged_cache_are_refused(ref, monkeypatch):
+def test_kv_budget_of_the_mla_cache_is_refused(ref, monkeypatch):
     from engine.cache import KVOptions
     from kconvert.errors import UsageError
 
     model = engine_model_of(ref, monkeypatch)
-    with pytest.raises(UsageError, match="dense"):
-        model.new_cache(1, 64, kv=KVOptions(kv_dtype="fp8"))
+    with pytest.raises(UsageError, match="--kv-budget is the MLA cache's"):
+        model.new_cache(1, 64, kv=KVOptions(kv_dtype="fp8", budget=1 << 20))

@@ -25,7 +25,7 @@ def default_reserve(hidden_size: int) -> int:
 def fit(device: DevicePreset, weights: int, reserve: int, kv: KVBytes, context: int, batch: int,
         mem_fraction: float) -> dict:
     usable = int(device.memory_bytes * mem_fraction)
-    need_kv = batch * context * kv.per_token
+    need_kv = batch * kv.context_bytes(context)
     free = usable - weights - reserve
     return {
         "device": device.key,
@@ -37,7 +37,7 @@ def fit(device: DevicePreset, weights: int, reserve: int, kv: KVBytes, context: 
         "kv_bytes": need_kv,
         "fits": weights + reserve + need_kv <= usable,
         "headroom_bytes": free - need_kv,  # negative: the shortfall
-        "max_context": max(free, 0) // (batch * kv.per_token) if kv.per_token else None,
+        "max_context": kv.max_context(free, batch),
     }
 
 

@@ -15,6 +15,8 @@ Per decoder layer (MTP layers excluded: the converter drops them by default) a t
   selection wherever two scores are near a tie, and on the trained fixtures that costs more than the whole
   8-bit latent: docs/KV_CACHE.md has the measurements behind these choices.
 Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
+DeepSeek-V4 (no latent; compressed entries, sliding windows, compressor state) is `compressed_kv_bytes`:
+an exact per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`), its host tier too.
 
 Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank
 holds the whole latent and indexer cache of every sequence it serves, so these are bytes per token
@@ -24,7 +26,7 @@ holds the whole latent and indexer cache of every sequence it serves, so these a
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kconvert.errors import UsageError
 
@@ -42,6 +44,10 @@ class KVBytes:
     latent_bytes: int  # per token per layer
     indexer_bytes: int  # per token per layer
     cache: str = "mla"  # mla: one latent per token; compressed (V4): entries per rate, averaged over layers
+    # compressed (V4) only, exact: per layer (rate, bytes per compressed entry, bytes per sequence, bytes per
+    # entry the host tier keeps in host memory); rate 0 = sliding window only. A sequence of L >= 1 tokens
+    # keeps sum(per_sequence + (L // rate) * per_entry), of which sum((L // rate) * host) in host memory.
+    layer_terms: tuple = ()
 
     @property
     def per_layer(self) -> int:
@@ -49,12 +55,62 @@ class KVBytes:
 
     @property
     def per_token(self) -> int:
-        """Bytes per token per rank, all layers."""
+        """Bytes per token per rank, all layers (for V4 the layer average, rounded up)."""
         return self.layers * self.per_layer
 
+    @property
+    def per_sequence(self) -> int:
+        """Bytes a sequence keeps whatever its length (V4: each layer's sliding window and compressor state)."""
+        return sum(t[2] for t in self.layer_terms)
+
+    def context_bytes(self, context: int, part: str = "all") -> int:
+        """Exact bytes of one sequence of `context` tokens on this rank; part "host" / "device": what the host
+        tier keeps in host memory / on the device."""
+        if not self.layer_terms:
+            return context * self.per_token if part != "host" else 0
+        if context <= 0:
+            return 0
+        total = 0
+        for rate, entry, fixed, host in self.layer_terms:
+            n = context // rate if rate else 0
+            total += {"all": fixed + n * entry, "host": n * host, "device": fixed + n * (entry - host)}[part]
+        return total
+
+    def max_context(self, free: int, batch: int, host_free: int | None = None) -> int | None:
+        """The longest context whose `batch` sequences fit in `free` bytes (with `host_free`: the host tier's
+        device part in `free`, its host part in `host_free`)."""
+        if not self.layer_terms:
+            return max(free, 0) // (batch * self.per_token) if self.per_token else None
+
+        def fits(n: int) -> bool:
+            if host_free is None:
+                return batch * self.context_bytes(n) <= free
+            return batch * self.context_bytes(n, "device") <= free and batch * self.context_bytes(n, "host") <= host_free
+
+        if not fits(1):
+            return 0
+        if all(t[0] == 0 for t in self.layer_terms):
+            return None  # sliding windows only: any context
+        lo, hi = 1, 2
+        while fits(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1 << 50:
+                return None  # nothing grows here (host tier: the device part is per sequence only)
+        while hi - lo > 1:  # the bytes grow with the context: bisect
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def stage(self, first: int, end: int) -> "KVBytes":
+        """The KV of layers first..end-1 (a pipeline stage)."""
+        return replace(self, layers=end - first, layer_terms=self.layer_terms[first:end])
+
     def to_json(self) -> dict:
-        return {**asdict(self), "bytes_per_token_per_layer": self.per_layer, "bytes_per_token": self.per_token,
-                "replicated_across_tp": True}
+        out = {**asdict(self), "bytes_per_token_per_layer": self.per_layer, "bytes_per_token": self.per_token,
+               "replicated_across_tp": True}
+        if self.layer_terms:
+            out["bytes_per_sequence"] = self.per_sequence
+        return out
 
 
 def row_bytes(width: int, code: str) -> int:
@@ -90,35 +146,74 @@ def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
     )
 
 
-def compressed_rates(tc: dict) -> list[int]:
-    """DeepSeek-V4: each decoder layer's compression rate (0 = sliding window only), from either spelling
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def compressed_layers(tc: dict) -> list[tuple[int, bool]]:
+    """DeepSeek-V4: each decoder layer's (compression rate, is CSA); rate 0 = sliding window only. Read as
+    engine/v4_config.py reads them: `layer_types`, else `compress_ratios` (0 / 4 / 128 name the kinds, as do
+    the configured rates), rates from `compress_rates` or the legacy `compress_rate_csa` / `compress_rate_hca`
     (the family binding has checked them already)."""
     n = int(tc["num_hidden_layers"])
-    if tc.get("compress_ratios") is not None:
-        return [int(r) for r in tc["compress_ratios"][:n]]
-    rates = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128,
-             **(tc.get("compress_rates") or {})}
-    return [int(rates[t]) for t in tc["layer_types"][:n]]
+    rates = {CSA: 4, HCA: 128, **{k: int(v) for k, v in (tc.get("compress_rates") or {}).items()}}
+    for kind, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
+        if tc.get(legacy) is not None:
+            rates[kind] = int(tc[legacy])
+    if tc.get("layer_types"):
+        kinds = list(tc["layer_types"][:n])
+    else:
+        by_rate = {4: CSA, 128: HCA, **{r: k for k, r in rates.items()}, 0: "sliding_attention"}
+        kinds = [by_rate[int(r)] for r in tc["compress_ratios"][:n]]
+    return [(rates.get(k, 0), k == CSA) for k in kinds]
+
+
+V4_SCALE_GROUP = 64  # values per scale in DeepSeek-V4's 8-bit K=V rows (one ue8m0 byte each for fp8)
+V4_STATE_BYTES = 4  # the compressors' running state is float32
+
+
+def v4_entry_bytes(head_dim: int, rope: int, code: str) -> int:
+    """One DeepSeek-V4 K=V row (a compressed entry or a sliding-window key) in a row code: bf16; fp8 as vLLM and
+    SGLang store it (e4m3 no-rope part + bf16 rope part + one ue8m0 byte per 64 values, padded to 8 B: 584 B at
+    512 / 64); int8 (int8 no-rope part + bf16 rope + a float32 scale per 64, padded to 8 B: 608 B)."""
+    if code == "bf16":
+        return 2 * head_dim
+    plain = head_dim - rope
+    tiles = math.ceil(plain / V4_SCALE_GROUP)
+    return -(-(plain + 2 * rope + (tiles if code == "fp8" else 4 * tiles)) // 8) * 8
+
+
+def compressor_state_bytes(rate: int, dim: int, overlap: bool) -> int:
+    """A compressor's running state per sequence: the projected kv and gate rows of the window still filling up
+    (rate rows of width 2 * dim with the CSA overlap, else dim) and, for CSA, the last full window's first series."""
+    width = 2 * dim if overlap else dim
+    return V4_STATE_BYTES * (2 * rate * width + (2 * rate * dim if overlap else 0))
 
 
 def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
-    """DeepSeek-V4's cache per token, averaged over the decoder layers (rounded up): a layer of rate m keeps
-    one shared K=V entry per m tokens (head_dim values: bf16, or vLLM's fp8_ds_mla 584 B = e4m3 no-rope part +
-    bf16 rope + one ue8m0 scale per 64, padded to 8 B), a CSA layer (the indexer's rate) also an indexer key per
-    m tokens. Sliding-only layers and every layer's last `sliding_window` tokens are a fixed amount per
-    sequence, not per token, and are not counted here."""
+    """DeepSeek-V4's cache as the engine keeps it (engine/v4_cache.py). Per layer of rate m, for a sequence of L
+    tokens: L // m compressed entries (`v4_entry_bytes`), on CSA layers also L // m indexer keys; every layer
+    its last `sliding_window - 1` keys (a ring of K=V rows in the entry's code) and each compressor's state
+    (`compressor_state_bytes`): the last two are per sequence, whatever L. `latent_bytes` / `indexer_bytes`
+    are the per-token part averaged over the layers (rounded up); `layer_terms` is exact."""
     head, rope = int(tc["head_dim"]), int(tc.get("qk_rope_head_dim") or 0)
-    if LATENT_CODE[dtype] == "bf16":
-        entry = 2 * head
-    else:
-        entry = -(-((head - rope) + 2 * rope + math.ceil((head - rope) / 64)) // 8) * 8
-    csa = int((tc.get("compress_rates") or {}).get("compressed_sparse_attention", 4))
-    rates = [r for r in compressed_rates(tc) if r]
+    entry = v4_entry_bytes(head, rope, LATENT_CODE[dtype])
+    index_dim = int(tc.get("index_head_dim") or 128)
+    key = indexer_bytes(index_dim, dtype)
+    window = int(tc.get("sliding_window") or 128) - 1
+    terms = []
+    terms, latent, index = [], 0.0, 0.0
+    for r, csa in compressed_layers(tc):
+        fixed = window * entry
+        if r:
+            fixed += compressor_state_bytes(r, head, csa)
+            latent += entry / r
+        if csa:
+            fixed += compressor_state_bytes(r, index_dim, True)
+            index += key / r
+        terms.append((r, entry + (key if csa else 0), fixed, entry if csa else 0))
     n = int(tc["num_hidden_layers"])
-    latent = sum(entry / r for r in rates)
-    index = sum(indexer_bytes(int(tc.get("index_head_dim") or 0), dtype) / r for r in rates if r == csa)
     return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(latent / n), indexer_bytes=math.ceil(index / n),
-                   cache="compressed")
+                   cache="compressed", layer_terms=tuple(terms))
 
 
 TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (newest pages + a page cache)
@@ -127,15 +222,17 @@ TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (
 def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int) -> list[dict]:
     """Per KV format: bytes per token, the longest context the device's free bytes hold, and the context
     the host tier reaches: indexer keys of every token + 1/TIER_DEVICE_SHARE of the latent stay on the
-    device, the whole latent is in `host_bytes` of host memory (engine.cache with --kv-device-budget)."""
+    device, the whole latent is in `host_bytes` of host memory (engine.cache with --kv-device-budget). DeepSeek-V4's
+    host tier (engine/v4_cache.py) keeps the CSA entries in host memory, everything else on the device."""
     out = []
     free = max(free_bytes, 0)
     for dtype in KV_DTYPES:
         kv = kv_bytes(text_config, dtype)
         lat, idx = kv.layers * kv.latent_bytes, kv.layers * kv.indexer_bytes
         on_device = idx + lat / TIER_DEVICE_SHARE
+        tiered = kv.max_context(free, batch, host_bytes) if kv.layer_terms else \
+            int(min(free / (batch * on_device), host_bytes / (batch * lat)))
         out.append({"dtype": dtype, "latent_bytes_per_token": lat, "indexer_bytes_per_token": idx,
-                    "bytes_per_token": lat + idx, "max_context": free // (batch * (lat + idx)),
-                    "tiered_max_context": int(min(free / (batch * on_device), host_bytes / (batch * lat))),
-                    "host_bytes": host_bytes})
+                    "bytes_per_token": lat + idx, "max_context": kv.max_context(free, batch),
+                    "tiered_max_context": tiered, "host_bytes": host_bytes})
     return out

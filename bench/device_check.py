@@ -11,9 +11,11 @@ tiny-k3 / small-k3 fixtures (bf16) converted as-is and to fp8, and their referen
              vs safe_open + .to(device); first read (page cache dropped with posix_fadvise) and warm;
              GB/s and the ratio to the pinned rate
   ready      `kconvert load --warmup 2` time-to-ready by phase (open, read, copy, load, warmup)
-  verify     `kconvert verify` of the fixtures with the engine on the device (bf16 and fp8 conversions;
+  verify     `kconvert verify` of the fixtures with the engine on the device (bf16 and fp8 conversions; V4's
+             release storage and Kimi over V4 text among them;
              the engine computes in fp32 there, as kconvert verify does everywhere)
   decode     engine decode ms/token on the device (small-k3, bf16) at each --contexts
+  decode_v4  the same on DeepSeek-V4's layers (tiny-dsv4-flash dequantized: sliding / CSA / HCA, mHC, V4 cache)
   tp2        tiny-k3 tp 2 over the device's collective backend, when >= 2 devices
 Every step is timed and recorded; a step that fails or is skipped says why and the rest go on. Steps
 that would start after --budget seconds are skipped. Writes one JSON (--out) and prints a table.
@@ -284,7 +286,7 @@ def table(steps: dict) -> str:
         elif name == "verify":
             res = "; ".join(f"{fx} {v['verdict']} (faithful mean KLD {v['faithful'].get('mean_kld', float('nan')):.2e}, "
                             f"cost {v['cost'].get('mean_kld', float('nan')):.2e})" for fx, v in s["fixtures"].items())
-        elif name == "decode":
+        elif name in ("decode", "decode_v4"):
             res = ", ".join(f"{c} ctx {v['ms_per_token']:.1f} ms/token" for c, v in s["contexts"].items())
         else:
             res = ", ".join(f"{k} {v}" for k, v in s.items() if k not in ("status", "seconds", "paths"))[:160]
@@ -317,6 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", help="decode contexts in tokens (default 1024,4096; --quick 32,64)")
     ap.add_argument("--budget", type=float, default=420, help="seconds after which remaining steps are skipped")
     ap.add_argument("--skip", default="", help="comma-separated steps to leave out")
+    ap.add_argument("--fixtures", help="comma-separated fixture presets verified on the device (default tiny-k3, small-k3, "
+                    "tiny-dsv4-flash: DeepSeek-V4's release storage, tiny-k3v4: Kimi over V4 text; --quick: tiny-k3)")
     a = ap.parse_args(argv)
     if a.device.startswith("standin"):
         from kconvert.load import standin
@@ -325,14 +329,15 @@ def main(argv=None) -> int:
     dev = devices.resolve(a.device)
     scale = parse_size(a.scale_size or ("8MB" if a.quick else "4GB"))
     contexts = [int(c) for c in (a.contexts or ("32,64" if a.quick else "1024,4096")).split(",")]
-    fixtures = ["tiny-k3"] + ([] if a.quick else ["small-k3"])
+    fixtures = (a.fixtures.split(",") if a.fixtures else
+                ["tiny-k3"] + ([] if a.quick else ["small-k3", "tiny-dsv4-flash", "tiny-k3v4"]))
     work = Path(a.workdir) if a.workdir else default_workdir(scale, fixtures)
     work.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
     run = Run(a.budget)
     run.step("env", env, dev)
     pinned = run.step("h2d", h2d, dev, min(scale, 1 << 30)) if "h2d" not in skip else None
-    wanted = {"load", "ready", "verify", "decode", "tp2"} - skip
+    wanted = {"load", "ready", "verify", "decode", "decode_v4", "tp2"} - skip
     b = run.step("build", build, work, scale, fixtures, wanted, devices.count(dev.type) if dev.type != "cpu" else 0)
     if b is None:
         print("build failed: nothing else can run", file=sys.stderr)
@@ -343,8 +348,12 @@ def main(argv=None) -> int:
                 ("verify", verify, dev, paths, fixtures),
                 ("decode", decode, dev, paths["small-k3-none" if "small-k3-none" in paths else "tiny-k3-none"], contexts,
                  2 if a.quick else 16),
+                ("decode_v4", decode, dev, paths.get("tiny-dsv4-flash-none"), contexts, 2 if a.quick else 16),
                 ("tp2", tp2, dev, paths.get("tiny-k3-tp2"), work)]
         for name, fn, *args in plan:
+            if name == "decode_v4" and args[1] is None:
+                run.skip(name, "tiny-dsv4-flash is not among --fixtures")
+                continue
             run.skip(name, "--skip") if name in skip else run.step(name, fn, *args)
     report = {"device": str(dev), "quick": a.quick, "scale_bytes": scale, "total_seconds": time.perf_counter() - run.t0,
               "steps": run.steps}

@@ -54,10 +54,10 @@ class Checkpoint:
             if not root.is_dir():
                 raise CheckpointError("not a directory (nor a Hub repo id like org/name)", file=text)
         config = read_config(root)
-        names = _shard_files(root)
+        index_map = _index_map(root)
+        names = _shard_files(root, index_map)
         files = {n: read_header(root / n) for n in names}
         stored: dict[str, TensorEntry] = {}
-        index_map = _index_map(root)
         for fname, header in files.items():
             for tname, entry in header.tensors.items():
                 if tname in stored:
@@ -205,13 +205,15 @@ def _index_map(root: Path) -> dict[str, str] | None:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))
+    checked: set = set()  # 200k tensors name a few dozen files: check each file once, naming its first tensor
     for tname, fname in weight_map.items():
-        contained(root, fname, named_in=path, tensor=tname)  # the one path rule (kconvert/io/paths.py)
+        if not isinstance(fname, str) or fname not in checked:
+            contained(root, fname, named_in=path, tensor=tname)  # the one path rule (kconvert/io/paths.py)
+            checked.add(fname)
     return dict(weight_map)
 
 
-def _shard_files(root: Path) -> list[str]:
-    index = _index_map(root)
+def _shard_files(root: Path, index: dict[str, str] | None) -> list[str]:
     if index is not None:
         names = sorted(set(index.values()))
         for n in names:

@@ -20,6 +20,7 @@ from kconvert.source import hub
 from kconvert.errors import CheckpointError, ManifestError
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.source.formats import LogicalTensor, fold, read_logical
@@ -43,6 +44,11 @@ class Checkpoint:
     # ------------------------------------------------------------------ opening
     @classmethod
     def open(cls, src: str | os.PathLike, *, revision: str | None = None, headers_only: bool = False) -> "Checkpoint":
+        with paused_gc():  # 100k+ header entries and logical tensors: see io/gc_pause.py
+            return cls._open(src, revision, headers_only)
+
+    @classmethod
+    def _open(cls, src: str | os.PathLike, revision: str | None, headers_only: bool) -> "Checkpoint":
         text = str(src)
         if hub.looks_like_repo_id(text):
             if headers_only and not hub._offline():
@@ -110,6 +116,10 @@ class Checkpoint:
 
     def validate(self) -> None:
         """Every tensor known with the shape config.json implies; every required tensor present."""
+        with paused_gc():
+            self._validate()
+
+    def _validate(self) -> None:
         for name, t in self.logical.items():
             info = self.info(name)
             if info.rule.values_below is not None:

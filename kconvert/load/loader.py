@@ -70,9 +70,8 @@ class ConvertedCheckpoint:
         self.units: list[str] = [u for u in catalog.units if u in by_unit]
         self._file_of = by_unit
         self._tensors: dict[str, list[dict]] = {}
-        for t in catalog.tensors:
-            if t["rank"] == rank:
-                self._tensors.setdefault(t["file"], []).append(t)
+        for t in catalog.rank_tensors(rank):  # this rank's list only (kconvert.json version 4: its own file)
+            self._tensors.setdefault(t["file"], []).append(t)
         self.stats = LoadStats()
 
     @property

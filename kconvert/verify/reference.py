@@ -146,7 +146,7 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
         from kconvert.converted.catalog import Catalog
         from kconvert.verify.fake_quant import plan_digest, write_fake_quant_source
 
-        conv = Catalog.read(like).doc
+        conv = Catalog.read(like).whole_doc()
         if conv["source"]["fingerprint"] != meta["source_fingerprint"]:
             raise UsageError(f"{like} was converted from another source", file=str(src))
         q = conv["quantization"]

@@ -135,7 +135,7 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
     import time
 
     t0 = time.perf_counter()
-    meta = Catalog.read(out).doc
+    meta = Catalog.read(out).whole_doc()
     phase = (lambda name: progress("phase", name=name)) if progress else (lambda name: None)
     phase("integrity")
     try:

@@ -1,0 +1,154 @@
+"""Metadata cost at a released model's tensor count, side by side in one run (bench only, not CI).
+
+On a topology preset (`topo-k25`: Kimi-K2.5's 61 layers x 384 INT4 experts, ~210k stored tensors, at tiny
+widths) it times, each as its own `kconvert` process as a user runs it:
+  startup        `kconvert --version`: the CLI's own start-up, subtracted from every command below
+  json floor     `json.loads` of every header (in this process): the least any reader can do
+  safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
+  inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files, load --rank 1 (time to ready)
+and prints wall seconds, seconds beyond start-up, microseconds per tensor and peak RSS, plus the size of
+kconvert.json and of the per-rank tensor lists. Shard's data time is measured on the same bytes in a few
+large tensors (a `scale` checkpoint of the same size, or its smallest, scaled by bytes; same command): the
+per-tensor overhead is what the topology costs beyond it.
+
+    .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta                     # 61 x 384 (~6 minutes)
+    .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta --layers 11 --json  # a smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SCALE_MIN = 64 << 20  # the `scale` preset from 53 MB on has 16+ heads (tp 8 needs 8)
+
+
+def kconvert(*args, env_note: str = "") -> dict:
+    """Run `kconvert ARGS` in a fresh process: wall seconds, peak RSS of that process, its stdout."""
+    cmd = [sys.executable, "-c", "import resource, sys; from cli.main import main; rc = main(sys.argv[1:]); "
+           "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr); sys.exit(rc)",
+           *map(str, args)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode:
+        raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    rss = int(next(ln.split()[1] for ln in proc.stderr.splitlines() if ln.startswith("RSS ")))
+    return {"wall": wall, "rss": rss, "stdout": proc.stdout}
+
+
+def json_floor(src: Path) -> tuple[float, int]:
+    """json.loads of every header, the raw bytes already read: (seconds, tensors)."""
+    seconds, n = 0.0, 0
+    for f in sorted(src.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            raw = fh.read(struct.unpack("<Q", fh.read(8))[0])
+        t = time.perf_counter()
+        n += len(json.loads(raw)) - 1  # __metadata__
+        seconds += time.perf_counter() - t
+    return seconds, n
+
+
+def safetensors_listing(src: Path) -> float:
+    import torch  # noqa: F401  (safe_open "pt" imports it: not part of the listing)
+    from safetensors import safe_open
+
+    t = time.perf_counter()
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                h.get_slice(k).get_shape()
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, required=True, help="Folder for the fixture and conversions (reused).")
+    ap.add_argument("--preset", default="topo-k25")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--json", action="store_true", help="Print the rows as JSON.")
+    a = ap.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    tag = f"{a.preset}-{a.layers or 'L'}-{a.experts or 'E'}"
+    src = a.work / tag
+    if not (src / "config.json").exists():
+        extra = [*(["--layers", a.layers] if a.layers else []), *(["--experts", a.experts] if a.experts else [])]
+        kconvert("fixture", a.preset, src, *extra)
+    source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    big_size = max(source_bytes, SCALE_MIN)
+    big = a.work / f"scale-{big_size}"
+    if not (big / "config.json").exists():
+        kconvert("fixture", "scale", big, "--size", str(big_size))
+    big_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
+
+    rows: list[dict] = []
+
+    def row(name: str, seconds: float, tensors: int, startup: float = 0.0, rss: int | None = None, note: str = ""):
+        beyond = seconds - startup
+        rows.append({"step": name, "seconds": round(seconds, 3), "beyond_startup": round(beyond, 3),
+                     "tensors": tensors, "us_per_tensor": round(1e6 * beyond / max(tensors, 1), 1),
+                     "peak_rss_mb": None if rss is None else round(rss / 2**20), "note": note})
+
+    startup = min(kconvert("--version")["wall"] for _ in range(2))
+    floor, stored = json_floor(src)
+    row("startup (kconvert --version)", startup, 0)
+    row("json.loads of the headers (floor)", floor, stored)
+    row("safetensors safe_open + keys + shapes", safetensors_listing(src), stored)
+    r = kconvert("inspect", src, "--json")
+    row("inspect", r["wall"], stored, startup, r["rss"])
+    r = kconvert("plan", src, "--tp", a.tp, "--quant", "fp8", "--json")
+    row(f"plan --tp {a.tp} --quant fp8", r["wall"], stored, startup, r["rss"])
+    out = {}
+    for quant in ("none", "fp8"):
+        out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"
+        shutil.rmtree(out[quant], ignore_errors=True)
+        r = kconvert("shard", src, out[quant], "--tp", a.tp, "--quant", quant)
+        n_out = sum(e["tensors"] for e in json.loads((out[quant] / "kconvert.json").read_text())["tensors_by_rank"])
+        big_out = a.work / f"scale-tp{a.tp}-{quant}"
+        shutil.rmtree(big_out, ignore_errors=True)
+        data = (kconvert("shard", big, big_out, "--tp", a.tp, "--quant", quant)["wall"] - startup) \
+            * source_bytes / big_bytes  # scaled to this checkpoint's bytes
+        row(f"shard --tp {a.tp} --quant {quant}", r["wall"], n_out, startup, r["rss"],
+            f"same bytes in large tensors: {data:.1f} s; beyond that: {1e6 * (r['wall'] - startup - data) / n_out:.1f} us/tensor")
+        shutil.rmtree(big_out, ignore_errors=True)
+    fp8 = out["fp8"]
+    files = json.loads((fp8 / "kconvert.json").read_text())["files"]
+    r = kconvert("verify-files", fp8)
+    row("verify-files (fp8)", r["wall"], n_out, startup, r["rss"])
+    r = kconvert("load", fp8, "--rank", "1", "--device", "cpu", "--json")
+    rep = json.loads(r["stdout"])
+    row("load --rank 1 (fp8, cpu)", r["wall"], rep["tensors"], startup, r["rss"],
+        f"ready {rep['seconds']['ready']:.2f} s of which read {rep['seconds']['read']:.2f} s, {rep['files']} files, "
+        f"{rep['bytes'] / 2**20:.1f} MiB")
+    lists = sorted(fp8.glob("rank-*/tensors.json"))
+    sizes = {"kconvert.json": (fp8 / "kconvert.json").stat().st_size,
+             "rank lists (all)": sum(p.stat().st_size for p in lists),
+             "largest rank list": max(p.stat().st_size for p in lists), "files": len(files)}
+    if a.json:
+        print(json.dumps({"source": str(src), "stored_tensors": stored, "sizes": sizes, "rows": rows}, indent=1))
+        return 0
+    print(f"{src}: {stored} stored tensors, {source_bytes / 2**20:.0f} MiB; converted tp {a.tp}: {n_out} tensors, "
+          f"{sizes['files']} files")
+    print(f"{'step':<40} {'seconds':>8} {'-startup':>9} {'tensors':>8} {'us/tensor':>10} {'RSS MB':>7}  note")
+    for x in rows:
+        print(f"{x['step']:<40} {x['seconds']:>8.2f} {x['beyond_startup']:>9.2f} {x['tensors']:>8} "
+              f"{x['us_per_tensor']:>10.1f} {x['peak_rss_mb'] if x['peak_rss_mb'] is not None else '':>7}  {x['note']}")
+    print(f"kconvert.json {sizes['kconvert.json'] / 2**20:.2f} MiB; per-rank tensor lists {sizes['rank lists (all)'] / 2**20:.2f} "
+          f"MiB in all, the largest {sizes['largest rank list'] / 2**20:.2f} MiB (what load --rank reads)")
+    print(f"(this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,6 +43,23 @@ def test_doubling_the_tensor_count_at_most_about_doubles_the_metadata_cost(check
     assert t_large / t_small < 3, f"{n_small} tensors: {t_small:.2f} s CPU; {n_large}: {t_large:.2f} s"
 
 
+def test_topology_overrides_build_valid_checkpoints(checkpoint):
+    """--layers / --experts: a smaller checkpoint of the same kind, valid against its family manifest, stored
+    as the release stores it (INT4 experts; V4's FP8 + FP4 sidecars); other presets refuse the overrides."""
+    from kconvert.errors import UsageError
+    from kconvert.fixtures import build_fixture
+
+    k25 = summarize(Checkpoint.open(checkpoint("topo-k25", layers=3, experts=8)))
+    assert (k25.model["layers"], k25.model["routed_experts"]) == (3, 8)
+    assert {r["format"]: r["tensors"] for r in k25.formats}["int4_packed"] == 2 * 8 * 3  # 2 MoE layers
+    v4 = summarize(Checkpoint.open(checkpoint("topo-dsv4-pro", layers=3, experts=8)))
+    formats = {r["format"]: r["tensors"] for r in v4.formats}
+    assert (v4.model["layers"], v4.model["mtp_layers"]) == (3, 1) and formats["fp4_packed"] == 4 * 8 * 3
+    assert formats["block_fp8"] > 0
+    with pytest.raises(UsageError, match="topology presets"):
+        build_fixture("tiny-k3", "/nonexistent/x", layers=3)
+
+
 def test_a_rank_reads_only_its_own_tensor_list(checkpoint, tmp_path):
     """kconvert.json (format 4) lists no tensors; each rank's list is its own file, checked against the
     sha256 kconvert.json records: loading rank 1 works with every other rank's list gone."""

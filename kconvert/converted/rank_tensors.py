@@ -81,23 +81,26 @@ def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict], check) 
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("rank") != rank \
                 or doc.get("columns") != list(COLUMNS) or not isinstance(doc.get("tensors"), list):
             bad("format", f"not rank {rank}'s {FORMAT} list with columns {', '.join(COLUMNS)}")
-        return [_record(rank, i, row, files, check, bad) for i, row in enumerate(doc["tensors"])]
+        places: dict = {}  # unit -> (file, layer): a few dozen units for 100k+ rows
+        return [_record(rank, i, row, files, check, bad, places) for i, row in enumerate(doc["tensors"])]
 
 
-def _record(rank: int, i: int, row, files: dict[str, dict], check, bad) -> dict:
+def _record(rank: int, i: int, row, files: dict[str, dict], check, bad, places: dict) -> dict:
     if not isinstance(row, list) or len(row) != len(COLUMNS):
         bad(f"tensors[{i}]", f"not a row of {len(COLUMNS)} columns")
-    t = dict(zip(COLUMNS, row))
-    unit = t["unit"]
-    try:
-        layer = unit_layer(unit)
-    except ValueError:
-        bad(f"tensors[{i}].unit", f"{unit!r} is not a unit name")
-    rel = unit_file(rank, unit)
-    t = {"name": t["name"], "file": rel, "rank": rank, "layer": layer, **{k: t[k] for k in COLUMNS[1:]}}
-    t = {k: t[k] for k in RECORD_KEYS}
-    if rel not in files:
-        bad(f"tensors[{i}].unit", f"rank {rank} has no file for unit {unit!r}")
+    name, unit, group, component, expert, rule, sl, transform, dtype, shape, crc = row
+    place = places.get(unit) if isinstance(unit, str) else None
+    if place is None:
+        try:
+            layer = unit_layer(unit)
+        except ValueError:
+            bad(f"tensors[{i}].unit", f"{unit!r} is not a unit name")
+        if unit_file(rank, unit) not in files:
+            bad(f"tensors[{i}].unit", f"rank {rank} has no file for unit {unit!r}")
+        place = places[unit] = (unit_file(rank, unit), layer)
+    t = {"name": name, "file": place[0], "rank": rank, "layer": place[1], "unit": unit, "group": group,
+         "component": component, "expert": expert, "rule": rule, "slice": sl, "transform": transform,
+         "dtype": dtype, "shape": shape, "crc32": crc}  # RECORD_KEYS, in order
     check(f"tensors[{i}]", t, bad)
     return t
 

@@ -34,7 +34,7 @@ from kconvert.converted.integrity import check_size
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.converted.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
-from kconvert.io.dtypes import DTYPES
+from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.pread import pread_into
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
 from kconvert.io.window import ordered_window
@@ -145,7 +145,7 @@ class ConvertedCheckpoint:
             raw = buf[e.begin:e.end]
             if not e.nbytes:
                 t = torch.empty(0, dtype=dtype)
-            elif e.begin % torch.empty(0, dtype=dtype).element_size():
+            elif e.begin % ITEMSIZE[e.dtype]:
                 t = raw.clone().view(dtype)
             else:
                 t = raw.view(dtype)

@@ -57,7 +57,7 @@ def write_lists(out: Path, records: list[dict], world_size: int) -> list[dict]:
 
 def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict], check) -> list[dict]:
     """Rank `rank`'s full tensor records, after checking the list's sha256 (kconvert.json's record `entry`)
-    and every row (`check(field, record, bad)` raises on a bad record, naming the field)."""
+    and every row (`check(field, record, bad, None, seen)` raises on a bad record, naming the field)."""
     path = contained(out, entry["file"], named_in=Path(out) / "kconvert.json")
 
     def bad(field: str, why: str):
@@ -82,10 +82,11 @@ def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict], check) 
                 or doc.get("columns") != list(COLUMNS) or not isinstance(doc.get("tensors"), list):
             bad("format", f"not rank {rank}'s {FORMAT} list with columns {', '.join(COLUMNS)}")
         places: dict = {}  # unit -> (file, layer): a few dozen units for 100k+ rows
-        return [_record(rank, i, row, files, check, bad, places) for i, row in enumerate(doc["tensors"])]
+        seen: set = set()  # what `check` has found valid already
+        return [_record(rank, i, row, files, check, bad, places, seen) for i, row in enumerate(doc["tensors"])]
 
 
-def _record(rank: int, i: int, row, files: dict[str, dict], check, bad, places: dict) -> dict:
+def _record(rank: int, i: int, row, files: dict[str, dict], check, bad, places: dict, seen: set) -> dict:
     if not isinstance(row, list) or len(row) != len(COLUMNS):
         bad(f"tensors[{i}]", f"not a row of {len(COLUMNS)} columns")
     name, unit, group, component, expert, rule, sl, transform, dtype, shape, crc = row
@@ -101,7 +102,7 @@ def _record(rank: int, i: int, row, files: dict[str, dict], check, bad, places: 
     t = {"name": name, "file": place[0], "rank": rank, "layer": place[1], "unit": unit, "group": group,
          "component": component, "expert": expert, "rule": rule, "slice": sl, "transform": transform,
          "dtype": dtype, "shape": shape, "crc32": crc}  # RECORD_KEYS, in order
-    check(f"tensors[{i}]", t, bad)
+    check(f"tensors[{i}]", t, bad, None, seen)
     return t
 
 

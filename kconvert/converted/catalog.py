@@ -16,7 +16,6 @@ from pathlib import Path
 
 from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
-from kconvert.io.dtypes import DTYPES
 from kconvert.io.paths import contained
 from kconvert.converted import rank_tensors
 from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_file, unit_layer
@@ -169,7 +168,7 @@ class Catalog:
             return [t for t in self.doc["tensors"] if t["rank"] == rank]
         if rank not in self._lists:
             entry = self.doc["tensors_by_rank"][rank]
-            self._lists[rank] = rank_tensors.read_list(self.root, rank, entry, self.files, _check_tensor)
+            self._lists[rank] = rank_tensors.read_list(self.root, rank, entry, self.files)
         return self._lists[rank]
 
     def rank_files(self, rank: int) -> dict[str, dict]:
@@ -252,7 +251,7 @@ class Catalog:
             rec = d["files"].get(t.get("file"))
             if rec is None:
                 bad(f"{f}.file", f"{t.get('file')!r} is not a listed file")
-            _check_tensor(f, t, bad, rec)
+            rank_tensors.check_record(f, t, bad, rec)
 
     @staticmethod
     def _validate_stages(lay: dict, bad) -> None:
@@ -279,37 +278,6 @@ class Catalog:
             extra = {u for u in s["units"] if unit_layer(u) is None} - edge - ({VISION} if i == 0 else set())
             if extra or (GLOBALS in units and not edge <= set(s["units"])) or len(set(s["units"])) != len(s["units"]):
                 bad(f"layout.stages[{i}]", "globals must be on the first and last stage only, vision on the first")
-
-
-def _check_tensor(f: str, t: dict, bad, rec: dict | None = None, seen: set | None = None) -> None:
-    """One tensor record (`rec`: its file's record, when the caller has not placed it already). `seen`: the
-    (dtype, shape, slice) triples already found valid, so 100k records check those once per distinct triple."""
-    key = None
-    if seen is not None:
-        try:
-            sl = t.get("slice")
-            key = (t.get("dtype"), type(t.get("shape")), tuple(t.get("shape")), type(sl), sl and tuple(sl))
-            if key in seen and rec is None and type(t.get("name")) is str and type(t.get("crc32")) is str \
-                    and _CRC.fullmatch(t["crc32"]):
-                return
-        except TypeError:  # not lists of plain values: the checks below name what is wrong
-            key = None
-    if not isinstance(t.get("name"), str):
-        bad(f, "not a tensor record with a name")
-    if rec is not None and (t.get("rank") != rec["rank"] or t.get("unit") != rec["unit"]):
-        bad(f, f"rank/unit of tensor {t['name']} differ from its file's")
-    if t.get("dtype") not in DTYPES:
-        bad(f"{f}.dtype", f"{t.get('dtype')!r} is not a safetensors dtype")
-    shape = t.get("shape")
-    if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):
-        bad(f"{f}.shape", f"{shape!r} is not a list of sizes")
-    sl = t.get("slice")
-    if sl is not None and (not isinstance(sl, list) or len(sl) != 3 or not all(_int(s) for s in sl)):
-        bad(f"{f}.slice", f"{sl!r} is not [dim, start, stop]")
-    if not isinstance(t.get("crc32"), str) or not _CRC.fullmatch(t["crc32"]):
-        bad(f"{f}.crc32", "not an 8-digit hex CRC-32")
-    if key is not None:
-        seen.add(key)
 
 
 def _int(x: object) -> bool:

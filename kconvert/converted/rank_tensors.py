@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
+from kconvert.io.dtypes import DTYPES
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.converted.units import unit_file, unit_layer
 
 FORMAT = "kconvert-rank-tensors"
+_CRC = re.compile(r"[0-9a-f]{8}")
 COLUMNS = ("name", "unit", "group", "component", "expert", "rule", "slice", "transform", "dtype", "shape", "crc32")
 RECORD_KEYS = ("name", "file", "rank", "layer", "unit", "group", "component", "expert", "rule", "slice", "transform",
                "dtype", "shape", "crc32")  # a full record, as version 3 stored it
@@ -55,9 +58,9 @@ def write_lists(out: Path, records: list[dict], world_size: int) -> list[dict]:
     return index
 
 
-def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict], check) -> list[dict]:
+def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict]) -> list[dict]:
     """Rank `rank`'s full tensor records, after checking the list's sha256 (kconvert.json's record `entry`)
-    and every row (`check(field, record, bad, None, seen)` raises on a bad record, naming the field)."""
+    and every row (`check_record`)."""
     path = contained(out, entry["file"], named_in=Path(out) / "kconvert.json")
 
     def bad(field: str, why: str):
@@ -83,10 +86,10 @@ def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict], check) 
             bad("format", f"not rank {rank}'s {FORMAT} list with columns {', '.join(COLUMNS)}")
         places: dict = {}  # unit -> (file, layer): a few dozen units for 100k+ rows
         seen: set = set()  # what `check` has found valid already
-        return [_record(rank, i, row, files, check, bad, places, seen) for i, row in enumerate(doc["tensors"])]
+        return [_record(rank, i, row, files, bad, places, seen) for i, row in enumerate(doc["tensors"])]
 
 
-def _record(rank: int, i: int, row, files: dict[str, dict], check, bad, places: dict, seen: set) -> dict:
+def _record(rank: int, i: int, row, files: dict[str, dict], bad, places: dict, seen: set) -> dict:
     if not isinstance(row, list) or len(row) != len(COLUMNS):
         bad(f"tensors[{i}]", f"not a row of {len(COLUMNS)} columns")
     name, unit, group, component, expert, rule, sl, transform, dtype, shape, crc = row
@@ -102,8 +105,43 @@ def _record(rank: int, i: int, row, files: dict[str, dict], check, bad, places: 
     t = {"name": name, "file": place[0], "rank": rank, "layer": place[1], "unit": unit, "group": group,
          "component": component, "expert": expert, "rule": rule, "slice": sl, "transform": transform,
          "dtype": dtype, "shape": shape, "crc32": crc}  # RECORD_KEYS, in order
-    check(f"tensors[{i}]", t, bad, None, seen)
+    check_record(f"tensors[{i}]", t, bad, None, seen)
     return t
+
+
+def check_record(f: str, t: dict, bad, rec: dict | None = None, seen: set | None = None) -> None:
+    """One tensor record (`rec`: its file's record, when the caller has not placed it already). `seen`: the
+    (dtype, shape, slice) triples already found valid, so 100k records check those once per distinct triple."""
+    key = None
+    if seen is not None:
+        try:
+            sl = t.get("slice")
+            key = (t.get("dtype"), type(t.get("shape")), tuple(t.get("shape")), type(sl), sl and tuple(sl))
+            if key in seen and rec is None and type(t.get("name")) is str and type(t.get("crc32")) is str \
+                    and _CRC.fullmatch(t["crc32"]):
+                return
+        except TypeError:  # not lists of plain values: the checks below name what is wrong
+            key = None
+    if not isinstance(t.get("name"), str):
+        bad(f, "not a tensor record with a name")
+    if rec is not None and (t.get("rank") != rec["rank"] or t.get("unit") != rec["unit"]):
+        bad(f, f"rank/unit of tensor {t['name']} differ from its file's")
+    if t.get("dtype") not in DTYPES:
+        bad(f"{f}.dtype", f"{t.get('dtype')!r} is not a safetensors dtype")
+    shape = t.get("shape")
+    if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):
+        bad(f"{f}.shape", f"{shape!r} is not a list of sizes")
+    sl = t.get("slice")
+    if sl is not None and (not isinstance(sl, list) or len(sl) != 3 or not all(_int(s) for s in sl)):
+        bad(f"{f}.slice", f"{sl!r} is not [dim, start, stop]")
+    if not isinstance(t.get("crc32"), str) or not _CRC.fullmatch(t["crc32"]):
+        bad(f"{f}.crc32", "not an 8-digit hex CRC-32")
+    if key is not None:
+        seen.add(key)
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_index(index, world_size: int, bad) -> None:
@@ -116,4 +154,4 @@ def check_index(index, world_size: int, bad) -> None:
             bad(f"tensors_by_rank[{r}]", f"not a {{file: {list_file(r)!r}, tensors, sha256}} record")
 
 
-__all__ = ["COLUMNS", "check_index", "list_file", "read_list", "write_lists"]
+__all__ = ["COLUMNS", "check_index", "check_record", "list_file", "read_list", "write_lists"]

@@ -35,15 +35,16 @@ SCALE_MIN = 64 << 20  # the `scale` preset from 53 MB on has 16+ heads (tp 8 nee
 def kconvert(*args, env_note: str = "") -> dict:
     """Run `kconvert ARGS` in a fresh process: wall seconds, peak RSS of that process, its stdout."""
     cmd = [sys.executable, "-c", "import resource, sys; from cli.main import main; rc = main(sys.argv[1:]); "
-           "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr); sys.exit(rc)",
+           "u = resource.getrusage(resource.RUSAGE_SELF); "
+           "print('RSS', u.ru_maxrss * 1024, u.ru_utime + u.ru_stime, file=sys.stderr); sys.exit(rc)",
            *map(str, args)]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if proc.returncode:
         raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    rss = int(next(ln.split()[1] for ln in proc.stderr.splitlines() if ln.startswith("RSS ")))
-    return {"wall": wall, "rss": rss, "stdout": proc.stdout}
+    _, rss, cpu = next(ln.split() for ln in proc.stderr.splitlines() if ln.startswith("RSS "))
+    return {"wall": wall, "rss": int(rss), "cpu": float(cpu), "stdout": proc.stdout}
 
 
 def json_floor(src: Path) -> tuple[float, int]:
@@ -94,21 +95,28 @@ def main(argv=None) -> int:
 
     rows: list[dict] = []
 
-    def row(name: str, seconds: float, tensors: int, startup: float = 0.0, rss: int | None = None, note: str = ""):
-        beyond = seconds - startup
-        rows.append({"step": name, "seconds": round(seconds, 3), "beyond_startup": round(beyond, 3),
-                     "tensors": tensors, "us_per_tensor": round(1e6 * beyond / max(tensors, 1), 1),
+    def row(name: str, r: dict, tensors: int, rss: int | None = None, note: str = "", base: dict | None = None):
+        """wall and CPU seconds (CPU: of that process, all threads; robust on a shared machine), each beyond
+        the CLI's start-up, and CPU microseconds per tensor."""
+        base = startup if base is None else base
+        beyond = r["cpu"] - base["cpu"]
+        rows.append({"step": name, "wall": round(r["wall"], 2), "wall_beyond_startup": round(r["wall"] - base["wall"], 2),
+                     "cpu": round(r["cpu"], 2), "cpu_beyond_startup": round(beyond, 2), "tensors": tensors,
+                     "cpu_us_per_tensor": round(1e6 * beyond / max(tensors, 1), 1),
                      "peak_rss_mb": None if rss is None else round(rss / 2**20), "note": note})
 
-    startup = min(kconvert("--version")["wall"] for _ in range(2))
+    runs = [kconvert("--version") for _ in range(2)]
+    startup = {k: min(r[k] for r in runs) for k in ("wall", "cpu")}
     floor, stored = json_floor(src)
-    row("startup (kconvert --version)", startup, 0)
-    row("json.loads of the headers (floor)", floor, stored)
-    row("safetensors safe_open + keys + shapes", safetensors_listing(src), stored)
+    row("startup (kconvert --version)", startup, 0, base={"wall": 0.0, "cpu": 0.0})
+    in_process = {"wall": 0.0, "cpu": 0.0}  # these two run in this process: nothing to subtract
+    row("json.loads of the headers (floor)", {"wall": floor, "cpu": floor}, stored, base=in_process)
+    listing = safetensors_listing(src)
+    row("safetensors safe_open + keys + shapes", {"wall": listing, "cpu": listing}, stored, base=in_process)
     r = kconvert("inspect", src, "--json")
-    row("inspect", r["wall"], stored, startup, r["rss"])
+    row("inspect", r, stored, r["rss"])
     r = kconvert("plan", src, "--tp", a.tp, "--quant", "fp8", "--json")
-    row(f"plan --tp {a.tp} --quant fp8", r["wall"], stored, startup, r["rss"])
+    row(f"plan --tp {a.tp} --quant fp8", r, stored, r["rss"])
     out = {}
     for quant in ("none", "fp8"):
         out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"
@@ -117,18 +125,19 @@ def main(argv=None) -> int:
         n_out = sum(e["tensors"] for e in json.loads((out[quant] / "kconvert.json").read_text())["tensors_by_rank"])
         big_out = a.work / f"scale-tp{a.tp}-{quant}"
         shutil.rmtree(big_out, ignore_errors=True)
-        data = (kconvert("shard", big, big_out, "--tp", a.tp, "--quant", quant)["wall"] - startup) \
+        data = (kconvert("shard", big, big_out, "--tp", a.tp, "--quant", quant)["cpu"] - startup["cpu"]) \
             * source_bytes / big_bytes  # scaled to this checkpoint's bytes
-        row(f"shard --tp {a.tp} --quant {quant}", r["wall"], n_out, startup, r["rss"],
-            f"same bytes in large tensors: {data:.1f} s; beyond that: {1e6 * (r['wall'] - startup - data) / n_out:.1f} us/tensor")
+        row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],
+            f"same bytes in large tensors: {data:.1f} s CPU; beyond that: "
+            f"{1e6 * (r['cpu'] - startup['cpu'] - data) / n_out:.0f} us/tensor")
         shutil.rmtree(big_out, ignore_errors=True)
     fp8 = out["fp8"]
     files = json.loads((fp8 / "kconvert.json").read_text())["files"]
     r = kconvert("verify-files", fp8)
-    row("verify-files (fp8)", r["wall"], n_out, startup, r["rss"])
+    row("verify-files (fp8)", r, n_out, r["rss"])
     r = kconvert("load", fp8, "--rank", "1", "--device", "cpu", "--json")
     rep = json.loads(r["stdout"])
-    row("load --rank 1 (fp8, cpu)", r["wall"], rep["tensors"], startup, r["rss"],
+    row("load --rank 1 (fp8, cpu)", r, rep["tensors"], r["rss"],
         f"ready {rep['seconds']['ready']:.2f} s of which read {rep['seconds']['read']:.2f} s, {rep['files']} files, "
         f"{rep['bytes'] / 2**20:.1f} MiB")
     lists = sorted(fp8.glob("rank-*/tensors.json"))
@@ -140,10 +149,12 @@ def main(argv=None) -> int:
         return 0
     print(f"{src}: {stored} stored tensors, {source_bytes / 2**20:.0f} MiB; converted tp {a.tp}: {n_out} tensors, "
           f"{sizes['files']} files")
-    print(f"{'step':<40} {'seconds':>8} {'-startup':>9} {'tensors':>8} {'us/tensor':>10} {'RSS MB':>7}  note")
+    print("| step | wall s | wall − start-up | CPU s | CPU − start-up | tensors | CPU µs / tensor | peak RSS MB | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for x in rows:
-        print(f"{x['step']:<40} {x['seconds']:>8.2f} {x['beyond_startup']:>9.2f} {x['tensors']:>8} "
-              f"{x['us_per_tensor']:>10.1f} {x['peak_rss_mb'] if x['peak_rss_mb'] is not None else '':>7}  {x['note']}")
+        rss = x["peak_rss_mb"] if x["peak_rss_mb"] is not None else ""
+        print(f"| {x['step']} | {x['wall']:.2f} | {x['wall_beyond_startup']:.2f} | {x['cpu']:.2f} | "
+              f"{x['cpu_beyond_startup']:.2f} | {x['tensors']} | {x['cpu_us_per_tensor']:.1f} | {rss} | {x['note']} |")
     print(f"kconvert.json {sizes['kconvert.json'] / 2**20:.2f} MiB; per-rank tensor lists {sizes['rank lists (all)'] / 2**20:.2f} "
           f"MiB in all, the largest {sizes['largest rank list'] / 2**20:.2f} MiB (what load --rank reads)")
     print(f"(this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MB)")

@@ -4,6 +4,7 @@ On a topology preset (`topo-k25`: Kimi-K2.5's 61 layers x 384 INT4 experts, ~210
 widths) it times, each as its own `kconvert` process as a user runs it:
   startup        `kconvert --version`: the CLI's own start-up, subtracted from every command below
   json floor     `json.loads` of every header (in this process): the least any reader can do
+  read_header    kconvert's header reader (parse + every check) on the same files, in this process
   safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
   inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files, load --rank 1 (time to ready)
 and prints wall seconds, seconds beyond start-up, microseconds per tensor and peak RSS, plus the size of
@@ -111,6 +112,13 @@ def main(argv=None) -> int:
     row("startup (kconvert --version)", startup, 0, base={"wall": 0.0, "cpu": 0.0})
     in_process = {"wall": 0.0, "cpu": 0.0}  # these two run in this process: nothing to subtract
     row("json.loads of the headers (floor)", {"wall": floor, "cpu": floor}, stored, base=in_process)
+    from kconvert.io.safetensors_read import read_header
+
+    t = time.perf_counter()
+    for f in sorted(src.glob("*.safetensors")):
+        read_header(f)
+    reader = time.perf_counter() - t
+    row("kconvert read_header, every file", {"wall": reader, "cpu": reader}, stored, base=in_process)
     listing = safetensors_listing(src)
     row("safetensors safe_open + keys + shapes", {"wall": listing, "cpu": listing}, stored, base=in_process)
     r = kconvert("inspect", src, "--json")

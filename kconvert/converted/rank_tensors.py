@@ -118,8 +118,8 @@ def check_record(f: str, t: dict, bad, rec: dict | None = None, seen: set | None
             sl = t.get("slice")
             key = (t.get("dtype"), type(t.get("shape")), tuple(t.get("shape")), type(sl), sl and tuple(sl))
             if key in seen and rec is None and type(t.get("name")) is str and type(t.get("crc32")) is str \
-                    and _CRC.fullmatch(t["crc32"]):
-                return
+                    and _CRC.fullmatch(t["crc32"]) and all(type(s) is int for s in key[2] + (key[4] or ())):
+                return  # (a bool equals 1 as a key: the type test keeps [true] from passing as [1])
         except TypeError:  # not lists of plain values: the checks below name what is wrong
             key = None
     if not isinstance(t.get("name"), str):

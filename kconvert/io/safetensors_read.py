@@ -135,7 +135,7 @@ def _entries(path: Path, obj: dict, data_start: int, data_len: int, comp) -> dic
         except (KeyError, TypeError, ValueError):
             expect = None
         if expect is None or type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= data_len \
-                or hi - lo != expect or type(spec["shape"]) is not list:
+                or hi - lo != expect or type(spec["shape"]) is not list or not all(type(s) is int for s in shape):
             e = tensors[name] = _entry(path, name, spec, data_start, data_len, comp)
             nbytes_of[(e.dtype, e.shape)] = e.nbytes
             continue

@@ -22,7 +22,9 @@ def _presets_help() -> str:
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--size", help="Target size for the `scale` preset, e.g. 2GB, 8GB.")
-def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
+@click.option("--layers", type=click.IntRange(min=2), help="Decoder layers of a topo-* preset (default: the release's).")
+@click.option("--experts", type=click.IntRange(min=1), help="Routed experts of a topo-* preset (default: the release's).")
+def fixture(preset: str, out: str, seed: int, size: str | None, layers: int | None, experts: int | None) -> None:
     """Write checkpoint PRESET (real names, shapes and formats) to OUT: seeded random weights, or for
     the `-trained` presets a small base model trained on Python standard-library sources.
 
@@ -37,6 +39,8 @@ def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
       kconvert fixture tiny-k3 ./tiny-k3
       kconvert fixture tiny-k3-trained ./tiny-k3-trained --seed 0
       kconvert fixture scale ./scale-8g --size 8GB
+      kconvert fixture topo-k25 ./topo-k25                      # 61 x 384 experts, ~210k tensors
+      kconvert fixture topo-k25 ./topo-small --layers 4 --experts 16
     """
     from kconvert.fixtures import build_fixture
     from kconvert.fixtures.presets import TRAINED_PRESETS
@@ -51,7 +55,7 @@ def fixture(preset: str, out: str, seed: int, size: str | None) -> None:
                 cb("file", path=f"loss {kw['loss']:.3f}")
 
         path = build_fixture(preset, out, seed=seed, size=parse_size(size, "--size") if size else None,
-                             progress=training)
+                             progress=training, layers=layers, experts=experts)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     training = path / "kconvert_training.json"
     trained = ""

@@ -44,7 +44,7 @@ class StoredTensor(nn.Module):
 
 def stored_formats(conv: ConvertedCheckpoint) -> dict[str, str]:
     """{stored tensor name: its kconvert.json `transform`} of this rank (what each linear is stored as)."""
-    return {t["name"]: t["transform"] for t in conv.catalog.tensors if t["rank"] == conv.rank and "transform" in t}
+    return {t["name"]: t["transform"] for t in conv.catalog.rank_tensors(conv.rank) if "transform" in t}
 
 
 class Model(nn.Module):

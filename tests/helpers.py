@@ -79,12 +79,23 @@ def header_offsets(path: Path) -> tuple[int, dict]:
     return 8 + n, header
 
 
+def read_meta(out: Path) -> dict:
+    """OUT/kconvert.json with every rank's tensor list inline (format version 4 keeps them per rank)."""
+    from kconvert.converted.catalog import Catalog
+
+    return Catalog.read(out).whole_doc()
+
+
 def rewrite_catalog(out: Path, meta: dict) -> None:
     """Write `meta` as OUT/kconvert.json with a fresh digest: a consistent-looking document, as a tool
     that knows the format (or a careful attacker) would leave it. Checks then have to catch the damage
-    elsewhere; a plain edit without the digest is refused on open (tests/test_catalog.py)."""
-    from kconvert.converted.catalog import digest_of
+    elsewhere; a plain edit without the digest is refused on open (tests/test_catalog.py). A `tensors` list
+    (from read_meta) goes back into the per-rank lists, with fresh sha256s."""
+    from kconvert.converted.catalog import SPLIT_VERSION, digest_of
+    from kconvert.converted.rank_tensors import write_lists
 
     meta = dict(meta)
+    if "tensors" in meta and meta.get("format_version", 0) >= SPLIT_VERSION:
+        meta["tensors_by_rank"] = write_lists(Path(out), meta.pop("tensors"), len(meta["tensors_by_rank"]))
     meta["digest"] = digest_of(meta)
     (Path(out) / "kconvert.json").write_text(json.dumps(meta, indent=1))

@@ -146,7 +146,7 @@ def test_fp4_keeps_the_release_experts_bit_for_bit(checkpoint, tmp_path, tp):
             else:
                 assert torch.equal(got[name], e), name
     assert experts == 4 * 8 * 3
-    transforms = {t["transform"] for t in open_converted(out, 0).meta["tensors"]}
+    transforms = {t["transform"] for t in open_converted(out, 0).catalog.tensors}
     assert "fp4_copy" in transforms and "fp4" not in transforms
 
 

@@ -103,7 +103,7 @@ def _edit_path(meta):
 
 
 def _edit_tensor(meta):
-    meta["tensors"][0]["shape"] = [1]
+    meta["tensors_by_rank"][0]["tensors"] = 1
 
 
 def _drop_files(meta):

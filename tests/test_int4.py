@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, read_meta, run_cli
 from kconvert.quant.int4_group import quantize_int4_group
 from kconvert.quant.packing import unpack_nibble_pairs
 from kconvert.verify.fake_quant import qdq
@@ -63,7 +63,7 @@ def int4_tp2(checkpoint, tmp_path_factory):
 
 
 def test_shard_int4_stores_routed_experts_packed(int4_tp2, checkpoint):
-    meta = json.loads((int4_tp2 / "kconvert.json").read_text())
+    meta = read_meta(int4_tp2)
     assert meta["quantization"]["scheme"] == "int4" and meta["quantization"]["group_size"] == 32
     by_name = {t["name"]: t for t in meta["tensors"]}
     e = "language_model.model.layers.2.mlp.experts.3.up_proj.weight"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from helpers import assert_one_line_error, load_source, run_cli
+from helpers import assert_one_line_error, load_source, read_meta, run_cli
 from test_shard import deepseek_slice
 
 from kconvert.errors import LoaderError, UsageError
@@ -130,7 +130,7 @@ def test_pp1_is_todays_layout(checkpoint, converted):
     pipe = plan_pipeline(items, 2, 1, ck.model.text.layer_count)
     assert pipe.items is items and pipe.stage_units == [["globals", "vision", "layer-0000", "layer-0001", "layer-0002"]]
     one, two = converted("tiny-k3", 2, 1, "fp8"), converted("tiny-k3", 2, 2, "fp8")
-    m1, m2 = (json.loads((d / "kconvert.json").read_text()) for d in (one, two))
+    m1, m2 = (read_meta(d) for d in (one, two))
     assert m1["layout"]["pp"] == 1 and m1["layout"]["world_size"] == 2 and len(m1["layout"]["stages"]) == 1
     assert {rec["stage"] for rec in m1["files"].values()} == {0}
     assert m1["layout"]["stages"][0]["units"] == m1["layout"]["units"]
@@ -217,7 +217,7 @@ def test_plan_splits_as_shard_does(checkpoint, converted):
     from kconvert.plan.memory import make_plan
 
     src, out = checkpoint("tiny-k3"), converted("tiny-k3", 2, 2, "fp8")
-    meta = json.loads((out / "kconvert.json").read_text())
+    meta = read_meta(out)
     p = make_plan(str(src), 2, quant="fp8", pp=2, context=1024)
     assert p.pipeline["pp_layers"] == meta["job"]["pp_layers"]
     per_rank: dict[int, int] = {}

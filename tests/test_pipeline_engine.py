@@ -182,14 +182,14 @@ def scale_tensor(out: Path, rel: str, name: str, factor: float) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from helpers import header_offsets, rewrite_catalog
+    from helpers import header_offsets, read_meta, rewrite_catalog
 
     tensors = load_file(out / rel)
     tensors[name] = tensors[name] * factor
     save_file(tensors, out / rel, metadata={"format": "pt"})
     data = (out / rel).read_bytes()
     start, header = header_offsets(out / rel)
-    meta = json.loads((out / "kconvert.json").read_text())
+    meta = read_meta(out)
     meta["files"][rel].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
     for t in meta["tensors"]:
         if t["file"] == rel:

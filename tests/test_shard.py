@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, assert_one_line_error, cli_here, load_source, run_cli
+from helpers import ROOT, assert_one_line_error, cli_here, load_source, read_meta, run_cli
 
 
 def rank_tensors(out: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -69,7 +69,7 @@ def test_quantized_round_trip_error_bounds(checkpoint, tmp_path, quant, scale_fo
     out = tmp_path / quant
     run_cli("shard", src, out, "--tp", 2, "--quant", quant, "--scale-format", scale_format, check=True)
     source = load_source(src)
-    meta = json.loads((out / "kconvert.json").read_text())
+    meta = read_meta(out)
     quantized = 0
     for rank in range(2):
         got = rank_tensors(out, rank)
@@ -114,7 +114,7 @@ def test_fp8_source_passthrough_is_lossless(checkpoint, tmp_path):
     out = tmp_path / "fp8"
     run_cli("shard", src, out, "--tp", 2, "--quant", "fp8", check=True)
     source = load_source(src)
-    meta = json.loads((out / "kconvert.json").read_text())
+    meta = read_meta(out)
     copies = [t for t in meta["tensors"] if t["transform"] == "fp8_copy" and t["dtype"] == "F8_E4M3"]
     assert len(copies) > 50
     for rank in range(2):
@@ -136,7 +136,7 @@ def test_int4_source_is_dequantized_then_requantized(checkpoint, tmp_path):
     src = checkpoint("tiny-k3-int4")
     out = tmp_path / "int8"
     run_cli("shard", src, out, "--tp", 2, "--quant", "int8", check=True)
-    meta = json.loads((out / "kconvert.json").read_text())
+    meta = read_meta(out)
     experts = [t for t in meta["tensors"] if t["component"] == "routed_experts" and t["dtype"] == "I8"]
     assert experts and all(not t["name"].endswith("weight_packed") for t in meta["tensors"])
 
@@ -186,7 +186,7 @@ def test_verify_files_names_damaged_file_and_tensor(checkpoint, tmp_path):
     out = tmp_path / "o"
     run_cli("shard", checkpoint("tiny-k3"), out, "--tp", 2, check=True)
     assert run_cli("verify-files", out).returncode == 0
-    meta = json.loads((out / "kconvert.json").read_text())
+    meta = read_meta(out)
     target = next(t for t in meta["tensors"] if t["name"].endswith("kv_b_proj.weight") and t["rank"] == 1)
     path = out / target["file"]
     data = bytearray(path.read_bytes())

@@ -44,6 +44,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     result = run.result
     threads = threads or min(8, os.cpu_count() or 1)
     cat = Catalog.read(out)
+    cat.tensors  # every rank's tensor list checked before kconvert.json is rewritten over them
     journal = out / JOURNAL_DIR
     state = journal / PACK_STATE
     if state.exists():

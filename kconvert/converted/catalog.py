@@ -11,20 +11,23 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
-from kconvert.io.dtypes import DTYPES
 from kconvert.io.paths import contained
+from kconvert.converted import rank_tensors
 from kconvert.io.side_files import MAX_CATALOG, read_json
 from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_file, unit_layer
 from kconvert.quant.registry import SHARD_SCHEMES
 
 FORMAT = "kconvert"
-FORMAT_VERSION = 3  # 3: pipeline stages (layout.pp, layout.stages, files[*].stage); 2: adds `digest`
-READABLE_VERSIONS = (2, 3)  # a version-2 directory reads as pp = 1; version 1 is refused with "convert again"
+# 4: each rank's tensor list in rank-RRR/tensors.json (converted/rank_tensors.py), kconvert.json records their
+# sha256 in `tensors_by_rank`; 3: pipeline stages (layout.pp, layout.stages, files[*].stage); 2: adds `digest`
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # a version-2 directory reads as pp = 1; version 1 is refused with "convert again"
+SPLIT_VERSION = 4  # from this version on the tensor lists live per rank
 MANIFEST = "kconvert.json"
 SCHEMES = SHARD_SCHEMES  # what `shard` writes: "none" and every scheme in kconvert/quant/registry.py it offers
 _CRC = re.compile(r"[0-9a-f]{8}")
@@ -39,7 +42,13 @@ def digest_of(doc: dict) -> str:
 
 @dataclass
 class Catalog:
-    doc: dict  # the kconvert.json document (validated; mutate only through methods that re-validate)
+    """`doc` is kconvert.json (validated; mutate only through methods that re-validate). From version 4 on it
+    holds no tensor list: `rank_tensors(r)` reads rank r's (checked against its sha256) and `tensors` every
+    rank's. A doc given whole (with `tensors`, as shard builds it) is split into per-rank lists by `write`."""
+
+    doc: dict
+    root: Path | None = None  # the directory read from (where the per-rank lists are)
+    _lists: dict = field(default_factory=dict, repr=False)  # rank -> its checked tensor records
 
     # ------------------------------------------------------------------ reading
     @classmethod
@@ -58,7 +67,7 @@ class Catalog:
         if doc.get("digest") != digest_of(doc):
             raise CheckpointError("kconvert.json was changed after it was written (field digest does not match its "
                                   "contents): convert again", file=str(path))
-        cat = cls(doc)
+        cat = cls(doc, Path(out))
         cat.validate(Path(out))
         return cat
 
@@ -66,8 +75,13 @@ class Catalog:
     def write(self, out: str | Path) -> None:
         """Validate, stamp the digest and replace OUT/kconvert.json atomically (its presence means complete)."""
         self.validate(Path(out))
+        if self.split and "tensors" in self.doc:  # the per-rank lists first: kconvert.json, written last, records them
+            records = self.doc.pop("tensors")
+            self.doc["tensors_by_rank"] = rank_tensors.write_lists(Path(out), records, self.world_size)
+            self._lists = dict(enumerate(rank_tensors.split_by_rank(records, self.world_size)))
         self.doc["digest"] = digest_of(self.doc)
         write_atomic(Path(out) / MANIFEST, json.dumps(self.doc, indent=1).encode())
+        self.root = Path(out)
 
     # ------------------------------------------------------------------ views
     @property
@@ -128,14 +142,35 @@ class Catalog:
         return self.doc["files"]
 
     @property
+    def split(self) -> bool:
+        """Whether the tensor lists live per rank (format version 4 on)."""
+        return self.doc["format_version"] >= SPLIT_VERSION
+
+    @property
     def tensors(self) -> list[dict]:
-        return self.doc["tensors"]
+        """Every tensor record of every rank (reads every rank's list: a rank needs only `rank_tensors`)."""
+        if "tensors" in self.doc:
+            return self.doc["tensors"]
+        return [t for r in range(self.world_size) for t in self.rank_tensors(r)]
+
+    def whole_doc(self) -> dict:
+        """kconvert.json with every rank's tensor list inline (as version 3 held it), for readers of all of it."""
+        return {**self.doc, "tensors": self.tensors}
+
+    def rank_tensors(self, rank: int) -> list[dict]:
+        """The tensor records of one rank: only its own list is read."""
+        if "tensors" in self.doc:
+            return [t for t in self.doc["tensors"] if t["rank"] == rank]
+        if rank not in self._lists:
+            entry = self.doc["tensors_by_rank"][rank]
+            self._lists[rank] = rank_tensors.read_list(self.root, rank, entry, self.files)
+        return self._lists[rank]
 
     def rank_files(self, rank: int) -> dict[str, dict]:
         return {rel: rec for rel, rec in self.files.items() if rec["rank"] == rank}
 
     def tensors_in(self, rel: str) -> list[dict]:
-        return [t for t in self.tensors if t["file"] == rel]
+        return [t for t in self.rank_tensors(self.files[rel]["rank"]) if t["file"] == rel]
 
     def path_of(self, out: str | Path, rel: str) -> Path:
         return contained(out, rel, named_in=Path(out) / MANIFEST)
@@ -153,8 +188,9 @@ class Catalog:
             raise CheckpointError(f"field {field}: {why}", file=str(where))
 
         d = self.doc
+        whole = not d.get("format_version", FORMAT_VERSION) >= SPLIT_VERSION or "tensors" in d  # tensors inline
         for key, kind in (("config", dict), ("layout", dict), ("source", dict), ("quantization", dict),
-                          ("files", dict), ("tensors", list)):
+                          ("files", dict), ("tensors", list) if whole else ("tensors_by_rank", list)):
             if not isinstance(d.get(key), kind):
                 bad(key, f"missing or not a JSON {'object' if kind is dict else 'list'}")
         lay = d["layout"]
@@ -200,25 +236,17 @@ class Catalog:
         missing = sorted(set(want) - set(d["files"]))
         if missing:
             bad("files", f"{len(missing)} file(s) of the layout are not listed (first: {missing[0]})")
+        if not whole:
+            rank_tensors.check_index(d["tensors_by_rank"], tp * pp, bad)
+            return
         for i, t in enumerate(d["tensors"]):
             f = f"tensors[{i}]"
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            if not isinstance(t, dict):
                 bad(f, "not a tensor record with a name")
             rec = d["files"].get(t.get("file"))
             if rec is None:
                 bad(f"{f}.file", f"{t.get('file')!r} is not a listed file")
-            if t.get("rank") != rec["rank"] or t.get("unit") != rec["unit"]:
-                bad(f, f"rank/unit of tensor {t['name']} differ from its file's")
-            if t.get("dtype") not in DTYPES:
-                bad(f"{f}.dtype", f"{t.get('dtype')!r} is not a safetensors dtype")
-            shape = t.get("shape")
-            if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):
-                bad(f"{f}.shape", f"{shape!r} is not a list of sizes")
-            sl = t.get("slice")
-            if sl is not None and (not isinstance(sl, list) or len(sl) != 3 or not all(_int(s) for s in sl)):
-                bad(f"{f}.slice", f"{sl!r} is not [dim, start, stop]")
-            if not isinstance(t.get("crc32"), str) or not _CRC.fullmatch(t["crc32"]):
-                bad(f"{f}.crc32", "not an 8-digit hex CRC-32")
+            rank_tensors.check_record(f, t, bad, rec)
 
     @staticmethod
     def _validate_stages(lay: dict, bad) -> None:

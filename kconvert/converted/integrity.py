@@ -44,6 +44,7 @@ def verify_files(out: str | Path, progress=None) -> dict:
     out = Path(out)
     cat = Catalog.read(out)
     check_not_mid_pack(out)
+    cat.tensors  # every rank's tensor list, each against its sha256 in kconvert.json
     total = 0
     for rel, rec in cat.files.items():
         path = cat.path_of(out, rel)

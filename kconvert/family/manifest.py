@@ -93,7 +93,7 @@ class TensorInfo:
         return self.rule.quantize
 
     def expected_shape(self) -> tuple[int, ...]:
-        return tuple(int(self.rule.part._eval(s, self.layer)) for s in self.rule.shape)
+        return self.rule.part.shape_of(self.rule, self.layer)
 
 
 class BoundPart:
@@ -120,6 +120,9 @@ class BoundPart:
         schedules = read_schedules(spec.get("schedules", {}), self._env,
                                    prefix="" if section == "." else f"{section}.", file=config_file)
         self._env.update(schedules)
+        # (expression, layer) -> value: 384 experts x 61 layers share each layer's few shape expressions
+        self._values: dict[tuple, object] = {}
+        self._shapes: dict[tuple, tuple[int, ...]] = {}
         # per schedule, each layer's kind by name (inspect's layer kinds: sliding / CSA / HCA, hash / top-k)
         self.schedules = {name: [spec["schedules"][name]["kinds"][k] for k in kinds] for name, kinds in schedules.items()}
         self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
@@ -151,10 +154,22 @@ class BoundPart:
         return self._env if layer is None else {**self._env, "L": layer}
 
     def _eval(self, text, layer: int | None = None):
+        key = (text, layer)
+        if key in self._values:
+            return self._values[key]
         try:
-            return evaluate(text, self.env(layer))
+            value = self._values[key] = evaluate(text, self.env(layer))
         except ManifestError as e:  # MissingKey included: a config problem, named as one
             raise ManifestError(f"{e.message} (part {self.name})", file=e.file or self.config_file) from None
+        return value
+
+    def shape_of(self, rule: Rule, layer: int | None) -> tuple[int, ...]:
+        """The shape config.json implies for `rule` at `layer`, evaluated once per (rule, layer)."""
+        key = (rule.pattern, layer)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = tuple(int(self._eval(s, layer)) for s in rule.shape)
+        return shape
 
     def layer_matches(self, rule: Rule, layer: int) -> bool:
         if not 0 <= layer < self.layer_count + self.extra_layers:

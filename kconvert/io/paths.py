@@ -3,6 +3,7 @@ a plain relative path that stays inside its directory — no absolute path, no `
 
 from __future__ import annotations
 
+import os
 from pathlib import Path, PurePosixPath
 
 from kconvert.errors import CheckpointError
@@ -19,11 +20,13 @@ def contained(root: str | Path, rel: object, *, named_in: str | Path, tensor: st
                               file=str(named_in), tensor=tensor)
     root = Path(root)
     path = root.joinpath(*p.parts)
-    real = path.resolve()
-    allowed = [root.resolve()]
-    if root.resolve().parent.name == "snapshots":  # a Hub cache snapshot: its files link to the repo's ../../blobs
-        allowed.append(root.resolve().parent.parent)
-    if not any(real == a or a in real.parents for a in allowed):
+    # os.path on strings, not Path.resolve: a converted directory lists hundreds of files, checked on every open
+    real = os.path.realpath(path)
+    root_real = os.path.realpath(root)
+    allowed = [root_real]
+    if os.path.basename(os.path.dirname(root_real)) == "snapshots":  # a Hub cache snapshot: files link to ../../blobs
+        allowed.append(os.path.dirname(os.path.dirname(root_real)))
+    if not any(real == a or real.startswith(a.rstrip(os.sep) + os.sep) for a in allowed):
         raise CheckpointError(f"{rel!r} is a symlink leading out of the checkpoint directory", file=str(named_in),
                               tensor=tensor)
     return path

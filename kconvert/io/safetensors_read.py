@@ -24,8 +24,8 @@ import torch
 from kconvert.errors import FormatError
 from kconvert.io.compressed import ChunkIndex
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.gc_pause import paused_gc
 from kconvert.io.pread import map_range
-from kconvert.io.side_files import parse_json
 
 MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
 
@@ -72,7 +72,11 @@ class SafetensorsHeader:
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Parse and check one file's header. Raises FormatError naming the file (and tensor)."""
-    path = Path(path)
+    with paused_gc():
+        return _read_header(Path(path))
+
+
+def _read_header(path: Path) -> SafetensorsHeader:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -90,9 +94,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise FormatError("is a directory, not a safetensors file", file=str(path)) from None
     except PermissionError:
         raise FormatError("permission denied", file=str(path)) from None
-    obj = parse_json(raw, file=str(path), error=FormatError)  # bounded nesting: deep JSON is one line, not a crash
-    if not isinstance(obj, dict):
-        raise FormatError("header is not a JSON object", file=str(path))
+    obj = decode_header_json(raw, path)
     data_start = 8 + n
     data_len = size - data_start
     metadata = obj.pop("__metadata__", None) or {}
@@ -101,13 +103,47 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     if "kconvert_codec" in metadata:  # a compressed shard: offsets are into the plain file it decompresses to
         comp = ChunkIndex(path, size, data_start, raw, metadata, obj)
         data_start, data_len = comp.data_start, comp.size - comp.data_start
-    tensors: dict[str, TensorEntry] = {}
-    for name, spec in obj.items():
-        tensors[name] = _entry(path, name, spec, data_start, data_len, comp)
+    tensors = _entries(path, obj, data_start, data_len, comp)
     _check_tiling(path, tensors, data_start, data_len)
     if comp is not None:
         comp.load_index(tensors)
     return SafetensorsHeader(path, comp.size if comp else size, data_start, tensors, metadata, comp)
+
+
+def decode_header_json(raw: bytes, path: Path) -> dict:
+    """The one place a safetensors header's JSON is decoded (any bound on what it may hold belongs here). JSON
+    nested past the interpreter's recursion limit is one line; shallower nesting cannot pass `_entries`' type
+    checks, so no walk of 100k+ entries for depth (io/side_files.parse_json's) is needed here."""
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise FormatError("header JSON is nested too deep", file=str(path)) from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, a number past Python's digit limit
+        raise FormatError(f"header is not valid JSON ({e.__class__.__name__})", file=str(path)) from None
+    if not isinstance(obj, dict):
+        raise FormatError("header is not a JSON object", file=str(path))
+    return obj
+
+
+def _entries(path: Path, obj: dict, data_start: int, data_len: int, comp) -> dict[str, TensorEntry]:
+    """Every entry, checked. Released checkpoints repeat a few (dtype, shape) pairs across 100k+ tensors, so
+    the shape check and byte count are done once per distinct pair; anything unusual takes `_entry`, which
+    checks it field by field and names what is wrong."""
+    tensors: dict[str, TensorEntry] = {}
+    nbytes_of: dict[tuple, int] = {}  # (dtype, shape) -> bytes, for pairs already checked
+    for name, spec in obj.items():
+        try:
+            dtype, shape, (lo, hi) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
+            expect = nbytes_of.get((dtype, shape))
+        except (KeyError, TypeError, ValueError):
+            expect = None
+        if expect is None or type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= data_len \
+                or hi - lo != expect or type(spec["shape"]) is not list or not all(type(s) is int for s in shape):
+            e = tensors[name] = _entry(path, name, spec, data_start, data_len, comp)
+            nbytes_of[(e.dtype, e.shape)] = e.nbytes
+            continue
+        tensors[name] = TensorEntry(name, path, dtype, shape, data_start + lo, data_start + hi, comp)
+    return tensors
 
 
 def _check_tiling(path: Path, tensors: dict[str, TensorEntry], data_start: int, data_len: int) -> None:

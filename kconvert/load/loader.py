@@ -35,7 +35,7 @@ from kconvert.load.first_load import mark_checked, needs_crc
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.converted.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
-from kconvert.io.dtypes import DTYPES
+from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.pread import pread_into
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
 from kconvert.io.window import ordered_window
@@ -71,9 +71,8 @@ class ConvertedCheckpoint:
         self.units: list[str] = [u for u in catalog.units if u in by_unit]
         self._file_of = by_unit
         self._tensors: dict[str, list[dict]] = {}
-        for t in catalog.tensors:
-            if t["rank"] == rank:
-                self._tensors.setdefault(t["file"], []).append(t)
+        for t in catalog.rank_tensors(rank):  # this rank's list only (kconvert.json version 4: its own file)
+            self._tensors.setdefault(t["file"], []).append(t)
         self.stats = LoadStats()
 
     @property
@@ -147,7 +146,7 @@ class ConvertedCheckpoint:
             raw = buf[e.begin:e.end]
             if not e.nbytes:
                 t = torch.empty(0, dtype=dtype)
-            elif e.begin % torch.empty(0, dtype=dtype).element_size():
+            elif e.begin % ITEMSIZE[e.dtype]:
                 t = raw.clone().view(dtype)
             else:
                 t = raw.view(dtype)

@@ -20,6 +20,7 @@ from kconvert.source import hub
 from kconvert.errors import CheckpointError, ManifestError
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
@@ -47,6 +48,11 @@ class Checkpoint:
     # ------------------------------------------------------------------ opening
     @classmethod
     def open(cls, src: str | os.PathLike, *, revision: str | None = None, headers_only: bool = False) -> "Checkpoint":
+        with paused_gc():  # 100k+ header entries and logical tensors: see io/gc_pause.py
+            return cls._open(src, revision, headers_only)
+
+    @classmethod
+    def _open(cls, src: str | os.PathLike, revision: str | None, headers_only: bool) -> "Checkpoint":
         text = str(src)
         if hub.looks_like_repo_id(text):
             if headers_only and not hub._offline():
@@ -58,10 +64,10 @@ class Checkpoint:
             if not root.is_dir():
                 raise CheckpointError("not a directory (nor a Hub repo id like org/name)", file=text)
         config = read_config(root)
-        names = _shard_files(root)
+        index_map = _index_map(root)
+        names = _shard_files(root, index_map)
         files = {n: read_header(root / n) for n in names}
         stored: dict[str, TensorEntry] = {}
-        index_map = _index_map(root)
         for fname, header in files.items():
             for tname, entry in header.tensors.items():
                 if tname in stored:
@@ -114,6 +120,10 @@ class Checkpoint:
 
     def validate(self) -> None:
         """Every tensor known with the shape config.json implies; every required tensor present."""
+        with paused_gc():
+            self._validate()
+
+    def _validate(self) -> None:
         block, group = self.quant_block(), self.int4_group()
         for name, t in self.logical.items():
             info = self.info(name)
@@ -218,13 +228,15 @@ def _index_map(root: Path) -> dict[str, str] | None:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))
+    checked: set = set()  # 200k tensors name a few dozen files: check each file once, naming its first tensor
     for tname, fname in weight_map.items():
-        contained(root, fname, named_in=path, tensor=tname)  # the one path rule (kconvert/io/paths.py)
+        if not isinstance(fname, str) or fname not in checked:
+            contained(root, fname, named_in=path, tensor=tname)  # the one path rule (kconvert/io/paths.py)
+            checked.add(fname)
     return dict(weight_map)
 
 
-def _shard_files(root: Path) -> list[str]:
-    index = _index_map(root)
+def _shard_files(root: Path, index: dict[str, str] | None) -> list[str]:
     if index is not None:
         names = sorted(set(index.values()))
         for n in names:

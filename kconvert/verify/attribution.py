@@ -44,8 +44,8 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
     ck = Checkpoint.open(per_layer["source"])
     unit = layer_unit(L)
     converted = conv.load_unit(unit)
-    mine = [t for t in conv.meta["tensors"] if t["rank"] == rank and t["unit"] == unit]
-    everyone = sorted({t["name"].removesuffix("_packed") for t in conv.meta["tensors"] if t["unit"] == unit
+    mine = [t for t in conv.catalog.rank_tensors(rank) if t["unit"] == unit]
+    everyone = sorted({t["name"].removesuffix("_packed") for t in conv.catalog.tensors if t["unit"] == unit
                        and not t["name"].endswith(("_scale_inv", "_scale")) and len(t["shape"]) >= 2})
 
     def with_exact(names: set[str]) -> dict:

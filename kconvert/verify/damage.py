@@ -32,6 +32,7 @@ def rewrite(out: str | Path, rel: str, mutate: Callable[[dict], None]) -> None:
     cat.doc["files"][rel].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + n])
+    cat.doc["tensors"] = cat.tensors  # whole again: `write` splits it into the per-rank lists anew
     for t in cat.doc["tensors"]:
         if t["file"] == rel:
             lo, hi = header[t["name"]]["data_offsets"]
@@ -41,7 +42,7 @@ def rewrite(out: str | Path, rel: str, mutate: Callable[[dict], None]) -> None:
 
 def files_holding(out: str | Path, name: str) -> list[str]:
     """The converted files (every rank's slice) that hold tensor `name`."""
-    return sorted({t["file"] for t in Catalog.read(out).doc["tensors"] if t["name"] == name})
+    return sorted({t["file"] for t in Catalog.read(out).tensors if t["name"] == name})
 
 
 def scale_up(out: str | Path, weight: str, factor: float) -> None:

@@ -147,7 +147,7 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
         from kconvert.verify.exported import describe
         from kconvert.verify.fake_quant import plan_digest, write_export_fake_quant_source, write_fake_quant_source
 
-        conv = Catalog.read(like).doc
+        conv = Catalog.read(like).whole_doc()
         made_from = describe(like_export).made_from if like_export else conv["source"]["fingerprint"]
         if made_from is not None and made_from != meta["source_fingerprint"]:  # None: an export kconvert did not make
             raise UsageError(f"{like_export or like} was made from another source", file=str(src))

@@ -132,7 +132,7 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
     import time
 
     t0 = time.perf_counter()
-    meta = Catalog.read(out).doc
+    meta = Catalog.read(out).whole_doc()
 
     def phase(name: str, prompts: int | None = None):
         """Name the step on the bar; with `prompts`, count them from 0 (returns the callback to pass on)."""

@@ -1,0 +1,173 @@
+"""Metadata cost at a released model's tensor count, side by side in one run (bench only, not CI).
+
+On a topology preset (`topo-k25`: Kimi-K2.5's 61 layers x 384 INT4 experts, ~210k stored tensors, at tiny
+widths) it times, each as its own `kconvert` process as a user runs it:
+  startup        `kconvert --version`: the CLI's own start-up, subtracted from every command below
+  json floor     `json.loads` of every header (in this process): the least any reader can do
+  read_header    kconvert's header reader (parse + every check) on the same files, in this process
+  safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
+  inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files, load --rank 1 (time to ready)
+and prints wall seconds, seconds beyond start-up, microseconds per tensor and peak RSS, plus the size of
+kconvert.json and of the per-rank tensor lists. Shard's data time is measured on the same bytes in a few
+large tensors (a `scale` checkpoint of the same size, or its smallest, scaled by bytes; same command): the
+per-tensor overhead is what the topology costs beyond it.
+
+    .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta                     # 61 x 384 (~6 minutes)
+    .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta --layers 11 --json  # a smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SCALE_MIN = 64 << 20  # the `scale` preset from 53 MB on has 16+ heads (tp 8 needs 8)
+
+
+def kconvert(*args, env_note: str = "") -> dict:
+    """Run `kconvert ARGS` in a fresh process: wall seconds, peak RSS of that process, its stdout."""
+    cmd = [sys.executable, "-c", "import resource, sys; from cli.main import main; rc = main(sys.argv[1:]); "
+           "u = resource.getrusage(resource.RUSAGE_SELF); "
+           "print('RSS', u.ru_maxrss * 1024, u.ru_utime + u.ru_stime, file=sys.stderr); sys.exit(rc)",
+           *map(str, args)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode:
+        raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    _, rss, cpu = next(ln.split() for ln in proc.stderr.splitlines() if ln.startswith("RSS "))
+    return {"wall": wall, "rss": int(rss), "cpu": float(cpu), "stdout": proc.stdout}
+
+
+def json_floor(src: Path) -> tuple[float, int]:
+    """json.loads of every header, the raw bytes already read: (seconds, tensors)."""
+    seconds, n = 0.0, 0
+    for f in sorted(src.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            raw = fh.read(struct.unpack("<Q", fh.read(8))[0])
+        t = time.perf_counter()
+        n += len(json.loads(raw)) - 1  # __metadata__
+        seconds += time.perf_counter() - t
+    return seconds, n
+
+
+def safetensors_listing(src: Path) -> float:
+    import torch  # noqa: F401  (safe_open "pt" imports it: not part of the listing)
+    from safetensors import safe_open
+
+    t = time.perf_counter()
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                h.get_slice(k).get_shape()
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, required=True, help="Folder for the fixture and conversions (reused).")
+    ap.add_argument("--preset", default="topo-k25")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--json", action="store_true", help="Print the rows as JSON.")
+    a = ap.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    tag = f"{a.preset}-{a.layers or 'L'}-{a.experts or 'E'}"
+    src = a.work / tag
+    if not (src / "config.json").exists():
+        extra = [*(["--layers", a.layers] if a.layers else []), *(["--experts", a.experts] if a.experts else [])]
+        kconvert("fixture", a.preset, src, *extra)
+    source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    big_size = max(source_bytes, SCALE_MIN)
+    big = a.work / f"scale-{big_size}"
+    if not (big / "config.json").exists():
+        kconvert("fixture", "scale", big, "--size", str(big_size))
+    big_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
+
+    rows: list[dict] = []
+
+    def row(name: str, r: dict, tensors: int, rss: int | None = None, note: str = "", base: dict | None = None):
+        """wall and CPU seconds (CPU: of that process, all threads; robust on a shared machine), each beyond
+        the CLI's start-up, and CPU microseconds per tensor."""
+        base = startup if base is None else base
+        beyond = r["cpu"] - base["cpu"]
+        rows.append({"step": name, "wall": round(r["wall"], 2), "wall_beyond_startup": round(r["wall"] - base["wall"], 2),
+                     "cpu": round(r["cpu"], 2), "cpu_beyond_startup": round(beyond, 2), "tensors": tensors,
+                     "cpu_us_per_tensor": round(1e6 * beyond / max(tensors, 1), 1),
+                     "peak_rss_mb": None if rss is None else round(rss / 2**20), "note": note})
+
+    runs = [kconvert("--version") for _ in range(2)]
+    startup = {k: min(r[k] for r in runs) for k in ("wall", "cpu")}
+    floor, stored = json_floor(src)
+    row("startup (kconvert --version)", startup, 0, base={"wall": 0.0, "cpu": 0.0})
+    in_process = {"wall": 0.0, "cpu": 0.0}  # these two run in this process: nothing to subtract
+    row("json.loads of the headers (floor)", {"wall": floor, "cpu": floor}, stored, base=in_process)
+    from kconvert.io.safetensors_read import read_header
+
+    t = time.perf_counter()
+    for f in sorted(src.glob("*.safetensors")):
+        read_header(f)
+    reader = time.perf_counter() - t
+    row("kconvert read_header, every file", {"wall": reader, "cpu": reader}, stored, base=in_process)
+    listing = safetensors_listing(src)
+    row("safetensors safe_open + keys + shapes", {"wall": listing, "cpu": listing}, stored, base=in_process)
+    r = kconvert("inspect", src, "--json")
+    row("inspect", r, stored, r["rss"])
+    r = kconvert("plan", src, "--tp", a.tp, "--quant", "fp8", "--json")
+    row(f"plan --tp {a.tp} --quant fp8", r, stored, r["rss"])
+    out = {}
+    for quant in ("none", "fp8"):
+        out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"
+        shutil.rmtree(out[quant], ignore_errors=True)
+        r = kconvert("shard", src, out[quant], "--tp", a.tp, "--quant", quant)
+        n_out = sum(e["tensors"] for e in json.loads((out[quant] / "kconvert.json").read_text())["tensors_by_rank"])
+        big_out = a.work / f"scale-tp{a.tp}-{quant}"
+        shutil.rmtree(big_out, ignore_errors=True)
+        data = (kconvert("shard", big, big_out, "--tp", a.tp, "--quant", quant)["cpu"] - startup["cpu"]) \
+            * source_bytes / big_bytes  # scaled to this checkpoint's bytes
+        row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],
+            f"same bytes in large tensors: {data:.1f} s CPU; beyond that: "
+            f"{1e6 * (r['cpu'] - startup['cpu'] - data) / n_out:.0f} us/tensor")
+        shutil.rmtree(big_out, ignore_errors=True)
+    fp8 = out["fp8"]
+    files = json.loads((fp8 / "kconvert.json").read_text())["files"]
+    r = kconvert("verify-files", fp8)
+    row("verify-files (fp8)", r, n_out, r["rss"])
+    r = kconvert("load", fp8, "--rank", "1", "--device", "cpu", "--json")
+    rep = json.loads(r["stdout"])
+    row("load --rank 1 (fp8, cpu)", r, rep["tensors"], r["rss"],
+        f"ready {rep['seconds']['ready']:.2f} s of which read {rep['seconds']['read']:.2f} s, {rep['files']} files, "
+        f"{rep['bytes'] / 2**20:.1f} MiB")
+    lists = sorted(fp8.glob("rank-*/tensors.json"))
+    sizes = {"kconvert.json": (fp8 / "kconvert.json").stat().st_size,
+             "rank lists (all)": sum(p.stat().st_size for p in lists),
+             "largest rank list": max(p.stat().st_size for p in lists), "files": len(files)}
+    if a.json:
+        print(json.dumps({"source": str(src), "stored_tensors": stored, "sizes": sizes, "rows": rows}, indent=1))
+        return 0
+    print(f"{src}: {stored} stored tensors, {source_bytes / 2**20:.0f} MiB; converted tp {a.tp}: {n_out} tensors, "
+          f"{sizes['files']} files")
+    print("| step | wall s | wall − start-up | CPU s | CPU − start-up | tensors | CPU µs / tensor | peak RSS MB | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        rss = x["peak_rss_mb"] if x["peak_rss_mb"] is not None else ""
+        print(f"| {x['step']} | {x['wall']:.2f} | {x['wall_beyond_startup']:.2f} | {x['cpu']:.2f} | "
+              f"{x['cpu_beyond_startup']:.2f} | {x['tensors']} | {x['cpu_us_per_tensor']:.1f} | {rss} | {x['note']} |")
+    print(f"kconvert.json {sizes['kconvert.json'] / 2**20:.2f} MiB; per-rank tensor lists {sizes['rank lists (all)'] / 2**20:.2f} "
+          f"MiB in all, the largest {sizes['largest rank list'] / 2**20:.2f} MiB (what load --rank reads)")
+    print(f"(this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

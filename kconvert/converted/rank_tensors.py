@@ -1,0 +1,157 @@
+"""Each rank's tensor list in a file of its own (format version 4): `rank-RRR/tensors.json`.
+
+A rank loading its units reads kconvert.json (config, layout, files: small) and its own list, never the
+others', so its metadata cost does not grow with tp x pp. kconvert.json's `tensors_by_rank[r]` records each
+list's file, tensor count and sha256, and the kconvert.json digest covers those records: every byte of
+every list is still covered by the one digest, and a list is checked against its sha256 before use.
+
+A list is stored as rows under one `columns` line (no per-tensor key names, no fields its file already
+gives: rank, file and layer come from its unit), written compactly; `records()` gives back the same
+per-tensor dicts kconvert.json version 3 held inline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from kconvert.errors import CheckpointError
+from kconvert.io.atomic import write_atomic
+from kconvert.io.dtypes import DTYPES
+from kconvert.io.gc_pause import paused_gc
+from kconvert.io.paths import contained
+from kconvert.converted.units import unit_file, unit_layer
+
+FORMAT = "kconvert-rank-tensors"
+_CRC = re.compile(r"[0-9a-f]{8}")
+COLUMNS = ("name", "unit", "group", "component", "expert", "rule", "slice", "transform", "dtype", "shape", "crc32")
+RECORD_KEYS = ("name", "file", "rank", "layer", "unit", "group", "component", "expert", "rule", "slice", "transform",
+               "dtype", "shape", "crc32")  # a full record, as version 3 stored it
+
+
+def list_file(rank: int) -> str:
+    return f"rank-{rank:03d}/tensors.json"
+
+
+def encode(rank: int, records: list[dict]) -> bytes:
+    rows = [[t[c] for c in COLUMNS] for t in records]
+    return json.dumps({"format": FORMAT, "rank": rank, "columns": list(COLUMNS), "tensors": rows},
+                      separators=(",", ":"), allow_nan=False).encode()
+
+
+def split_by_rank(records: list[dict], world_size: int) -> list[list[dict]]:
+    lists: list[list[dict]] = [[] for _ in range(world_size)]
+    for t in records:
+        lists[t["rank"]].append(t)
+    return lists
+
+
+def write_lists(out: Path, records: list[dict], world_size: int) -> list[dict]:
+    """Write every rank's list (atomically each); return the `tensors_by_rank` records for kconvert.json."""
+    index = []
+    for rank, mine in enumerate(split_by_rank(records, world_size)):
+        raw = encode(rank, mine)
+        write_atomic(out / list_file(rank), raw)
+        index.append({"file": list_file(rank), "tensors": len(mine), "sha256": hashlib.sha256(raw).hexdigest()})
+    return index
+
+
+def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict]) -> list[dict]:
+    """Rank `rank`'s full tensor records, after checking the list's sha256 (kconvert.json's record `entry`)
+    and every row (`check_record`)."""
+    path = contained(out, entry["file"], named_in=Path(out) / "kconvert.json")
+
+    def bad(field: str, why: str):
+        raise CheckpointError(f"field {field}: {why} (rank {rank}'s tensor list, listed in kconvert.json)",
+                              file=str(path))
+
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"rank {rank}'s tensor list, listed in kconvert.json, is missing", file=str(path)) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read rank {rank}'s tensor list: {e.strerror}", file=str(path)) from None
+    if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"rank {rank}'s tensor list was changed after kconvert.json was written (its sha256 "
+                              "does not match kconvert.json's tensors_by_rank): convert again", file=str(path))
+    with paused_gc():  # up to 100k+ records: io/gc_pause.py
+        try:
+            doc = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"rank {rank}'s tensor list is not valid JSON: {e}", file=str(path)) from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("rank") != rank \
+                or doc.get("columns") != list(COLUMNS) or not isinstance(doc.get("tensors"), list):
+            bad("format", f"not rank {rank}'s {FORMAT} list with columns {', '.join(COLUMNS)}")
+        places: dict = {}  # unit -> (file, layer): a few dozen units for 100k+ rows
+        seen: set = set()  # what `check` has found valid already
+        return [_record(rank, i, row, files, bad, places, seen) for i, row in enumerate(doc["tensors"])]
+
+
+def _record(rank: int, i: int, row, files: dict[str, dict], bad, places: dict, seen: set) -> dict:
+    if not isinstance(row, list) or len(row) != len(COLUMNS):
+        bad(f"tensors[{i}]", f"not a row of {len(COLUMNS)} columns")
+    name, unit, group, component, expert, rule, sl, transform, dtype, shape, crc = row
+    place = places.get(unit) if isinstance(unit, str) else None
+    if place is None:
+        try:
+            layer = unit_layer(unit)
+        except ValueError:
+            bad(f"tensors[{i}].unit", f"{unit!r} is not a unit name")
+        if unit_file(rank, unit) not in files:
+            bad(f"tensors[{i}].unit", f"rank {rank} has no file for unit {unit!r}")
+        place = places[unit] = (unit_file(rank, unit), layer)
+    t = {"name": name, "file": place[0], "rank": rank, "layer": place[1], "unit": unit, "group": group,
+         "component": component, "expert": expert, "rule": rule, "slice": sl, "transform": transform,
+         "dtype": dtype, "shape": shape, "crc32": crc}  # RECORD_KEYS, in order
+    check_record(f"tensors[{i}]", t, bad, None, seen)
+    return t
+
+
+def check_record(f: str, t: dict, bad, rec: dict | None = None, seen: set | None = None) -> None:
+    """One tensor record (`rec`: its file's record, when the caller has not placed it already). `seen`: the
+    (dtype, shape, slice) triples already found valid, so 100k records check those once per distinct triple."""
+    key = None
+    if seen is not None:
+        try:
+            sl = t.get("slice")
+            key = (t.get("dtype"), type(t.get("shape")), tuple(t.get("shape")), type(sl), sl and tuple(sl))
+            if key in seen and rec is None and type(t.get("name")) is str and type(t.get("crc32")) is str \
+                    and _CRC.fullmatch(t["crc32"]) and all(type(s) is int for s in key[2] + (key[4] or ())):
+                return  # (a bool equals 1 as a key: the type test keeps [true] from passing as [1])
+        except TypeError:  # not lists of plain values: the checks below name what is wrong
+            key = None
+    if not isinstance(t.get("name"), str):
+        bad(f, "not a tensor record with a name")
+    if rec is not None and (t.get("rank") != rec["rank"] or t.get("unit") != rec["unit"]):
+        bad(f, f"rank/unit of tensor {t['name']} differ from its file's")
+    if t.get("dtype") not in DTYPES:
+        bad(f"{f}.dtype", f"{t.get('dtype')!r} is not a safetensors dtype")
+    shape = t.get("shape")
+    if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):
+        bad(f"{f}.shape", f"{shape!r} is not a list of sizes")
+    sl = t.get("slice")
+    if sl is not None and (not isinstance(sl, list) or len(sl) != 3 or not all(_int(s) for s in sl)):
+        bad(f"{f}.slice", f"{sl!r} is not [dim, start, stop]")
+    if not isinstance(t.get("crc32"), str) or not _CRC.fullmatch(t["crc32"]):
+        bad(f"{f}.crc32", "not an 8-digit hex CRC-32")
+    if key is not None:
+        seen.add(key)
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_index(index, world_size: int, bad) -> None:
+    """kconvert.json's `tensors_by_rank`: one {file, tensors, sha256} record per rank, each at its rank's path."""
+    if not isinstance(index, list) or len(index) != world_size:
+        bad("tensors_by_rank", f"not a list of {world_size} records (one per rank)")
+    for r, e in enumerate(index):
+        if not isinstance(e, dict) or e.get("file") != list_file(r) or not isinstance(e.get("sha256"), str) \
+                or not isinstance(e.get("tensors"), int):
+            bad(f"tensors_by_rank[{r}]", f"not a {{file: {list_file(r)!r}, tensors, sha256}} record")
+
+
+__all__ = ["COLUMNS", "check_index", "check_record", "list_file", "read_list", "write_lists"]

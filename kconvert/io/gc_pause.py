@@ -1,0 +1,24 @@
+"""Build large metadata (100k+ header entries, tensor records) with Python's cycle collector paused.
+
+Parsing a 200k-tensor header allocates ~1M containers; each allocation burst triggers collections that
+walk every live object, which tripled the cost of reading headers (measured on topo-k25: 3.0 s -> 1.0 s
+for 208k entries). These objects hold no cycles, so pausing is safe; the collector resumes afterwards
+(only if it was running before).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -1,0 +1,77 @@
+"""Released checkpoints hold 70k-210k tensors: nothing per tensor may grow with the tensor count.
+
+The topology presets (kconvert/fixtures/topology.py) give a release's tensor layout at tiny widths; here a
+few hundred to a few thousand tensors, in process. Doubling the decoder layers doubles the tensors and the
+files; inspect + shard + verify-files + loading a rank must then cost about twice as much CPU, not four
+times (a loose bound, < 3x, that a loaded machine does not trip: CPU time of this process, not wall time).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kconvert.converted.catalog import Catalog
+from kconvert.converted.integrity import verify_files
+from kconvert.convert.shard import ShardJob, shard
+from kconvert.load.loader import open_converted
+from kconvert.plan.inspect import summarize
+from kconvert.source.checkpoint import Checkpoint
+
+EXPERTS = 96
+
+
+def _metadata_work(src, out) -> tuple[float, int]:
+    """(CPU seconds, stored tensors) of inspect, shard --tp 2, verify-files and loading rank 1."""
+    t = time.process_time()
+    stored = summarize(Checkpoint.open(src)).tensors
+    shard(ShardJob(str(src), str(out), tp=2))
+    verify_files(out)
+    for _ in open_converted(out, rank=1).stream("cpu", prefetch=1):
+        pass
+    return time.process_time() - t, stored
+
+
+def test_doubling_the_tensor_count_at_most_about_doubles_the_metadata_cost(checkpoint, tmp_path):
+    small = checkpoint("topo-k25", layers=3, experts=EXPERTS)  # 2 MoE layers
+    large = checkpoint("topo-k25", layers=5, experts=EXPERTS)  # 4 MoE layers: twice the tensors and files
+    _metadata_work(small, tmp_path / "warm")  # imports and first calls out of the way
+    t_small, n_small = _metadata_work(small, tmp_path / "small")
+    t_large, n_large = _metadata_work(large, tmp_path / "large")
+    assert 1.8 < n_large / n_small < 2.2
+    assert t_large / t_small < 3, f"{n_small} tensors: {t_small:.2f} s CPU; {n_large}: {t_large:.2f} s"
+
+
+def test_topology_overrides_build_valid_checkpoints(checkpoint):
+    """--layers / --experts: a smaller checkpoint of the same kind, valid against its family manifest, stored
+    as the release stores it (INT4 experts; V4's FP8 + FP4 sidecars); other presets refuse the overrides."""
+    from kconvert.errors import UsageError
+    from kconvert.fixtures import build_fixture
+
+    k25 = summarize(Checkpoint.open(checkpoint("topo-k25", layers=3, experts=8)))
+    assert (k25.model["layers"], k25.model["routed_experts"]) == (3, 8)
+    assert {r["format"]: r["tensors"] for r in k25.formats}["int4_packed"] == 2 * 8 * 3  # 2 MoE layers
+    v4 = summarize(Checkpoint.open(checkpoint("topo-dsv4-pro", layers=3, experts=8)))
+    formats = {r["format"]: r["tensors"] for r in v4.formats}
+    assert (v4.model["layers"], v4.model["mtp_layers"]) == (3, 1) and formats["fp4_packed"] == 4 * 8 * 3
+    assert formats["block_fp8"] > 0
+    with pytest.raises(UsageError, match="topology presets"):
+        build_fixture("tiny-k3", "/nonexistent/x", layers=3)
+
+
+def test_a_rank_reads_only_its_own_tensor_list(checkpoint, tmp_path):
+    """kconvert.json (format 4) lists no tensors; each rank's list is its own file, checked against the
+    sha256 kconvert.json records: loading rank 1 works with every other rank's list gone."""
+    out = tmp_path / "tp2"
+    shard(ShardJob(str(checkpoint("topo-k25", layers=3, experts=8)), str(out), tp=2))
+    cat = Catalog.read(out)
+    assert "tensors" not in cat.doc and len(cat.doc["tensors_by_rank"]) == 2
+    everyone = cat.tensors
+    (out / "rank-000" / "tensors.json").unlink()
+    conv = open_converted(out, rank=1)
+    held = dict(conv.stream("cpu"))
+    assert [t for t in everyone if t["rank"] == 1] == conv.catalog.rank_tensors(1)
+    assert sum(len(u) for u in held.values()) == cat.doc["tensors_by_rank"][1]["tensors"]
+    with pytest.raises(Exception, match="rank 0's tensor list"):
+        verify_files(out)

@@ -47,7 +47,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     """Every calibrated weight, decoded from the stored codes and scales and its tp slices put together."""
     from kconvert.verify.fake_quant import stored_int4_pieces
 
-    meta = Catalog.read(out).doc
+    meta = Catalog.read(out).whole_doc()
     whole = {}
     for name, pieces in stored_int4_pieces(out, meta).items():
         whole[name] = torch.cat([w for _, w in sorted(pieces, key=lambda p: p[0][1])], dim=pieces[0][0][0]) \

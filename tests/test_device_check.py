@@ -20,7 +20,7 @@ def test_device_check_runs_on_cpu(tmp_path):
     steps = rep["steps"]
     assert {k: v["status"] for k, v in steps.items()} == {
         "env": "ok", "h2d": "skipped", "build": "ok", "load": "ok", "ready": "ok", "verify": "skipped",
-        "decode": "ok", "tp2": "skipped"}
+        "decode": "ok", "decode_v4": "skipped", "tp2": "skipped"}
     rows = steps["load"]["rows"]
     assert set(rows) == {f"{c}/{w}" for c in ("kconvert", "load_file", "safe_open+to") for w in ("first", "warm")}
     assert all(v["GBps"] > 0 for v in rows.values()) and steps["load"]["bytes"] > 4_000_000

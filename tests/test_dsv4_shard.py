@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from helpers import assert_one_line_error, cli_here
+from helpers import assert_one_line_error, cli_here, read_meta
 from kconvert.load.loader import open_converted
 from kconvert.source.checkpoint import Checkpoint
 
@@ -81,7 +81,7 @@ def test_fp8_reencodes_fp4_experts_exactly(checkpoint, tmp_path):
     got = {}
     for unit in conv.catalog.units:
         got.update(conv.load_unit(unit, verify=True))
-    transforms = {t["name"]: t["transform"] for t in conv.meta["tensors"]}
+    transforms = {t["name"]: t["transform"] for t in read_meta(out)["tensors"]}
     checked = 0
     for name, t in ck.logical.items():
         if t.format == "plain" or name.startswith("mtp."):
@@ -103,7 +103,7 @@ def test_int_schemes_quantize_the_dequantized_release(checkpoint, tmp_path, quan
     out = tmp_path / "out"
     proc = cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 2, "--quant", quant)
     assert proc.returncode == 0, proc.stderr
-    meta = open_converted(out, 0).meta
+    meta = read_meta(out)
     by = {}
     for t in meta["tensors"]:
         by.setdefault(t["transform"], set()).add(t["name"])
@@ -244,5 +244,5 @@ def test_v4_pro_shared_experts_at_tp16(tmp_path):
         ref = want[rank * 192:(rank + 1) * 192]
         assert w.shape == (192, 128) and got[name + "_scale_inv"].shape == (2, 1)
         assert (w - ref).abs().max() <= ref.abs().amax() / 16, rank  # e4m3 rounding of the source values
-        e = {t["name"]: t["transform"] for t in conv.meta["tensors"]}
+        e = {t["name"]: t["transform"] for t in read_meta(out)["tensors"]}
         assert e[name] == "fp8" and e["layers.0.attn.wq_a.weight"] == "fp8_copy"

@@ -12,37 +12,19 @@ tensor names and enumerates every expected tensor (which `plan` uses for models 
 
 from __future__ import annotations
 
-import functools
-import importlib.resources
 import re
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from kconvert.errors import ManifestError
 from kconvert.family.compose import part_applies, with_traits
+from kconvert.family.families import family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
 from kconvert.family.schedule import read_schedules
 
 SPLITS = ("vocab", "col", "row", "expert", "replicate")
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
-
-
-def manifests_dir() -> Path:
-    return Path(str(importlib.resources.files("manifests")))
-
-
-@functools.lru_cache(maxsize=None)
-def _read_toml(path: Path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ManifestError("manifest file not found", file=str(path)) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ManifestError(f"manifest is not valid TOML: {e}", file=str(path)) from None
 
 
 @dataclass(frozen=True)
@@ -253,40 +235,6 @@ def _key(name: str) -> str:
     return _NUM.sub("#", name.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
 
 
-@functools.lru_cache(maxsize=None)
-def families() -> tuple[tuple[str, dict], ...]:
-    out = []
-    for path in sorted(manifests_dir().glob("*.toml")):
-        spec = _read_toml(path)
-        if "family" in spec:
-            out.append((path.name, spec))
-    return tuple(out)
-
-
-def family_aliases(family: dict) -> tuple[tuple[re.Pattern, str], ...]:
-    """A family's [family.aliases]: (pattern matching a stored name's start, the published start)."""
-    try:
-        return tuple((re.compile(p), str(to)) for p, to in (family.get("aliases") or {}).items())
-    except (re.error, AttributeError) as e:
-        raise ManifestError(f"family {family.get('name')}: bad [family.aliases]: {e}") from None
-
-
-def find_family(config: dict, *, config_file: str = "config.json") -> dict:
-    archs = config.get("architectures") or []
-    model_type = config.get("model_type")
-    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise ManifestError("architectures must be a list of strings", file=config_file)
-    if model_type is not None and not isinstance(model_type, str):
-        raise ManifestError("model_type must be a string", file=config_file)
-    for _, spec in families():
-        fam = spec["family"]
-        if any(a in fam.get("architectures", []) for a in archs) or model_type in fam.get("model_types", []):
-            return spec
-    known = ", ".join(spec["family"]["name"] for _, spec in families())
-    raise ManifestError(f"unknown architecture {archs or model_type!r}: no manifest matches (known families: {known})",
-                        file=config_file)
-
-
 def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
     """Pick the family manifest for `config` and bind it."""
     spec = find_family(config, config_file=config_file)
@@ -304,7 +252,7 @@ def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
             raise ManifestError(f"config has no {p['config']!r} section (family {spec['family']['name']})", file=config_file)
         if not part_applies(p, sub):
             continue
-        part_spec = _read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
+        part_spec = read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
                                config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False)),
                                engine_prefix=p.get("engine_prefix"), names=p.get("names")))

@@ -13,6 +13,7 @@ point two tensors at one region, or to hide bytes between them, does not.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct

@@ -1,0 +1,61 @@
+"""The family manifests on disk (manifests/*.toml) and which one a config.json belongs to. Binding one to a
+config is kconvert/family/manifest.py's `bind`."""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+import tomllib
+from pathlib import Path
+
+from kconvert.errors import ManifestError
+
+
+def manifests_dir() -> Path:
+    return Path(str(importlib.resources.files("manifests")))
+
+
+@functools.lru_cache(maxsize=None)
+def read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ManifestError("manifest file not found", file=str(path)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"manifest is not valid TOML: {e}", file=str(path)) from None
+
+
+@functools.lru_cache(maxsize=None)
+def families() -> tuple[tuple[str, dict], ...]:
+    out = []
+    for path in sorted(manifests_dir().glob("*.toml")):
+        spec = read_toml(path)
+        if "family" in spec:
+            out.append((path.name, spec))
+    return tuple(out)
+
+
+def family_aliases(family: dict) -> tuple[tuple[re.Pattern, str], ...]:
+    """A family's [family.aliases]: (pattern matching a stored name's start, the published start)."""
+    try:
+        return tuple((re.compile(p), str(to)) for p, to in (family.get("aliases") or {}).items())
+    except (re.error, AttributeError) as e:
+        raise ManifestError(f"family {family.get('name')}: bad [family.aliases]: {e}") from None
+
+
+def find_family(config: dict, *, config_file: str = "config.json") -> dict:
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ManifestError("architectures must be a list of strings", file=config_file)
+    if model_type is not None and not isinstance(model_type, str):
+        raise ManifestError("model_type must be a string", file=config_file)
+    for _, spec in families():
+        fam = spec["family"]
+        if any(a in fam.get("architectures", []) for a in archs) or model_type in fam.get("model_types", []):
+            return spec
+    known = ", ".join(spec["family"]["name"] for _, spec in families())
+    raise ManifestError(f"unknown architecture {archs or model_type!r}: no manifest matches (known families: {known})",
+                        file=config_file)

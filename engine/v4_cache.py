@@ -83,15 +83,6 @@ class CompressorState:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate) if t is not None]
 
-    def _layer(self) -> V4LayerState:
-        return V4LayerState(*self.codes, host_entries=self.device_budget is not None)
-
-    def device_bytes(self) -> int:
-        return self.bytes_in_use() - sum(s.compressor.host_bytes() for s in self.layers)
-
-    def fetched(self) -> int:
-        return sum(s.fetched() for s in self.layers)
-
     def bytes_in_use(self) -> int:
         return (self.store.bytes_in_use() if self.store else 0) + sum(t.numel() * 4 for t in self.tensors())
 
@@ -139,15 +130,6 @@ class V4LayerState:
         if self.ring is None:
             self.ring = Ring(B, size, fmt.row_bytes, device)
         return self.ring
-
-    def _layer(self) -> V4LayerState:
-        return V4LayerState(*self.codes, host_entries=self.device_budget is not None)
-
-    def device_bytes(self) -> int:
-        return self.bytes_in_use() - sum(s.compressor.host_bytes() for s in self.layers)
-
-    def fetched(self) -> int:
-        return sum(s.fetched() for s in self.layers)
 
     def bytes_in_use(self) -> int:
         ring = self.ring.nbytes() if self.ring else 0

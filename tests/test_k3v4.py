@@ -79,3 +79,13 @@ def test_chat_answers_about_an_image(k3v4, image_file):
                        timeout=300)
     assert p.returncode == 0, p.stderr
     assert "8 tokens" in p.stdout.strip().splitlines()[-1], p.stdout
+
+
+def test_transformers_save_pretrained_of_kimi_over_v4_reads_as_published(k3v4, tmp_path):
+    """A Kimi-over-V4 checkpoint written by transformers' save_pretrained (`blocks`, and `attn.norm` for the
+    attention's kv_norm) is read through the kimi_k25 manifest's aliases as the published names."""
+    _, model = k3v4
+    model.save_pretrained(tmp_path / "saved")
+    ck = Checkpoint.open(tmp_path / "saved")
+    ck.validate()
+    assert "language_model.model.layers.1.attn.kv_norm.weight" in ck.logical

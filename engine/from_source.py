@@ -23,7 +23,7 @@ def converted_dir(path: str, say: Callable[[str], object], nproc: int | None = N
     if (Path(path) / MANIFEST).exists():
         yield path
         return
-    from kconvert.convert.export_formats import runs_as
+    from kconvert.convert.export_table import runs_as
     from kconvert.convert.shard import ShardJob, shard
     from kconvert.source.checkpoint import Checkpoint
 

@@ -75,3 +75,39 @@ def test_a_rank_reads_only_its_own_tensor_list(checkpoint, tmp_path):
     assert sum(len(u) for u in held.values()) == cat.doc["tensors_by_rank"][1]["tensors"]
     with pytest.raises(Exception, match="rank 0's tensor list"):
         verify_files(out)
+
+
+def test_inspect_and_plan_read_headers_without_importing_torch(checkpoint):
+    """inspect and plan (of a checkpoint, a converted directory and a preset) read headers and config only:
+    torch's import (~1.5 s, more than the headers of a 200k-tensor release) is not paid. The static byte
+    sizes they use instead of torch's agree with torch."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from kconvert.io.dtypes import DTYPES, ITEMSIZE
+    from kconvert.quant.fp4_e2m1 import GROUP
+    from kconvert.source.formats import FP4_GROUP
+
+    assert {t: torch.empty(0, dtype=d).element_size() for t, d in DTYPES.items()} == ITEMSIZE and FP4_GROUP == GROUP
+    src = checkpoint("topo-k25", layers=3, experts=EXPERTS)
+    code = f"""
+import contextlib, io, json, sys
+from cli.main import main
+seen = {{}}
+for args in (["inspect", {str(src)!r}], ["plan", {str(src)!r}, "--tp", "2", "--quant", "fp8"],
+             ["plan", "kimi-k3-3t", "--tp", "8", "--quant", "int4", "--device", "H200"]):
+    with contextlib.redirect_stdout(io.StringIO()):
+        seen[args[0] + str(len(args))] = main(args)
+seen["heavy"] = [m for m in ("torch", "numpy", "safetensors", "transformers") if m in sys.modules]
+print(json.dumps(seen))
+"""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    assert seen.pop("heavy") == [] and set(seen.values()) == {0}, seen

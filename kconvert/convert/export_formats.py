@@ -30,27 +30,9 @@ from kconvert.source.stored_parts import read_parts
 from kconvert.convert.quant_policy import selected, source_quant, source_scale_fmt  # noqa: F401 (export.py imports source_scale_fmt here)
 from kconvert.quant.registry import get_scheme
 from kconvert.quant.scheme import COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, Options, Scheme, input_bytes
+from kconvert.convert.export_table import EXPORT_FORMATS, FORMATS, ExportFormat, format_of, runs_as  # noqa: F401 (API)
 
 
-@dataclass(frozen=True)
-class ExportFormat:
-    """A scheme's values under a serving engine's names: which scheme, which encoding, which tensors."""
-
-    name: str
-    scheme: str  # in kconvert/quant/registry.py
-    transform: str  # what the plan calls a tensor this format quantizes
-    encoding: str = KCONVERT
-    text_only: bool = False  # vision tower and projector stay bf16 (the FP8 releases keep them so)
-    runs_as: str = "none"  # the `shard --quant` an engine runs it with, without rounding twice (verify, chat)
-
-
-EXPORT_FORMATS = {f.name: f for f in (
-    ExportFormat("fp8-block", "fp8", "fp8_block", text_only=True, runs_as="fp8"),  # blocks copied
-    ExportFormat("w4a16", "int4", "int4", encoding=COMPRESSED_TENSORS),  # dequantized to bf16
-    ExportFormat("w8a8-int8", "int8", "int8_channel", runs_as="int8"),  # re-quantizes to the same bytes
-    ExportFormat("fp8-channel", "fp8_channel", "fp8_channel"),
-)}
-FORMATS = tuple(EXPORT_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -203,20 +185,3 @@ def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str])
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                           "output_activations": None}},
             "ignore": ignore}
-
-
-def runs_as(qc: dict) -> str:
-    """The `shard --quant` that runs a checkpoint with this quantization_config (an export or a release)."""
-    fmt = format_of(qc)
-    return EXPORT_FORMATS[fmt].runs_as if fmt in EXPORT_FORMATS else "none"
-
-
-def format_of(qc: dict) -> str | None:
-    """The export format a checkpoint's quantization_config describes (the inverse of
-    `quantization_config`): a name of FORMATS, "none" when unquantized, None when no format here reads it."""
-    if not qc:
-        return "none"
-    if qc.get("quant_method") == "fp8":
-        return "fp8-block"
-    by_ct_format = {"pack-quantized": "w4a16", "int-quantized": "w8a8-int8", "float-quantized": "fp8-channel"}
-    return by_ct_format.get(qc.get("format")) if qc.get("quant_method") == "compressed-tensors" else None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
-from kconvert.io.dtypes import DTYPES
+from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.converted.units import unit_file, unit_layer
@@ -126,7 +126,7 @@ def check_record(f: str, t: dict, bad, rec: dict | None = None, seen: set | None
         bad(f, "not a tensor record with a name")
     if rec is not None and (t.get("rank") != rec["rank"] or t.get("unit") != rec["unit"]):
         bad(f, f"rank/unit of tensor {t['name']} differ from its file's")
-    if t.get("dtype") not in DTYPES:
+    if t.get("dtype") not in ITEMSIZE:
         bad(f"{f}.dtype", f"{t.get('dtype')!r} is not a safetensors dtype")
     shape = t.get("shape")
     if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):

@@ -180,6 +180,7 @@ class ModelMap:
         self.text_config: dict = config if key == "." else config.get(key, {})
         self._index: dict[str, list[Rule]] = {}
         self.aliases = family_aliases(family)
+        self._any_alias = _any_of(self.aliases)
         # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
         self.renames = any(r.engine or r.reference for p in parts for r in p.rules)
         for part in parts:
@@ -188,6 +189,8 @@ class ModelMap:
 
     def canonical(self, name: str) -> str:
         """A stored name as the manifest names it: the family's [family.aliases] rules, each once at the start."""
+        if self._any_alias is not None and not self._any_alias.search(name):
+            return name  # no rule matches the name as stored, so none matches after another rule either
         for pattern, published in self.aliases:
             name = pattern.sub(published, name, count=1)
         return name
@@ -198,7 +201,7 @@ class ModelMap:
 
     def classify(self, name: str) -> TensorInfo | None:
         """The manifest entry for `name`, or None when the family does not know it."""
-        for rule in self._index.get(_key(name), ()):
+        for rule in self._index.get(_NUM.sub("#", name), ()):  # a name has no {L}/{E}/{M}: _key without them
             m = rule.regex.match(name)
             if not m:
                 continue
@@ -229,6 +232,17 @@ class ModelMap:
                         if L is not None:
                             name = name.replace("{M}", str(L - part.layer_count))
                         yield TensorInfo(name, rule, L, E), required
+
+
+def _any_of(aliases) -> re.Pattern | None:
+    """One pattern matching where any alias rule matches (200k names: one search each, not one per rule); None
+    when a rule's own backreference would change meaning inside an alternation."""
+    if not aliases or any(re.search(r"\\[1-9]|\(\?P=", p.pattern) for p, _ in aliases):
+        return None
+    try:
+        return re.compile("|".join(f"(?:{p.pattern})" for p, _ in aliases))
+    except re.error:  # e.g. a rule's global inline flag, legal only at the start of a whole pattern
+        return None
 
 
 def _key(name: str) -> str:

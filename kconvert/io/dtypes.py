@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-import torch
-
-# safetensors dtype tag -> torch dtype
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E8M0": torch.float8_e8m0fnu,
+# safetensors dtype tag -> bytes per element: static, so header checks and plans need no torch
+ITEMSIZE: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1,
 }
-TAGS: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-ITEMSIZE: dict[str, int] = {tag: torch.empty(0, dtype=dt).element_size() for tag, dt in DTYPES.items()}
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+def __getattr__(name: str):
+    """DTYPES (tag -> torch dtype) and TAGS (the reverse), built on first use: importing this module (every
+    header read, `inspect`, `plan`) must not import torch (~1.5 s)."""
+    if name not in ("DTYPES", "TAGS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    dtypes = {tag: getattr(torch, n) for tag, n in _TORCH_NAMES.items()}
+    globals().update(DTYPES=dtypes, TAGS={v: k for k, v in dtypes.items()})
+    return globals()[name]
 
 
 def specs_bytes(specs) -> int:
@@ -34,4 +43,6 @@ FP8_BLOCK = 128
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """float8_e8m0fnu bytes -> float32 powers of two 2^(byte - 127), never the raw bytes as numbers. Byte 255
     is NaN: readers refuse it first (source/formats.require_finite)."""
+    import torch
+
     return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)

@@ -17,23 +17,22 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import NamedTuple
 
 from kconvert.errors import FormatError
-from kconvert.io.compressed import ChunkIndex
-from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.pread import map_range
 
 MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one stored tensor lives. `begin`/`end` are absolute file offsets."""
+class TensorEntry(NamedTuple):
+    """Where one stored tensor lives. `begin`/`end` are absolute file offsets. Immutable; a named tuple, not
+    a frozen dataclass, because a released checkpoint makes 200k of them and a frozen dataclass is built
+    five times slower."""
 
     name: str
     file: Path
@@ -41,7 +40,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
-    compressed: object = field(default=None, repr=False, compare=False)  # ChunkIndex of a compressed shard
+    compressed: object = None  # ChunkIndex of a compressed shard
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +52,8 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        from kconvert.io.dtypes import DTYPES
+
         return DTYPES[self.dtype]
 
 
@@ -102,6 +103,8 @@ def _read_header(path: Path) -> SafetensorsHeader:
     metadata = metadata if isinstance(metadata, dict) else {}
     comp = None
     if "kconvert_codec" in metadata:  # a compressed shard: offsets are into the plain file it decompresses to
+        from kconvert.io.compressed import ChunkIndex  # numpy and zstandard: only for compressed shards
+
         comp = ChunkIndex(path, size, data_start, raw, metadata, obj)
         data_start, data_len = comp.data_start, comp.size - comp.data_start
     tensors = _entries(path, obj, data_start, data_len, comp)
@@ -176,7 +179,7 @@ def _entry(path: Path, name: str, spec, data_start: int, data_len: int, comp=Non
         raise FormatError("malformed header entry (shape and data_offsets must be lists of integers)", file=str(path),
                           tensor=name)
     shape = tuple(shape)
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise FormatError(f"unsupported dtype {dtype!r}", file=str(path), tensor=name)
     if any(s < 0 for s in shape) or lo < 0 or hi < lo:
         raise FormatError(f"invalid shape {list(shape)} or offsets [{lo}, {hi}]", file=str(path), tensor=name)
@@ -191,6 +194,8 @@ def _entry(path: Path, name: str, spec, data_start: int, data_len: int, comp=Non
 
 def read_tensor(entry: TensorEntry, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Read a stored tensor, or rows [a, b) of its first dimension (only those bytes are read)."""
+    import torch  # here, not at the top: header reads (inspect, plan) never need it
+
     shape = list(entry.shape)
     begin, nbytes = entry.begin, entry.nbytes
     if rows is not None:

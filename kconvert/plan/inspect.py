@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from kconvert.convert.export_formats import EXPORT_FORMATS, format_of
+from kconvert.convert.export_table import EXPORT_FORMATS, format_of
 from kconvert.source.checkpoint import Checkpoint
 
 COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
@@ -41,11 +41,13 @@ def summarize(ck: Checkpoint) -> Summary:
     formats: dict[tuple[str, str], dict] = {}
     for name, t in ck.logical.items():
         info = ck.info(name)
-        params[info.component] += t.numel
-        key = (t.format, t.stored_dtype)
-        row = formats.setdefault(key, {"format": t.format, "dtype": t.stored_dtype, "tensors": 0, "params": 0, "bytes": 0})
+        numel, key = t.numel, (t.format, t.stored_dtype)
+        params[info.component] += numel
+        row = formats.get(key)
+        if row is None:
+            row = formats[key] = {"format": t.format, "dtype": key[1], "tensors": 0, "params": 0, "bytes": 0}
         row["tensors"] += 1
-        row["params"] += t.numel
+        row["params"] += numel
         row["bytes"] += t.stored_bytes
     tc = ck.text_config
     n_experts = int(tc.get("n_routed_experts") or 0)

@@ -10,8 +10,6 @@ NaN and Inf propagate into the amax the scales come from, so a non-finite scale 
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.errors import CheckpointError
 from kconvert.quant.scheme import Options, Scheme, Spec
 
@@ -22,12 +20,16 @@ CHUNK_ELEMS = 1 << 20  # values per step: a 4 MB float32 temporary
 
 
 def refuse_nonfinite(x: torch.Tensor, name: str) -> None:
+    import torch
+
     bad = int((~torch.isfinite(x.to(torch.float32))).sum())
     raise CheckpointError(f"{bad} NaN/Inf values in the source weight: refusing to quantize it", tensor=name)
 
 
 def check_scales(scale: torch.Tensor, w: torch.Tensor, name: str) -> None:
     """A non-finite scale means a non-finite weight: refuse it (counting the bad values only then)."""
+    import torch
+
     if scale.numel() and not bool(torch.isfinite(scale).all()):
         refuse_nonfinite(w, name)
 
@@ -41,6 +43,8 @@ def row_chunks(rows: int, cols: int, unit: int = 1):
 def fold_max(a: torch.Tensor, dim: int, block: int, signed: bool = False) -> torch.Tensor:
     """amax (of |a| when `signed`) over consecutive runs of `block` along `dim` (a shorter last run
     counts on its own). |a| comes from amax and amin: two reads and no |a| temporary."""
+    import torch
+
     def absmax(v: torch.Tensor, d: int, keepdim: bool = False) -> torch.Tensor:
         hi = v.amax(d, keepdim=keepdim)
         return torch.maximum(hi, v.amin(d, keepdim=keepdim).neg_()) if signed else hi
@@ -57,6 +61,8 @@ def fold_max(a: torch.Tensor, dim: int, block: int, signed: bool = False) -> tor
 
 def quantize_rows(w: torch.Tensor, limit: float, dtype: torch.dtype, rounded: bool, name: str):
     """w [R, C] float -> (q [R, C] in `dtype`, float32 scale [R, 1] = max(row amax / limit, TINY))."""
+    import torch
+
     rows, cols = w.shape
     q = torch.empty(rows, cols, dtype=dtype)
     scale = torch.full((rows, 1), TINY, dtype=torch.float32)
@@ -76,16 +82,20 @@ class RowScaled(Scheme):
     """A scheme of one float32 scale per output row (`X.weight` in `tag`, `X.weight_scale` [R, 1]):
     s = max(row amax / limit, 1e-12), q = dtype(w / s) (rounded first for integers), dequant = q * s."""
 
-    tag: str
+    tag: str  # the stored dtype (a safetensors tag)
     limit: float
-    dtype: torch.dtype
     rounded: bool
 
     def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
         return [(src, self.tag, tuple(shape)), (src + "_scale", "F32", (shape[0], 1))]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
-        return list(quantize_rows(w, self.limit, self.dtype, self.rounded, name))
+        from kconvert.io.dtypes import DTYPES
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return list(quantize_rows(w, self.limit, DTYPES[self.tag], self.rounded, name))
+
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
+        import torch
+
+        dtype = dtype or torch.float32
         return stored[0].to(dtype) * stored[1].to(dtype)

@@ -15,8 +15,6 @@ even code (IEEE round-to-nearest-even on the 1-bit mantissa); a value that round
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.io.dtypes import e8m0_to_float
 from kconvert.quant.chunks import check_scales, row_chunks
 from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, SourceQuant, Spec, sidecar
@@ -31,6 +29,8 @@ _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fa
 
 def e8m0_exponents(amax: torch.Tensor) -> torch.Tensor:
     """int32 exponent e of each group's scale 2^e: the least e with amax / 2^e <= 6 (clamped to e8m0)."""
+    import torch
+
     mantissa, exp = torch.frexp(amax / E2M1_MAX)  # amax / 6 = m * 2^exp, m in [0.5, 1) (0 for amax = 0)
     e = torch.where(mantissa == 0.5, exp - 1, exp)  # an exact power of two needs no rounding up
     # the division rounds: make sure the largest value really fits under 6 at 2^e
@@ -40,6 +40,8 @@ def e8m0_exponents(amax: torch.Tensor) -> torch.Tensor:
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """float y (already divided by its scale, |y| <= 6) -> uint8 codes 0..15 (sign bit 3)."""
+    import torch
+
     a = y.abs()
     m = torch.zeros(y.shape, dtype=torch.uint8)
     for mid, tie_up in _MIDPOINTS:
@@ -49,6 +51,8 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp4(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float (C a multiple of 32) -> (uint8 [R, C/2] code pairs, float8_e8m0fnu [R, C/32])."""
+    import torch
+
     rows, cols = w.shape
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
     exps = torch.empty(rows, cols // GROUP, dtype=torch.int32)
@@ -63,8 +67,11 @@ def quantize_fp4(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.T
     return packed, (exps + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """uint8 [R, C/2] code pairs and e8m0 [R, C/32] scales -> [R, C] in `dtype` (exact in float32)."""
+    import torch
+
+    dtype = dtype or torch.float32
     lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
     return (lut[codes.long()] * e8m0_to_float(scale).repeat_interleave(GROUP, dim=1)).to(dtype)
@@ -92,10 +99,15 @@ class Fp4E2M1(Scheme):
         return [(src + "_packed", "U8", (r, c // 2)), (src + "_scale", "F8_E8M0", (r, c // GROUP))]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        import torch
+
         packed, scale = quantize_fp4(w, name)
         return [packed.view(torch.int8) if opts.encoding == DEEPSEEK_V4 else packed, scale]
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
+        import torch
+
+        dtype = dtype or torch.float32
         return dequantize_fp4(stored[0].view(torch.uint8), stored[1], dtype)
 
     def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:

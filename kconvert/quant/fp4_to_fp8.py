@@ -12,8 +12,6 @@ Groups whose codes are all zero carry no value, so their scale does not count.""
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.errors import UsageError
 from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.quant.fp4_e2m1 import E2M1, E8M0_BIAS, GROUP
@@ -25,6 +23,8 @@ SPAN = 14  # d from -8 to 6: the octaves one block scale holds exactly
 def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -> torch.Tensor:
     """int32 [ceil(R/128), ceil(C/128)]: the exponent m of each block's scale 2^m (refuses a block whose
     groups span more than SPAN octaves)."""
+    import torch
+
     rows = packed.shape[0]
     k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS  # [R, C/32]
     live = (packed & 0x77).view(rows, -1, GROUP // 2).amax(dim=-1) > 0  # a nonzero magnitude in the group
@@ -54,6 +54,8 @@ def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "") 
     """(uint8 [R, C/2] e2m1 pairs, e8m0 [R, C/32]) -> (float8_e4m3fn [R, C], float32 [ceil(R/128), ceil(C/128)])
     with q * scale equal to the FP4 value, element for element. Each q is code * 2^(k - m), computed in that
     form (never as the FP4 value itself, which overflows float32 at e8m0's top scales)."""
+    import torch
+
     m = block_exponents(packed, scale, name)
     rows, cols = packed.shape[0], packed.shape[1] * 2
     k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
@@ -67,5 +69,7 @@ def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "") 
 
 def recode(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor]:
     """A LosslessCopy recode: the source's (int8 code pairs, e8m0 scales) -> fp8_block's stored tensors."""
+    import torch
+
     packed, scale = parts
     return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name))

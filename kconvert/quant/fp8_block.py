@@ -6,8 +6,6 @@ DeepSeek-V4's FP4 experts are re-encoded exactly (fp4_to_fp8.py), never rounded 
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.quant import fp4_to_fp8
 from kconvert.quant.chunks import FP8_MAX, TINY, check_scales, fold_max, row_chunks
@@ -31,6 +29,8 @@ def divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tenso
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, scale_format: str = "fp32",
                        name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float -> (fp8 [R, C], float32 scale [ceil(R/b), ceil(C/b)]) with w ≈ q * scale."""
+    import torch
+
     rows, cols = w.shape
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
     scale = torch.full((-(-rows // block), -(-cols // block)), TINY, dtype=torch.float32)
@@ -48,11 +48,14 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, scale_format: st
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
-                         *, row_offset: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         *, row_offset: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
     """weight [R, C] fp8 times the scale of each element's (row_offset + r) // B0, c // B1 block.
 
     `row_offset` lets a row slice starting mid-checkpoint use the right scale rows (scale_inv must
-    then start at block row row_offset // B0)."""
+    then start at block row row_offset // B0). Float32 unless `dtype`."""
+    import torch
+
+    dtype = dtype or torch.float32
     b0, b1 = block
     rows, cols = weight.shape
     r_idx = (torch.arange(rows) + row_offset) // b0 - row_offset // b0
@@ -73,12 +76,17 @@ class Fp8Block(Scheme):
         return [(src, "F8_E4M3", tuple(shape)), (src + "_scale_inv", "F32", blocks)]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        import torch
+
         if opts.encoding == DEEPSEEK_V4:
             q, s = quantize_fp8_block(w, FP8_BLOCK, "ue8m0", name)
             return [q, s.to(torch.float8_e8m0fnu)]  # powers of two: exact
         return list(quantize_fp8_block(w, FP8_BLOCK, opts.scale_format, name))
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
+        import torch
+
+        dtype = dtype or torch.float32
         w, scale = stored
         rows, cols = w.shape
         s = scale.to(dtype).repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]

@@ -4,18 +4,18 @@ tensors float-quantized). Not offered by `shard`: the engine has no per-channel 
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.quant.chunks import FP8_MAX, RowScaled, quantize_rows
 
 
 def quantize_fp8_channel(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float -> (float8_e4m3fn [R, C], float32 scale [R, 1]) with w ≈ q * scale (scale = row amax / 448)."""
+    import torch
+
     return quantize_rows(w, FP8_MAX, torch.float8_e4m3fn, False, name)
 
 
 class Fp8Channel(RowScaled):
-    name, tag, limit, dtype, rounded = "fp8_channel", "F8_E4M3", FP8_MAX, torch.float8_e4m3fn, False
+    name, tag, limit, rounded = "fp8_channel", "F8_E4M3", FP8_MAX, False
     shard = False
 
 

@@ -14,8 +14,6 @@ dequant = q * scale of the group. Formulas: docs/FORMAT.md, docs/EXPORT.md.
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.errors import CheckpointError
 from kconvert.quant.chunks import TINY, check_scales, row_chunks
 from kconvert.quant.packing import pack_int32_words, pack_nibble_pairs, unpack_int32_words, unpack_nibble_pairs
@@ -27,14 +25,18 @@ INT4_HALF_RANGE = 7.5  # compressed-tensors: (7 - (-8)) / 2
 
 
 def int4_group_codes(w: torch.Tensor, group: int, half_range: float = 7.0, search: str = "amax",
-                     scale_dtype: torch.dtype = torch.float32, name: str = "",
+                     scale_dtype: torch.dtype | None = None, name: str = "",
                      floor_zeros_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float (C a multiple of `group`) -> (int8 codes -8..7 [R, C], scale [R, C/group] in scale_dtype).
 
     s_k = scale_dtype(amax (1 - 0.02 k) / half_range) raised to 1e-12 (`floor_zeros_only`: only a zero
     scale is, as compressed-tensors' rule), q_k = clamp(round(w / s_k), -8, 7), computed with the
     scale as stored (a bf16 scale is rounded first: what a reader multiplies by); `search="mse"` keeps
-    the k in 0..15 with the least squared error of the group (first on ties)."""
+    the k in 0..15 with the least squared error of the group (first on ties). Float32 scales unless
+    `scale_dtype`."""
+    import torch
+
+    scale_dtype = scale_dtype or torch.float32
     rows, cols = w.shape
     codes = torch.empty(rows, cols, dtype=torch.int8)
     scale = torch.empty(rows, cols // group, dtype=scale_dtype)
@@ -65,12 +67,16 @@ def quantize_int4_group(w: torch.Tensor, group: int = 32, search: str = "mse",
                         name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """kconvert encoding: w [R, C] float (C a multiple of `group`, even) -> (uint8 [R, C/2] nibble pairs,
     float32 scale [R, C/group])."""
+    import torch
+
     codes, scale = int4_group_codes(w, group, 7.0, search, torch.float32, name)
     return pack_nibble_pairs(codes), scale
 
 
 def quantize_int4_packed(w: torch.Tensor, group: int = 32, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors encoding: w [R, C] float -> (int32 [R, C/8] packed, bf16 scale [R, C/group])."""
+    import torch
+
     rows, cols = w.shape
     if cols % group or cols % 8:
         raise CheckpointError(f"in_features {cols} is not a multiple of the group size {group} (and of 8)", tensor=name)
@@ -78,8 +84,12 @@ def quantize_int4_packed(w: torch.Tensor, group: int = 32, name: str = "") -> tu
     return pack_int32_words(codes), scale
 
 
-def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int8 codes [R, C] times the scale of each column's group -> [R, C] in `dtype` (both cast first)."""
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """int8 codes [R, C] times the scale of each column's group -> [R, C] in `dtype` (float32 unless given;
+    both cast first)."""
+    import torch
+
+    dtype = dtype or torch.float32
     cols = codes.shape[1]
     return codes.to(dtype) * scale.to(dtype).repeat_interleave(group, dim=1)[:, :cols]
 
@@ -107,6 +117,8 @@ class Int4Group(Scheme):
         return [(src + "_packed", "U8", (r, c // 2)), (src + "_scale", "F32", (r, groups))]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
+        import torch
+
         if opts.encoding == COMPRESSED_TENSORS:
             packed, scale = quantize_int4_packed(w, opts.group_size, name)
             return [packed, scale, torch.tensor(list(w.shape), dtype=torch.int32)]
@@ -114,11 +126,13 @@ class Int4Group(Scheme):
 
     def encode(self, codes: torch.Tensor, scale: torch.Tensor, opts: Options) -> list[torch.Tensor]:
         """Codes -8..7 and group scales chosen elsewhere (calibrated: kconvert/quant/gptq.py), as stored."""
+        import torch
+
         if opts.encoding == COMPRESSED_TENSORS:
             return [pack_int32_words(codes), scale.to(torch.bfloat16), torch.tensor(list(codes.shape), dtype=torch.int32)]
         return [pack_nibble_pairs(codes), scale.to(torch.float32)]
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
         if opts.encoding == COMPRESSED_TENSORS:
             codes = unpack_int32_words(stored[0], int(stored[2][1]))
         else:

@@ -4,18 +4,18 @@ Export's `w8a8-int8` stores this scheme's values under the same names."""
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.quant.chunks import INT8_MAX, RowScaled, quantize_rows
 
 
 def quantize_int8_channel(w: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float -> (int8 [R, C], float32 scale [R, 1]) with w ≈ q * scale."""
+    import torch
+
     return quantize_rows(w, INT8_MAX, torch.int8, True, name)
 
 
 class Int8Channel(RowScaled):
-    name, tag, limit, dtype, rounded = "int8", "I8", INT8_MAX, torch.int8, True
+    name, tag, limit, rounded = "int8", "I8", INT8_MAX, True
 
 
 SCHEME = Int8Channel()

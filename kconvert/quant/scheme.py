@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from kconvert.family.manifest import TensorInfo
 from kconvert.io.dtypes import ITEMSIZE, specs_bytes
 
@@ -90,7 +88,7 @@ class Scheme:
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def stored_bytes(self, shape: tuple[int, ...], opts: Options) -> int:

@@ -14,12 +14,10 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
 from kconvert.source import hub
 from kconvert.errors import CheckpointError, ManifestError
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
-from kconvert.io.dtypes import DTYPES, ITEMSIZE
+from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
@@ -67,21 +65,7 @@ class Checkpoint:
         index_map = _index_map(root)
         names = _shard_files(root, index_map)
         files = {n: read_header(root / n) for n in names}
-        stored: dict[str, TensorEntry] = {}
-        for fname, header in files.items():
-            for tname, entry in header.tensors.items():
-                if tname in stored:
-                    raise CheckpointError(f"tensor stored twice (also in {stored[tname].file.name})", file=str(entry.file),
-                                          tensor=tname)
-                if index_map is not None and index_map.get(tname) != fname:
-                    raise CheckpointError(f"tensor is in {fname} but the index says {index_map.get(tname)}",
-                                          file=str(root / INDEX), tensor=tname)
-                stored[tname] = entry
-        if index_map is not None:
-            for tname, fname in index_map.items():
-                if tname not in stored:
-                    raise CheckpointError(f"the index places this tensor in {fname}, which does not hold it",
-                                          file=str(root / fname), tensor=tname)
+        stored = _merged(root, files, index_map)
         return cls(root, config, files, stored, source=text)
 
     @classmethod
@@ -92,7 +76,7 @@ class Checkpoint:
             for tname, spec in tensors.items():
                 lo, hi = spec["data_offsets"]
                 shape = tuple(spec["shape"])
-                if spec["dtype"] not in DTYPES or hi - lo != math.prod(shape) * ITEMSIZE[spec["dtype"]]:
+                if spec["dtype"] not in ITEMSIZE or hi - lo != math.prod(shape) * ITEMSIZE[spec["dtype"]]:
                     raise CheckpointError(f"remote header entry {spec['dtype']}{list(shape)} [{lo}, {hi}] is malformed",
                                           file=f"{repo_id}/{fname}", tensor=tname)
                 stored[tname] = TensorEntry(tname, root / fname, spec["dtype"], shape, lo, hi)
@@ -197,6 +181,33 @@ class Checkpoint:
         return h.hexdigest()[:32]
 
 
+def _merged(root: Path, files: dict[str, SafetensorsHeader], index_map: dict[str, str] | None) -> dict[str, TensorEntry]:
+    """Every file's tensors in one map, each stored once and where the index says. At 200k tensors the checks
+    run as whole-dict operations; only a checkpoint that fails them is walked tensor by tensor, to name one."""
+    stored: dict[str, TensorEntry] = {}
+    placed: dict[str, str] = {}  # tensor -> the file holding it, to compare with the index in one step
+    for fname, header in files.items():
+        stored.update(header.tensors)
+        placed.update(dict.fromkeys(header.tensors, fname))
+    if len(stored) == sum(len(h.tensors) for h in files.values()) and (index_map is None or placed == index_map):
+        return stored
+    stored = {}
+    for fname, header in files.items():
+        for tname, entry in header.tensors.items():
+            if tname in stored:
+                raise CheckpointError(f"tensor stored twice (also in {stored[tname].file.name})", file=str(entry.file),
+                                      tensor=tname)
+            if index_map is not None and index_map.get(tname) != fname:
+                raise CheckpointError(f"tensor is in {fname} but the index says {index_map.get(tname)}",
+                                      file=str(root / INDEX), tensor=tname)
+            stored[tname] = entry
+    for tname, fname in index_map.items():
+        if tname not in stored:
+            raise CheckpointError(f"the index places this tensor in {fname}, which does not hold it",
+                                  file=str(root / fname), tensor=tname)
+    raise AssertionError("unreachable: the whole-dict checks failed, so one tensor fails the walk")
+
+
 def _canonical(model: ModelMap, stored: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
     """Stored tensors under the names the manifest knows (entries keep their on-disk names for messages)."""
     out: dict[str, TensorEntry] = {}
@@ -249,4 +260,4 @@ def _shard_files(root: Path, index: dict[str, str] | None) -> list[str]:
     raise CheckpointError(f"no {INDEX} and no {SINGLE}: no safetensors weights here", file=str(root))
 
 
-__all__ = ["Checkpoint", "read_config", "DTYPES", "ITEMSIZE"]
+__all__ = ["Checkpoint", "read_config", "ITEMSIZE"]

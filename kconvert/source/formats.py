@@ -24,20 +24,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
 from kconvert.io.dtypes import FP8_BLOCK, e8m0_to_float
-from kconvert.quant.fp4_e2m1 import GROUP as FP4_GROUP, dequantize_fp4
-from kconvert.quant.fp8_block import dequantize_fp8_block
-from kconvert.quant.int4_group import dequantize_int4
-from kconvert.quant.packing import unpack_int32_words
+
+# torch and the schemes' dequantizers are imported by the functions that read data: folding headers into
+# logical tensors (inspect, plan) must not pay torch's ~1.5 s import
+FP4_GROUP = 32  # e2m1 values per e8m0 scale (kconvert/quant/fp4_e2m1.GROUP; tests hold the two equal)
 
 FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 # 8-bit floats have no aminmax on CPU: their NaN/Inf bit patterns are tested instead (pattern & mask == mask)
-_FP8_NONFINITE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C, torch.float8_e8m0fnu: 0xFF}
+_FP8_NONFINITE = {"torch.float8_e4m3fn": 0x7F, "torch.float8_e5m2": 0x7C, "torch.float8_e8m0fnu": 0xFF}  # str(dtype)
 _CHUNK = 1 << 20  # bytes per step of the fp8 bit test: its temporaries stay small
+
+
+_PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4"}  # what inspect calls two codes a byte / eight a word
 
 
 @dataclass
@@ -55,7 +56,7 @@ class LogicalTensor:
 
     @property
     def stored_dtype(self) -> str:
-        return {"int4_packed": "I4", "fp4_packed": "FP4"}.get(self.format, self.main.dtype)
+        return _PACKED_TAGS.get(self.format) or self.main.dtype
 
     @property
     def stored_bytes(self) -> int:
@@ -149,9 +150,11 @@ def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:
 
 def all_finite(x: torch.Tensor) -> bool:
     """True when no element of `x` is NaN or +-Inf (integer tensors always are)."""
+    import torch
+
     if x.numel() == 0:
         return True
-    mask = _FP8_NONFINITE.get(x.dtype)
+    mask = _FP8_NONFINITE.get(str(x.dtype))
     if mask is not None:
         flat = x.reshape(-1).view(torch.uint8).numpy()
         return not any(((flat[i:i + _CHUNK] & mask) == mask).any() for i in range(0, flat.size, _CHUNK))
@@ -162,7 +165,9 @@ def all_finite(x: torch.Tensor) -> bool:
 
 
 def _count_nonfinite(x: torch.Tensor) -> int:
-    mask = _FP8_NONFINITE.get(x.dtype)
+    import torch
+
+    mask = _FP8_NONFINITE.get(str(x.dtype))
     if mask is not None:
         return int(((x.reshape(-1).view(torch.uint8) & mask) == mask).sum())
     return int((~torch.isfinite(x)).sum())
@@ -207,14 +212,26 @@ def read_checked(entry: TensorEntry, rows: tuple[int, int] | None = None) -> tor
 
 
 def dequant_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], group: int = 32,
-                        *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """compressed-tensors pack-quantized INT4 -> float. packed int32 [R, C/8], scale [R, C/group]."""
-    return dequantize_int4(unpack_int32_words(packed, shape[1]), scale, group).to(dtype)
+                        *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """compressed-tensors pack-quantized INT4 -> float (float32 unless `dtype`). packed int32 [R, C/8], scale
+    [R, C/group]."""
+    import torch
+
+    from kconvert.quant.int4_group import dequantize_int4
+    from kconvert.quant.packing import unpack_int32_words
+
+    return dequantize_int4(unpack_int32_words(packed, shape[1]), scale, group).to(dtype or torch.float32)
 
 
 def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
-                   *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """compressed-tensors fp8/int8: per-tensor (1,) / per-channel (R, 1) / block-grid scale."""
+                   *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """compressed-tensors fp8/int8: per-tensor (1,) / per-channel (R, 1) / block-grid scale (float32 unless
+    `dtype`)."""
+    import torch
+
+    from kconvert.quant.fp8_block import dequantize_fp8_block
+
+    dtype = dtype or torch.float32
     w = weight.to(torch.float32)
     s = scale.to(torch.float32)
     if s.numel() == 1:
@@ -228,6 +245,8 @@ def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype
                  block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), group: int = 32) -> torch.Tensor:
     """Read a logical tensor (or rows [a, b) of it), dequantized. Plain tensors keep their dtype
     unless `dtype` is given; quantized ones come back as `dtype or float32`."""
+    import torch
+
     if t.format == "plain":
         x = read_checked(t.parts["weight"], rows)
         return x if dtype is None else x.to(dtype)
@@ -237,6 +256,11 @@ def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype
 
 
 def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int, int], group: int) -> torch.Tensor:
+    import torch
+
+    from kconvert.quant.fp4_e2m1 import dequantize_fp4
+    from kconvert.quant.fp8_block import dequantize_fp8_block
+
     a = rows[0] if rows else 0
     if t.format == "int4_packed":
         packed = read_tensor(t.parts["packed"], rows)

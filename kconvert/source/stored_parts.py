@@ -4,8 +4,6 @@ with the checks a dequantizing read makes). `shard` and `export` both copy throu
 
 from __future__ import annotations
 
-import torch
-
 from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import read_tensor
 from kconvert.source.formats import LogicalTensor, declared_shape, read_checked, scale_kind

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kconvert.converted.catalog import MANIFEST
-from kconvert.convert.export_formats import EXPORT_FORMATS, format_of, runs_as
+from kconvert.convert.export_table import EXPORT_FORMATS, format_of, runs_as
 from kconvert.convert.shard import ShardJob, shard
 from kconvert.errors import KConvertError, UsageError
 from kconvert.io.side_files import MAX_INDEX, read_json

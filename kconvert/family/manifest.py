@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kconvert.errors import ManifestError
 from kconvert.family.compose import part_applies, with_traits
@@ -47,9 +48,9 @@ class Rule:
     engine: str | None = None  # the engine's module path where it differs from the name (family/engine_names.py)
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """What the manifest says about one concrete tensor name."""
+class TensorInfo(NamedTuple):
+    """What the manifest says about one concrete tensor name (a named tuple: 70k-200k of them per checkpoint,
+    built far cheaper than a frozen dataclass)."""
 
     name: str
     rule: Rule
@@ -105,6 +106,7 @@ class BoundPart:
         # (expression, layer) -> value: 384 experts x 61 layers share each layer's few shape expressions
         self._values: dict[tuple, object] = {}
         self._shapes: dict[tuple, tuple[int, ...]] = {}
+        self._layer_ok: dict[tuple, bool] = {}
         # per schedule, each layer's kind by name (inspect's layer kinds: sliding / CSA / HCA, hash / top-k)
         self.schedules = {name: [spec["schedules"][name]["kinds"][k] for k in kinds] for name, kinds in schedules.items()}
         self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
@@ -153,6 +155,16 @@ class BoundPart:
             shape = self._shapes[key] = tuple(int(self._eval(s, layer)) for s in rule.shape)
         return shape
 
+    def layer_matches_cached(self, rule: Rule, layer: int) -> bool:
+        """layer_matches, once per (rule, layer): 384 experts of a layer ask the same question. Keyed by the
+        rule itself (its id: rules live as long as their part), as two rules of one pattern serve different
+        layer kinds."""
+        key = (id(rule), layer)
+        ok = self._layer_ok.get(key)
+        if ok is None:
+            ok = self._layer_ok[key] = self.layer_matches(rule, layer)
+        return ok
+
     def layer_matches(self, rule: Rule, layer: int) -> bool:
         if not 0 <= layer < self.layer_count + self.extra_layers:
             return False
@@ -178,14 +190,15 @@ class ModelMap:
         self.config = config
         key = family.get("text_config", ".")
         self.text_config: dict = config if key == "." else config.get(key, {})
-        self._index: dict[str, list[Rule]] = {}
+        self._index: dict[str, list[tuple[Rule, tuple[str, ...]]]] = {}  # key -> (rule, its {L}/{E}/{M} in order)
         self.aliases = family_aliases(family)
         self._any_alias = _any_of(self.aliases)
         # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
         self.renames = any(r.engine or r.reference for p in parts for r in p.rules)
         for part in parts:
             for rule in part.rules:
-                self._index.setdefault(_key(rule.pattern), []).append(rule)
+                fields = tuple(sorted(rule.regex.groupindex, key=rule.regex.groupindex.get))
+                self._index.setdefault(_key(rule.pattern), []).append((rule, fields))
 
     def canonical(self, name: str) -> str:
         """A stored name as the manifest names it: the family's [family.aliases] rules, each once at the start."""
@@ -201,15 +214,19 @@ class ModelMap:
 
     def classify(self, name: str) -> TensorInfo | None:
         """The manifest entry for `name`, or None when the family does not know it."""
-        for rule in self._index.get(_NUM.sub("#", name), ()):  # a name has no {L}/{E}/{M}: _key without them
+        for rule, fields in self._index.get(_NUM.sub("#", name), ()):  # a name has no {L}/{E}/{M}: no _key
             m = rule.regex.match(name)
             if not m:
                 continue
-            layer = int(m["L"]) if "L" in rule.regex.groupindex else None
-            if "M" in rule.regex.groupindex:
-                layer = rule.part.layer_count + int(m["M"])
-            expert = int(m["E"]) if "E" in rule.regex.groupindex else None
-            if layer is not None and not rule.part.layer_matches(rule, layer):
+            layer = expert = None
+            for field, value in zip(fields, m.groups()):
+                if field == "L":
+                    layer = int(value)
+                elif field == "M":
+                    layer = rule.part.layer_count + int(value)
+                else:
+                    expert = int(value)
+            if layer is not None and not rule.part.layer_matches_cached(rule, layer):
                 continue
             if expert is not None and not 0 <= expert < rule.part.expert_count:
                 continue

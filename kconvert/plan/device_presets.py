@@ -20,10 +20,14 @@ class DevicePreset:
     backend: str
     memory_gib: float
     bandwidth_tbs: float
-    fp8: bool
     source: str
     aliases: tuple[str, ...] = ()
     formats: tuple[str, ...] = ()  # `--quant` formats its kernels run, best first (plan --quant auto)
+
+    @property
+    def fp8(self) -> bool:
+        """Native FP8 matmul (FP8 weights on FP8 kernels, an FP8 KV cache): FP8 is among its formats."""
+        return "fp8" in self.formats
 
     @property
     def memory_bytes(self) -> int:
@@ -36,8 +40,8 @@ def devices() -> dict[str, DevicePreset]:
     path = manifests_dir() / "devices.toml"
     try:
         spec = tomllib.loads(path.read_text())["device"]
-        return {k: DevicePreset(k, d["name"], d["backend"], float(d["memory_gib"]), float(d["bandwidth_tbs"]), bool(d["fp8"]),
-                          d.get("source", ""), tuple(d.get("aliases", ())), tuple(d.get("formats", ())))
+        return {k: DevicePreset(k, d["name"], d["backend"], float(d["memory_gib"]), float(d["bandwidth_tbs"]),
+                                 d.get("source", ""), tuple(d.get("aliases", ())), tuple(d.get("formats", ())))
                 for k, d in spec.items()}
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"device presets unreadable: {e.__class__.__name__}: {e}", file=str(path)) from None

@@ -1,10 +1,7 @@
 """DeepSeek-V4's own config keys, read from TextConfig.section (config.json as released or as transformers
-writes it): the per-layer attention schedule, compress rates, the two rotary settings, mHC, hash routing.
-
-Both spellings of the schedule are read: `layer_types` (names, as transformers 5.23 writes them) or the
-released `compress_ratios` (0 sliding, else the rate of CSA or HCA; a trailing MTP entry is ignored); the rate
-of each compressed kind comes from `compress_rates` (or the legacy `compress_rate_csa` / `compress_rate_hca`).
-Hash routing covers `mlp_layer_types == "hash_moe"`, or the first `num_hash_layers` (default 3)."""
+writes it): the per-layer attention schedule and compress rates, the two rotary settings, mHC, hash routing.
+The schedule (attention kinds, rates, hash layers) is read by kconvert/family/v4_schedule.py, which the
+planner's KV bytes read too."""
 
 from __future__ import annotations
 
@@ -12,10 +9,7 @@ from dataclasses import dataclass
 
 from engine.config import RopeConfig, TextConfig, _rope
 from kconvert.errors import CheckpointError
-
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}  # the released compress_ratios values
-DEFAULT_RATES = {CSA: 4, HCA: 128}
+from kconvert.family.v4_schedule import CSA, HCA, SLIDING, attention_kinds, compress_rates, hash_layers  # noqa: F401 (CSA, HCA, SLIDING: engine API)
 
 
 @dataclass(frozen=True)
@@ -51,25 +45,6 @@ class V4Config:
         return self.rates.get(self.layer_kinds[layer], 0)
 
 
-def _kinds(c: dict, n: int, rates: dict) -> tuple[str, ...]:
-    """From `layer_types`, else `compress_ratios` (a value names the kind whose rate it is, or the released
-    0 / 4 / 128); a config with neither is refused (transformers' fallback is not the released schedule)."""
-    if c.get("layer_types"):
-        kinds = list(c["layer_types"])
-    elif c.get("compress_ratios") is not None:
-        by_rate = {**RATIO_KIND, **{r: k for k, r in rates.items()}, 0: SLIDING}
-        bad = [r for r in c["compress_ratios"] if r not in by_rate]
-        if bad:
-            raise CheckpointError(f"compress_ratios holds {bad[0]}, the rate of no attention kind", file="config.json")
-        kinds = [by_rate[r] for r in c["compress_ratios"]]
-    else:
-        raise CheckpointError("config.json names no attention schedule (layer_types or compress_ratios)",
-                              file="config.json")
-    if len(kinds) < n or any(k not in (SLIDING, CSA, HCA) for k in kinds[:n]):
-        raise CheckpointError(f"the attention schedule does not name {n} known layer kinds", file="config.json")
-    return tuple(kinds[:n])
-
-
 def _ropes(c: dict, rope_dim: int, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
     """(main, compress): transformers' nested `rope_parameters` {main, compress}, or the flat form (YaRN
     keys from rope_parameters / rope_scaling apply to the compressed layers only, with attention_factor 1)."""
@@ -96,22 +71,14 @@ def v4_config(cfg: TextConfig) -> V4Config:
     try:
         head_dim = int(c.get("head_dim", 512))
         rope_dim = int(c.get("qk_rope_head_dim") or head_dim * float(c.get("partial_rotary_factor") or 64 / 512))
-        rates = dict(DEFAULT_RATES)
-        rates.update({k: int(v) for k, v in (c.get("compress_rates") or {}).items()})
-        for kind, key in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
-            if c.get(key) is not None:
-                rates[kind] = int(c[key])
-        if c.get("mlp_layer_types"):
-            hashed = tuple(t == "hash_moe" for t in c["mlp_layer_types"][:n])
-        else:
-            k = int(c.get("num_hash_layers", 3))
-            hashed = tuple(L < k for L in range(n))
+        rates = compress_rates(c)
+        hashed = hash_layers(c, n)
         main, comp = _ropes(c, rope_dim, head_dim)
         return V4Config(
             hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=head_dim, rope_dim=rope_dim,
             q_lora_rank=int(c["q_lora_rank"]), o_groups=int(c.get("o_groups", 8)),
             o_lora_rank=int(c.get("o_lora_rank", 1024)), window=int(c.get("sliding_window", 128)),
-            eps=cfg.rms_norm_eps, layer_kinds=_kinds(c, n, rates), rates=rates, main_rope=main, compress_rope=comp,
+            eps=cfg.rms_norm_eps, layer_kinds=attention_kinds(c, n, rates), rates=rates, main_rope=main, compress_rope=comp,
             index_heads=int(c.get("index_n_heads", 64)), index_head_dim=int(c.get("index_head_dim", 128)),
             index_topk=int(c.get("index_topk", 512)), hash_layers=hashed, hc_mult=int(c.get("hc_mult", 4)),
             hc_iters=int(c.get("hc_sinkhorn_iters", 20)), hc_eps=float(c.get("hc_eps", 1e-6)),

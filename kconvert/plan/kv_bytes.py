@@ -29,6 +29,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from kconvert.errors import UsageError
+from kconvert.family.v4_schedule import CSA, attention_kinds, compress_rates
 
 KV_DTYPES = ("bf16", "fp8", "int8", "fp8-ds")
 ROW_CODES = ("bf16", "fp8", "int8")  # how one cached row (latent or indexer key) is encoded
@@ -146,25 +147,11 @@ def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
     )
 
 
-CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
-
-
 def compressed_layers(tc: dict) -> list[tuple[int, bool]]:
-    """DeepSeek-V4: each decoder layer's (compression rate, is CSA); rate 0 = sliding window only. Read as
-    engine/v4_config.py reads them: `layer_types`, else `compress_ratios` (0 / 4 / 128 name the kinds, as do
-    the configured rates), rates from `compress_rates` or the legacy `compress_rate_csa` / `compress_rate_hca`
-    (the family binding has checked them already)."""
-    n = int(tc["num_hidden_layers"])
-    rates = {CSA: 4, HCA: 128, **{k: int(v) for k, v in (tc.get("compress_rates") or {}).items()}}
-    for kind, legacy in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
-        if tc.get(legacy) is not None:
-            rates[kind] = int(tc[legacy])
-    if tc.get("layer_types"):
-        kinds = list(tc["layer_types"][:n])
-    else:
-        by_rate = {4: CSA, 128: HCA, **{r: k for k, r in rates.items()}, 0: "sliding_attention"}
-        kinds = [by_rate[int(r)] for r in tc["compress_ratios"][:n]]
-    return [(rates.get(k, 0), k == CSA) for k in kinds]
+    """DeepSeek-V4: each decoder layer's (compression rate, is CSA); rate 0 = sliding window only. The schedule
+    as the engine reads it (kconvert/family/v4_schedule.py)."""
+    rates = compress_rates(tc)
+    return [(rates.get(k, 0), k == CSA) for k in attention_kinds(tc, int(tc["num_hidden_layers"]), rates)]
 
 
 V4_SCALE_GROUP = 64  # values per scale in DeepSeek-V4's 8-bit K=V rows (one ue8m0 byte each for fp8)

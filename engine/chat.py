@@ -186,7 +186,7 @@ def _run(a) -> int:
     if a.complete and (a.prompt is None or a.image):
         raise UsageError("--complete continues one --prompt of plain text (no image, not interactive)")
     session = Session(model, tok, sampling, a.system, _context(a.context, model), a.complete)
-    out = sys.stdout if par.rank == 0 else None
+    out = launch.tracked_stdout() if par.rank == 0 else None
     if a.prompt is not None:
         session.turn(a.prompt, a.image, out)
     else:

@@ -37,6 +37,32 @@ _said = threading.Lock()
 _said_once = False
 
 
+class LineCursor:
+    """Rank 0's stdout as the streamed answer leaves it: the run's last line (an error from any rank, on
+    stderr) first ends a line the answer left open instead of gluing onto it."""
+
+    def __init__(self, stream):
+        self.stream, self.mid_line = stream, False
+
+    def write(self, text: str) -> int:
+        if text:
+            self.mid_line = not text.endswith("\n")
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+_cursor: LineCursor | None = None
+
+
+def tracked_stdout() -> LineCursor:
+    """sys.stdout for a streamed answer, remembered so that say_once can end its open line."""
+    global _cursor
+    _cursor = LineCursor(sys.stdout)
+    return _cursor
+
+
 def say_once(line: str, file=None) -> bool:
     """Print the one line that ends a run (an error, 'interrupted'); later calls print nothing."""
     global _said_once
@@ -44,6 +70,9 @@ def say_once(line: str, file=None) -> bool:
         if _said_once:
             return False
         _said_once = True
+    if _cursor is not None and _cursor.mid_line:
+        _cursor.write("\n")
+        _cursor.flush()
     out = file or sys.stderr
     print(line, file=out, flush=True)
     return True

@@ -134,3 +134,18 @@ def test_torchrun_still_works(conversions, tp1_answer):
 def test_help_documents_the_launcher():
     p = chat("--help")
     assert p.returncode == 0 and "--nproc" in p.stdout and "torchrun" in p.stdout and "Ctrl-C" in p.stdout
+
+
+def test_the_runs_last_line_ends_an_answer_left_mid_line(monkeypatch, capsys):
+    """A rank's error arriving while rank 0 streams an answer starts a line of its own, and an answer that
+    ended its line gets no blank line before it."""
+    from engine import launch
+
+    monkeypatch.setattr(launch, "_cursor", None)  # restored at teardown: later tests print to a plain stdout
+    for ended in (False, True):
+        monkeypatch.setattr(launch, "_said_once", False)
+        out = launch.tracked_stdout()
+        out.write("def main():\n    return fa" + ("\n" if ended else ""))
+        assert launch.say_once("kconvert: rank 1: killed by signal 9") and not launch.say_once("a second line")
+        cap = capsys.readouterr()
+        assert cap.out == "def main():\n    return fa\n" and cap.err == "kconvert: rank 1: killed by signal 9\n"

@@ -1,12 +1,13 @@
 """Calibrated INT4 (GPTQ) computed layer by layer through the engine, from the source checkpoint.
 
 Only one decoder layer's weights (read from the source, float32) and the calibration activations entering
-it are in memory at a time. Per layer:
+it (the residual as the block kind carries it: DeepSeek-V4's mHC streams whole) are in memory at a time. Per layer:
 1. the layer runs unquantized on the activations; every calibrated linear other than the routed experts
    (shared experts, dense MLPs, attention where the policy quantizes them) sums its inputs' Hessian; the
    MoE's input is kept;
 2. each calibrated weight gets GPTQ codes (kconvert/quant/gptq.py); each routed expert from the tokens the
-   router sends it: gate/up from those tokens, down from what the quantized gate/up make of them. An
+   layer's own router sends it (engine/calibrate_moe.py: DeepSeek-V3/K2's or V4's, by score or hash): gate/up
+   from those tokens, down from what the expert's forward makes of them with its quantized gate/up. An
    expert with fewer than MIN_EXPERT_TOKENS tokens (or a linear no token reached) rounds to nearest with
    the same static scales: GPTQ on a handful of tokens fits them, not the model. Counted per layer;
 3. the layer runs again with its quantized weights: its output is the next layer's input (and its

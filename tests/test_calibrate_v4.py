@@ -91,4 +91,6 @@ def test_v4_gptq_is_deterministic_and_beats_rounding_on_every_layer(flash, monke
     assert 0.02 < changed < 0.5
     for a, b in zip(first.figures, rtn.figures, strict=True):
         assert a["experts_rounded_few_tokens"] == 0 and b["experts_rounded_few_tokens"] == a["experts"] == 8
-        assert 0 < a["output_rel_error"] < 0.8 * b["output_rel_error"], (a, b)
+        # measured 0.41-0.50x; a scrambled Hessian is worse than nearest, one of all tokens (not the routed
+        # ones) 0.59-0.68x: the test above pins the routed tokens themselves
+        assert 0 < a["output_rel_error"] < 0.6 * b["output_rel_error"], (a, b)

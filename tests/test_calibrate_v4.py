@@ -1,8 +1,8 @@
 """Calibrated int4 on DeepSeek-V4 layers (tiny-dsv4-flash: mHC residual streams, hash-routed then score-routed
 MoE layers, sliding / CSA / HCA attention, routed experts stored as FP4): each expert gets the tokens the V4
 MoE's own forward sends it and its down projection the clamped SwiGLU's output (both checked against
-references written here from the stored tensors), and the layer-by-layer GPTQ run is deterministic and
-brings every layer's output closer to the unquantized layer's than rounding with the same scales.
+references written here from the stored tensors), and the layer-by-layer GPTQ run is deterministic (a run
+resumed from the kept residual streams computes the same codes) and brings every layer's output closer to the unquantized layer's than rounding with the same scales.
 Quality on trained weights: bench/calibration_bench.py --preset tiny-dsv4-trained."""
 
 from __future__ import annotations
@@ -72,19 +72,25 @@ def test_each_v4_expert_is_calibrated_on_the_tokens_the_layer_sends_it(flash, L)
         torch.testing.assert_close(down_input(expert, x[rows]), want, rtol=1e-5, atol=1e-5)
 
 
-def test_v4_gptq_is_deterministic_and_beats_rounding_on_every_layer(flash, monkeypatch):
+def test_v4_gptq_is_deterministic_resumes_and_beats_rounding_on_every_layer(flash, monkeypatch, tmp_path):
     from engine import calibrate as cal
 
     ck = flash[0]
     with one_thread():
         first = _calibration(flash)
         got = first.layer(3)  # layers 0 .. 3 in turn, each fed by the quantized one before
-        again = _calibration(flash).layer(3)
+        part = _calibration(flash)
+        part.attach(tmp_path)
+        part.layer(1)  # keeps layer 2's input: the mHC streams [n, seq, hc, hidden]
+        resumed = _calibration(flash)
+        resumed.attach(tmp_path)
+        again = resumed.layer(3)  # a fresh process resuming: starts from the kept streams
         monkeypatch.setattr(cal, "MIN_EXPERT_TOKENS", 10**9)  # every expert rounds to nearest, same scales
         rtn = _calibration(flash)
         near = rtn.layer(3)
     assert sorted(got) == sorted(n for n in ck.logical if n.startswith("layers.3.ffn.experts.") and n.endswith(".weight"))
     assert all(ck.logical[n].format == "fp4_packed" for n in got)  # read dequantized from FP4, written as int4 codes
+    assert [f["layer"] for f in resumed.figures] == [2, 3]
     assert all(torch.equal(got[n][0], again[n][0]) and torch.equal(got[n][1], again[n][1]) for n in got)
     assert all(torch.equal(got[n][1], near[n][1]) for n in got)
     changed = sum(int((got[n][0] != near[n][0]).sum()) for n in got) / sum(got[n][0].numel() for n in got)

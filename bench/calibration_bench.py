@@ -4,12 +4,14 @@ and p99 KLD, same top-1) and against its own faithfulness reference; the shard's
 shard in its own process, one at a time), and the calibrated run's per-layer figures.
 
     .venv/bin/python bench/calibration_bench.py --preset tiny-k3-trained --tp 2 --workdir /tmp/kcalib
+    .venv/bin/python bench/calibration_bench.py --preset tiny-dsv4-trained --tp 2 --methods 1,2 --workdir /tmp/kcalib-v4
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256, help="--calibration-seq")
     ap.add_argument("--methods", default=",".join(str(i) for i in range(len(METHODS))), help="indices into METHODS")
     ap.add_argument("--workdir", default="/tmp/kcalib")
+    ap.add_argument("--shard-args", default="", help="more shard options for every method (e.g. \"--keep '*layers.0.*'\")")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -53,7 +56,8 @@ def main() -> None:
         label, extra = list(METHODS.items())[i]
         if "--calibrate" in extra:
             extra = extra + ["--calibration-tokens", args.tokens, "--calibration-seq", args.seq]
-        out = work / f"out-{i}"
+        extra = extra + shlex.split(args.shard_args)
+        out = work / f"out-{src.name}-{i}"
         shutil.rmtree(out, ignore_errors=True)
         t = time.perf_counter()
         r = cli("shard", src, out, "--tp", args.tp, "--quant", "int4", *extra, "--json")
@@ -65,10 +69,12 @@ def main() -> None:
         rows.append((label, rep, secs, run))
         print(json.dumps({"method": label, "verdict": rep["verdict"], "shard_s": round(secs, 1),
                           "peak_rss": run.get("peak_rss_bytes"), "cost": rep["cost"]["overall"],
+                          "mean_kld_by_kind": {k: v["mean_kld"] for k, v in rep["cost"].get("by_kind", {}).items()},
                           "faithful_mean_kld": rep["faithfulness"]["overall"].get("mean_kld"),
                           "calibration": run.get("calibration", {}).get("layers")}), flush=True)
     base = next((rep["cost"]["overall"]["mean_kld"] for label, rep, _, _ in rows if "default" in label), None)
-    print(f"\n{src.name}, tp {args.tp}, group 32; GPTQ: {args.tokens} tokens in sequences of {args.seq}\n")
+    print(f"\n{src.name}, tp {args.tp}, group 32; GPTQ: {args.tokens} tokens in sequences of {args.seq}; "
+          f"shard options {args.shard_args or '(none)'}\n")
     print("| method | mean KLD | × clipping search | p99 KLD | same top-1 | faithful | shard s | peak RSS |\n"
           "|---|---|---|---|---|---|---|---|")
     for label, rep, secs, run in rows:

@@ -1,12 +1,13 @@
 """Calibrated INT4 (GPTQ) computed layer by layer through the engine, from the source checkpoint.
 
 Only one decoder layer's weights (read from the source, float32) and the calibration activations entering
-it are in memory at a time. Per layer:
+it (the residual as the block kind carries it: DeepSeek-V4's mHC streams whole) are in memory at a time. Per layer:
 1. the layer runs unquantized on the activations; every calibrated linear other than the routed experts
    (shared experts, dense MLPs, attention where the policy quantizes them) sums its inputs' Hessian; the
    MoE's input is kept;
 2. each calibrated weight gets GPTQ codes (kconvert/quant/gptq.py); each routed expert from the tokens the
-   router sends it: gate/up from those tokens, down from what the quantized gate/up make of them. An
+   layer's own router sends it (engine/calibrate_moe.py: DeepSeek-V3/K2's or V4's, by score or hash): gate/up
+   from those tokens, down from what the expert's forward makes of them with its quantized gate/up. An
    expert with fewer than MIN_EXPERT_TOKENS tokens (or a linear no token reached) rounds to nearest with
    the same static scales: GPTQ on a handful of tokens fits them, not the model. Counted per layer;
 3. the layer runs again with its quantized weights: its output is the next layer's input (and its
@@ -24,16 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from engine.calibrate_moe import chosen_experts, down_input, keep_input, routed_moe
 from engine.linear import PlainLinear
 from engine.model import Model
-from engine.moe import MoE, route
 from kconvert.converted.units import layer_unit
 from kconvert.convert.shard_plan import unit_of
 from kconvert.distributed import Group
-from kconvert.errors import UsageError
-from kconvert.family.engine_names import engine_keys
+from kconvert.family.engine_names import engine_keys, engine_name
 from kconvert.quant.gptq import DAMP, Grid, Hessian, gptq_quantize
 from kconvert.quant.policy import QuantPolicy
 from kconvert.source.checkpoint import Checkpoint
@@ -53,16 +52,14 @@ class LayerCalibration:
         self.record = {**record, "method": "gptq", "grid": grid.name, "damp": DAMP, "act_order": "static",
                        "min_expert_tokens": MIN_EXPERT_TOKENS}
         self.progress = progress
-        self.model = Model(ck.config, ck.family, Group(), "cpu", torch.float32)
-        if self.model.stack.residual_shape != (self.model.cfg.hidden_size,):
-            raise UsageError(f"--calibrate does not run {ck.family}'s residual streams yet", file=str(ck.root))
+        self.model = Model(ck.config, ck.family, Group(), "cpu", torch.float32)  # any residual (mHC: [.., n, hidden])
         self.by_layer: dict[int, list[str]] = {}
         for name in ck.logical:
             info = ck.info(name)
             if info.layer is not None and unit_of(info) == layer_unit(info.layer) and info.component != "mtp":
                 self.by_layer.setdefault(info.layer, []).append(name)
         self.state_dir: Path | None = None
-        self.x: torch.Tensor | None = None  # the input of layer self.at, [n, seq, hidden]
+        self.x: torch.Tensor | None = None  # the input of layer self.at, [n, seq, *stack.residual_shape]
         self.at = 0
         self.last: tuple[int | None, dict] = (None, {})  # the last layer's result
         self.figures: list[dict] = []  # one per calibrated layer
@@ -106,7 +103,8 @@ class LayerCalibration:
             self.x, self.at = load_file(str(self._state(best)))["x"], best
             return
         m = self.model
-        embed = self.ck.read(m.prefix + "model.embed_tokens.weight", dtype=torch.float32)
+        want = m.prefix + "model.embed_tokens.weight"  # stored as the family names it (V4: `embed.weight`)
+        embed = self.ck.read(next((n for n in self.ck.logical if engine_name(m.names, n) == want), want), dtype=torch.float32)
         self.x, self.at = m.stack.enter(embed[self.windows]), 0
 
     # ---- one layer ------------------------------------------------------------------------------
@@ -136,20 +134,20 @@ class LayerCalibration:
         m, ck = self.model, self.ck
         tensors = {n: ck.read(n, dtype=torch.float32) for n in self.by_layer.get(L, [])}
         layer = m.build_layer(L, engine_keys(m.names, tensors), use_catalog=False)
-        prefix = f"{m.layers_prefix}{L}."  # module paths inside the layer are the stored names after it
-        stored = {n.removesuffix(".weight")[len(prefix):]: n for n in tensors
+        prefix = f"{m.layers_prefix}{L}."  # module paths inside the layer are the engine's names after it
+        stored = {engine_name(m.names, n).removesuffix(".weight")[len(prefix):]: n for n in tensors
                   if n.endswith(".weight") and self.policy.quantizes(ck.info(n), tuple(tensors[n].shape))}
         paths = {mod: path for path, mod in layer.named_modules()}
-        moe = layer.mlp if isinstance(getattr(layer, "mlp", None), MoE) else None
+        moe = routed_moe(layer)  # engine/calibrate_moe.py: the MoE kinds whose routers it asks
         routed = {id(lin): e for e, mlp in moe.experts.items() for lin in mlp.children()} if moe else {}
         hessians: dict[str, Hessian] = {}
-        moe_in: list[torch.Tensor] = []
+        moe_in: list = []  # (tokens, their ids) per MoE call
         hooks = []
         for mod, path in paths.items():
             if path in stored and id(mod) not in routed:
                 hooks.append(mod.register_forward_pre_hook(self._summing(hessians, path)))
         if moe is not None:
-            hooks.append(moe.register_forward_pre_hook(lambda _m, args: moe_in.append(args[0].reshape(-1, args[0].shape[-1]))))
+            hooks.append(keep_input(moe, moe_in))
         ref = self._run(layer, L)
         for h in hooks:
             h.remove()
@@ -164,7 +162,7 @@ class LayerCalibration:
         fig = {"layer": L, "tokens": int(self.windows.numel()), "calibrated": len(stored),
                "linears_rounded_no_tokens": unreached}
         if moe is not None and any(id(lin) in routed for lin in (layer.get_submodule(p) for p in stored)):
-            fig.update(self._experts(layer, moe, torch.cat(moe_in), stored, result))
+            fig.update(self._experts(layer, moe, moe_in, stored, result))
         out = self._run(layer, L)
         fig["output_rel_error"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
         fig["seconds"] = round(time.perf_counter() - t0, 3)
@@ -192,9 +190,9 @@ class LayerCalibration:
         setattr(layer.get_submodule(parent) if parent else layer, attr, PlainLinear.holding(deq[:, :w.shape[1]]))
         return codes, scale
 
-    def _experts(self, layer, moe: MoE, x: torch.Tensor, stored: dict, result: dict) -> dict:
+    def _experts(self, layer, moe, moe_in: list, stored: dict, result: dict) -> dict:
         """Each routed expert's weights from the tokens routed to it (gate/up, then down on their quantized output)."""
-        ids, _ = route(moe.cfg, x, moe.gate.weight, moe.gate.e_score_correction_bias)
+        x, ids = chosen_experts(moe, moe_in)
         counts, few = [], 0
         mlp_path = next(p for p, mod in layer.named_modules() if mod is moe)
         for e, expert in moe.experts.items():
@@ -209,7 +207,7 @@ class LayerCalibration:
                 if f"{ep}.{part}" in stored:
                     result[stored[f"{ep}.{part}"]] = self._quantize(layer, f"{ep}.{part}", stored[f"{ep}.{part}"], H)
             if f"{ep}.down_proj" in stored:
-                h = F.silu(expert.gate_proj(xe)) * expert.up_proj(xe) if enough else None
+                h = down_input(expert, xe) if enough else None
                 result[stored[f"{ep}.down_proj"]] = self._quantize(layer, f"{ep}.down_proj", stored[f"{ep}.down_proj"],
                                                                    h.T @ h if enough else None)
         counts.sort()

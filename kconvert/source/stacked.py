@@ -1,0 +1,41 @@
+"""Read many small logical weights of one shape and stored form as one stack [N, ...], dequantized as
+Checkpoint.read gives each (plain: kept dtype; INT4 pack-quantized: float32), with the same checks made
+over the whole stack at once. When a check fails, NotStackable: the caller reads those weights one at a
+time, and that read names the file and tensor as it always has."""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.io.stacked_read import read_stacked
+from kconvert.quant.stacked import NotStackable, dequantize_int4_words
+from kconvert.source.formats import LogicalTensor, all_finite, declared_shape
+
+FORMATS = ("plain", "int4_packed")
+
+
+def stack_key(t: LogicalTensor) -> tuple | None:
+    """What weights must share to be read as one stack (None: this one is read on its own)."""
+    if t.format not in FORMATS or not t.numel or any(p.compressed is not None for p in t.parts.values()):
+        return None
+    return t.format, t.shape, tuple((role, p.dtype, p.shape) for role, p in t.parts.items())
+
+
+def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
+    """Logical weights sharing a stack_key -> [N, *shape]."""
+    t0 = ts[0]
+    if t0.format == "plain":
+        x = read_stacked([t.parts["weight"] for t in ts])
+        if not all_finite(x):
+            raise NotStackable
+        return x
+    shapes = read_stacked([t.parts["shape"] for t in ts]).reshape(len(ts), -1)
+    rows, cols = declared_shape(t0, shapes[0])  # a CheckpointError here: the one-by-one read names it too
+    if not bool((shapes == shapes[0]).all()):
+        raise NotStackable
+    packed = read_stacked([t.parts["packed"] for t in ts])
+    scale = read_stacked([t.parts["scale"] for t in ts])
+    x = dequantize_int4_words(packed, scale, cols, group)
+    if not all_finite(x):
+        raise NotStackable
+    return x

@@ -114,14 +114,15 @@ def test_stacked_shard_writes_the_same_bytes(checkpoint, tmp_path, monkeypatch, 
     assert len(stacked_files) > 4 and stacked_files == _digest(tmp_path / "alone")
 
 
-def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scale", [b"\xc0\x7f", b"\x7f\x7f"])  # a bf16 NaN; the largest bf16 (x 8 overflows)
+def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpoint, tmp_path, monkeypatch, scale):
     src = copy_checkpoint(checkpoint("topo-k25", layers=3, experts=8))
     suffix = "layers.2.mlp.experts.5.up_proj.weight_scale"
     files = [f for f in sorted(src.glob("*.safetensors")) if any(k.endswith(suffix) for k in read_header(f).tensors)]
     entry = next(e for k, e in read_header(files[0]).tensors.items() if k.endswith(suffix))
     with open(files[0], "r+b") as fh:
         fh.seek(entry.begin + 2)
-        fh.write(b"\xc0\x7f")  # a bf16 NaN as the second scale
+        fh.write(scale)  # the second scale of the first row
     errors = []
     for tag, elems in (("stacked", shard_stacks.STACK_ELEMS), ("alone", 0)):
         monkeypatch.setattr(shard_stacks, "STACK_ELEMS", elems)

@@ -15,6 +15,7 @@ layers before it.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.shard_plan import Pipeline, WorkItem, plan_items, plan_pipeline
 from kconvert.convert.run import Run, RunResult, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
+from kconvert.io.gc_pause import frozen_gc
 from kconvert.io.safetensors_write import commit_all
 from kconvert.io.window import ordered_window
 
@@ -64,6 +66,11 @@ class ShardJob:
 
 
 def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
+    with ExitStack() as after_plan:  # the plan's objects, frozen out of the collector's walks (io/gc_pause.py)
+        return _shard(job, progress, calibrate, after_plan)
+
+
+def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResult:
     """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("working", n=bytes) as tensors are made,
     ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
     `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 job."""
@@ -82,6 +89,7 @@ def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
                          layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
                          tied=bool(ck.model.text_config.get("tie_word_embeddings")))
     items = pipe.items
+    after_plan.enter_context(frozen_gc())
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
     calibration = None
@@ -200,15 +208,16 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
     copy_side_files(ck, out)
     files, tensors = {}, []
     for w in items:
-        rec = done[w.file]
+        file = w.file
+        rec = done[file]
         layer = unit_layer(w.unit)
-        files[w.file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": layer,
+        files[file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": layer,
                          "bytes": rec["bytes"], "crc32": rec["crc32"]}
         if rec.get("stored"):
-            files[w.file]["stored"] = rec["stored"]
+            files[file]["stored"] = rec["stored"]
         for o in w.outputs:
             for name, dtype, shape in o.specs():
-                tensors.append({"name": name, "file": w.file, "rank": w.rank, "layer": layer, "unit": w.unit,
+                tensors.append({"name": name, "file": file, "rank": w.rank, "layer": layer, "unit": w.unit,
                                 "group": o.info.group, "component": o.info.component, "expert": o.info.expert,
                                 "rule": o.info.split, "slice": None if o.piece.dim is None else
                                 [o.piece.dim, o.piece.start, o.piece.stop],

@@ -22,3 +22,19 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Objects alive now (a conversion's plan: 100k+ outputs, header entries) moved out of the collector's
+    sight until the block ends, so the collections the work itself triggers do not walk them again and
+    again (measured on topo-k25 at 8 layers: a fifth of shard's CPU). Collection goes on for everything
+    made inside the block. A process that froze objects itself is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -130,3 +130,55 @@ def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpo
             shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant="fp8"))
         errors.append(e.value.one_line())
     assert errors[0] == errors[1] and "experts.5.up_proj" in errors[0]
+
+
+def test_writer_takes_tensors_in_any_order(tmp_path):
+    """The same file and CRCs whatever order the tensors come in; each planned tensor exactly once."""
+    import zlib
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(3, 5, generator=gen), "b": torch.randn(7, generator=gen).to(torch.bfloat16),
+               "c": torch.randint(-8, 8, (4, 4), generator=gen, dtype=torch.int8), "d": torch.zeros(0),
+               "e": torch.randn(2, 2, generator=gen).to(torch.float8_e4m3fn)}
+    specs = [(n, {torch.float32: "F32", torch.bfloat16: "BF16", torch.int8: "I8",
+                  torch.float8_e4m3fn: "F8_E4M3"}[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+    records = []
+    for tag, order in (("in-order", "abcde"), ("shuffled", "ecadb")):
+        w = SafetensorsWriter(tmp_path / f"{tag}.safetensors", specs)
+        for n in order:
+            if n == "b" and tag == "shuffled":  # b and c adjacent: one write of both
+                w.write_bytes(w.index("b"), [t.view(torch.uint8).reshape(-1).numpy() for t in (tensors["b"], tensors["c"])])
+            elif n != "c" or tag == "in-order":
+                w.write(n, tensors[n])
+        records.append(w.commit())
+    a, b = ((tmp_path / f"{t}.safetensors").read_bytes() for t in ("in-order", "shuffled"))
+    assert a == b and records[0].crc32 == records[1].crc32 == f"{zlib.crc32(a):08x}"
+    assert records[0].tensor_crc32 == records[1].tensor_crc32 and list(records[1].tensor_crc32) == list("abcde")
+    w = SafetensorsWriter(tmp_path / "twice.safetensors", specs)
+    w.write("a", tensors["a"])
+    with pytest.raises(RuntimeError, match="once"):
+        w.write("a", tensors["a"])
+    w = SafetensorsWriter(tmp_path / "short.safetensors", specs)
+    w.write("e", tensors["e"])
+    with pytest.raises(RuntimeError, match="never written"):
+        w.finish()
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_frozen_gc_unfreezes_what_it_froze_and_leaves_a_callers_freeze():
+    import gc
+
+    from kconvert.io.gc_pause import frozen_gc
+
+    assert gc.get_freeze_count() == 0
+    with frozen_gc():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with frozen_gc():
+            pass
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()

@@ -132,9 +132,15 @@ def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpo
     assert errors[0] == errors[1] and "experts.5.up_proj" in errors[0]
 
 
-def test_writer_takes_tensors_in_any_order(tmp_path):
-    """The same file and CRCs whatever order the tensors come in; each planned tensor exactly once."""
+@pytest.mark.parametrize("staged", [True, False])
+def test_writer_takes_tensors_in_any_order(tmp_path, monkeypatch, staged):
+    """The same file and CRCs whatever order the tensors come in; each planned tensor exactly once. Staged:
+    a small file put together in memory; else each tensor written at its offset."""
     import zlib
+
+    from kconvert.io import safetensors_write
+
+    monkeypatch.setattr(safetensors_write, "STAGE_BYTES", 1 << 20 if staged else 0)
 
     gen = torch.Generator().manual_seed(5)
     tensors = {"a": torch.randn(3, 5, generator=gen), "b": torch.randn(7, generator=gen).to(torch.bfloat16),
@@ -171,14 +177,17 @@ def test_frozen_gc_unfreezes_what_it_froze_and_leaves_a_callers_freeze():
     from kconvert.io.gc_pause import frozen_gc
 
     assert gc.get_freeze_count() == 0
-    with frozen_gc():
-        assert gc.get_freeze_count() > 0
+    with frozen_gc() as freeze:
+        frozen = gc.get_freeze_count()
+        made = [[i] for i in range(1000)]
+        freeze()
+        assert frozen > 0 and gc.get_freeze_count() >= frozen + len(made)
     assert gc.get_freeze_count() == 0
     gc.freeze()
     try:
         before = gc.get_freeze_count()
-        with frozen_gc():
-            pass
+        with frozen_gc() as freeze:
+            freeze()
         assert gc.get_freeze_count() == before
     finally:
         gc.unfreeze()

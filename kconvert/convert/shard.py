@@ -66,7 +66,7 @@ class ShardJob:
 
 
 def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
-    with ExitStack() as after_plan:  # the plan's objects, frozen out of the collector's walks (io/gc_pause.py)
+    with ExitStack() as after_plan:  # the source's and the plan's objects, frozen out of the collector's walks
         return _shard(job, progress, calibrate, after_plan)
 
 
@@ -77,6 +77,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
     ck = Checkpoint.open(job.src)
+    freeze = after_plan.enter_context(frozen_gc())  # the source's headers
     supported = ck.model.family.get("shard_quant")  # modes not done for this family are refused, never guessed
     if supported is not None and job.quant not in supported:
         ck.validate()  # a damaged source is named as such first
@@ -89,7 +90,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
                          layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
                          tied=bool(ck.model.text_config.get("tie_word_embeddings")))
     items = pipe.items
-    after_plan.enter_context(frozen_gc())
+    freeze()  # the plan too
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
     calibration = None

@@ -25,16 +25,17 @@ def paused_gc() -> Iterator[None]:
 
 
 @contextmanager
-def frozen_gc() -> Iterator[None]:
-    """Objects alive now (a conversion's plan: 100k+ outputs, header entries) moved out of the collector's
-    sight until the block ends, so the collections the work itself triggers do not walk them again and
-    again (measured on topo-k25 at 8 layers: a fifth of shard's CPU). Collection goes on for everything
-    made inside the block. A process that froze objects itself is left as it is."""
+def frozen_gc() -> Iterator:
+    """Objects alive now (a conversion's source headers, then its plan: 100k+ entries and outputs) moved out
+    of the collector's sight until the block ends, so the collections the work itself triggers do not walk
+    them again and again (measured on topo-k25 at 8 layers: a fifth of shard's CPU). Collection goes on for
+    everything made inside the block; calling what the block yields freezes what was made so far too. A
+    process that froze objects itself is left as it is."""
     if gc.get_freeze_count():
-        yield
+        yield lambda: None
         return
     gc.freeze()
     try:
-        yield
+        yield gc.freeze
     finally:
         gc.unfreeze()

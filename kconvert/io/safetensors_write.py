@@ -31,6 +31,7 @@ from kconvert.io.dtypes import ITEMSIZE, TAGS
 
 
 WRITEBACK_STEP = 64 << 20  # start writing a growing file back every this many bytes
+STAGE_BYTES = 4 << 20  # a file up to this size is put together in memory and written at once
 
 
 @dataclass
@@ -64,11 +65,14 @@ class SafetensorsWriter:
         # each tensor lands at its planned offset, in any order (shard writes same-shape batches): by index
         self._index = {name: i for i, (name, _, _) in enumerate(self.specs)}
         self._at = [len(self._head) + header[name]["data_offsets"][0] for name, _, _ in self.specs]
+        self._size = [header[name]["data_offsets"][1] - header[name]["data_offsets"][0] for name, _, _ in self.specs]
         self._crcs: list[int | None] = [None] * len(self.specs)
         self._next = 0  # tensors written
         self._crc = 0
         self._tensor_crc: dict[str, str] = {}
         self._lo, self._hi = self.total, 0  # the range written since writeback was last started
+        # a small file is put together in memory and written once: one system call, not one per tensor
+        self._stage = bytearray(self.total) if self.total <= STAGE_BYTES else None
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,13 +81,20 @@ class SafetensorsWriter:
         except OSError as e:
             raise write_error(e, self.path) from None
         self._finished = False
-        self._written = 0
         self._write([self._head], 0)
         self._crc = zlib.crc32(self._head)
 
     def _write(self, buffers: list, at: int) -> None:
-        """Write `buffers` back to back from file offset `at` (one positioned write for them all)."""
-        views = [memoryview(b).cast("B") for b in buffers]
+        """Put `buffers` back to back from file offset `at`: into the staged file, or one positioned write."""
+        if self._stage is not None:
+            for b in buffers:
+                view = memoryview(b).cast("B")
+                self._stage[at:at + len(view)] = view
+                at += len(view)
+            return
+        self._pwrite([memoryview(b).cast("B") for b in buffers], at)
+
+    def _pwrite(self, views: list[memoryview], at: int) -> None:
         n_all = sum(len(v) for v in views)
         try:
             done = 0
@@ -98,7 +109,6 @@ class SafetensorsWriter:
         except OSError as e:
             self.abort()
             raise write_error(e, self.path) from None
-        self._written += n_all
         self._lo, self._hi = min(self._lo, at), max(self._hi, at + n_all)
         if self._hi - self._lo >= WRITEBACK_STEP:  # a big file: keep the disk busy while it grows
             _advise(self._fd, "POSIX_FADV_DONTNEED", self._lo, self._hi - self._lo)
@@ -121,10 +131,10 @@ class SafetensorsWriter:
         planned size: the caller has checked dtype and shape (shard's batches check them once a batch)."""
         for k, data in enumerate(buffers):
             i = first + k
-            want = self._at[i + 1] - self._at[i] if i + 1 < len(self._at) else self.total - self._at[i]
-            if self._crcs[i] is not None or memoryview(data).nbytes != want:
+            if self._crcs[i] is not None or memoryview(data).nbytes != self._size[i]:
                 self.abort()
-                raise RuntimeError(f"writer expected {want} bytes of {self.specs[i][0]} once, got {memoryview(data).nbytes}")
+                raise RuntimeError(f"writer expected {self._size[i]} bytes of {self.specs[i][0]} once, "
+                                   f"got {memoryview(data).nbytes}")
             self._crcs[i] = zlib.crc32(data)
         self._write(buffers, self._at[first])
         self._next += len(buffers)
@@ -134,10 +144,15 @@ class SafetensorsWriter:
         if self._next != len(self.specs):
             self.abort()
             raise RuntimeError(f"{self.path}: {len(self.specs) - self._next} planned tensors never written")
-        crc = zlib.crc32(self._head)  # the file's CRC from its tensors', in file order
-        for i, c in enumerate(self._crcs):
-            crc = crc32_combine(crc, c, self._at[i + 1] - self._at[i] if i + 1 < len(self._at) else self.total - self._at[i])
-        self._crc = crc
+        if self._stage is not None:
+            staged, self._stage = memoryview(self._stage), None
+            self._pwrite([staged], 0)
+            self._crc = zlib.crc32(staged)  # a small file: one pass, not a combination per tensor
+        else:
+            crc = zlib.crc32(self._head)  # the file's CRC from its tensors', in file order
+            for c, n in zip(self._crcs, self._size):
+                crc = crc32_combine(crc, c, n)
+            self._crc = crc
         self._tensor_crc = {name: f"{c:08x}" for (name, _, _), c in zip(self.specs, self._crcs)}
         _advise(self._fd, "POSIX_FADV_DONTNEED")  # on dirty pages: starts their writeback, returns at once
         self._finished = True

@@ -123,9 +123,12 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     todo = [w for b in batches for w in b]
     run.start(sum(w.bytes_in for w in todo))
     workers = job.workers or _default_workers(ck, todo, policy)
+    # small tensors: torch on one thread (stacked ops of a few MB gain little from a second one, whose
+    # spin-wait between ops cost 3.7x the CPU time on topo-k25: measured with 2 threads on 2 cores)
+    threads = 1 if _small_tensors(todo) else None
     units = (_units(ck, batches, out, progress, level, workers) if calibration is None
              else _calibrated_units(ck, batches, out, progress, level, calibration))
-    with run.log(f"done-{dist.rank:04d}.jsonl", workers) as log:
+    with run.log(f"done-{dist.rank:04d}.jsonl", workers, threads) as log:
         for batch, recs in units:
             entries = []
             for w, (rec, stored) in zip(batch, recs):
@@ -139,6 +142,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     shares = dist.all_gather_object((result.files_written, result.files_resumed, result.bytes_in))
     result.files_written, result.files_resumed, result.bytes_in = (sum(s[i] for s in shares) for i in range(3))
     result.details["processes"] = dist.world
+    freeze()  # again: the workers' runtime (run.worker_runtime) released what it froze
     cat = None
     if dist.rank == 0:
         cat = run.finish([w.file for w in items], Catalog.stored_bytes,
@@ -191,13 +195,18 @@ MAX_OPEN_FILES = 256  # temporaries held open by finished, not yet committed uni
 SMALL_TENSOR_BYTES = 1 << 20  # below this on average, per-tensor Python work, not data, sets the pace
 
 
+def _small_tensors(todo: list[WorkItem]) -> bool:
+    outputs = [o for w in todo for o in w.outputs]
+    return sum(o.bytes_in for o in outputs) < SMALL_TENSOR_BYTES * len(outputs)
+
+
 def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy) -> int:
     """From the memory budget; one worker when the tensors are small on average: their work holds the GIL
     (torch releases it only for large ops), so more threads only contend for it (measured on topo-k25
     at 11 layers: 3 workers took 1.5x the CPU time of 1, and no less wall time)."""
-    outputs = [o for w in todo for o in w.outputs]
-    if sum(o.bytes_in for o in outputs) < SMALL_TENSOR_BYTES * len(outputs):
+    if _small_tensors(todo):
         return 1
+    outputs = [o for w in todo for o in w.outputs]
     largest = max((ck.logical[o.src].stored_bytes for o in outputs), default=1)
     return default_workers(largest, quantized=policy.scheme != "none")
 

@@ -20,6 +20,7 @@ from kconvert.io.dtypes import TAGS
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.quant import stacked
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.formats import LogicalTensor
 from kconvert.source.stacked import read_stack, stack_key
 
 STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized alone
@@ -33,8 +34,9 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
     a stack of weights that share a key (at most STACK_BYTES of float32 each)."""
     jobs: list[list[str]] = []
     open_stack: dict[tuple, list[str]] = {}
+    stackable: dict[tuple, bool] = {}  # (transform, options) -> whether quant/stacked.py does it
     for src in order:
-        key = _key(ck, src, by_src[src], codes)
+        key = _key(ck.logical[src], by_src[src], codes, stackable)
         if key is None:
             jobs.append([src])
             continue
@@ -46,21 +48,25 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
     return jobs
 
 
-def _key(ck: Checkpoint, src: str, pairs: Pairs, codes: dict | None) -> tuple | None:
-    t = ck.logical[src]
-    if t.numel > STACK_ELEMS or (codes and src in codes):
+def _key(t: LogicalTensor, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool]) -> tuple | None:
+    if t.numel > STACK_ELEMS or (codes and t.name in codes):
         return None
     form = stack_key(t)
     if form is None:
         return None
-    outs = []
+    outs = [form]
     for _, o in pairs:
-        scheme = o.scheme
-        if o.copy is not None or o.info.rule.values_below is not None or (
-                scheme is not None and not stacked.supports(scheme, o.options)):
+        if o.copy is not None or o.info.rule.values_below is not None:
             return None
-        outs.append((o.piece.dim, o.piece.start, o.piece.stop, o.transform, o.options))
-    return form, tuple(outs)
+        how = (o.transform, o.scale_format, o.group_size, o.int4_scales)
+        ok = stackable.get(how)
+        if ok is None:
+            scheme = o.scheme
+            ok = stackable[how] = scheme is None or stacked.supports(scheme, o.options)
+        if not ok:
+            return None
+        outs.append((o.piece.dim, o.piece.start, o.piece.stop, how))
+    return tuple(outs)
 
 
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
@@ -78,13 +84,17 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
         specs0 = o0.specs()
         if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
             raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
+        # every weight's specs are specs0 with its own name in front of the same suffixes (src, src_scale_inv ...):
+        # checked below against what its file planned
+        tails = [(name[len(o0.src):], tag, shape) for name, tag, shape in specs0]
+        if any(not name.startswith(o0.src) for name, _, _ in specs0):
+            raise RuntimeError(f"stacked {o0.transform} of {o0.src}: names {specs0} do not start with it")
         rows = [s.reshape(len(srcs), s[0].numel()).view(torch.uint8).numpy() for s in stacks]  # a row a weight
         for n, src in enumerate(srcs):
             writer, o = by_src[src][j]
-            specs = o.specs()
-            first = writer.index(specs[0][0])
-            if writer.specs[first:first + len(specs)] != specs:
-                raise RuntimeError(f"{writer.path}: {o.src} is not planned as {specs}")
+            first = writer.index(src)
+            if writer.specs[first:first + len(tails)] != [(src + tail, tag, shape) for tail, tag, shape in tails]:
+                raise RuntimeError(f"{writer.path}: {src} is not planned as a stacked {o0.transform}")
             writer.write_bytes(first, [r[n] for r in rows])
             done += o.bytes_in
     return done

@@ -16,9 +16,14 @@ FORMATS = ("plain", "int4_packed")
 
 def stack_key(t: LogicalTensor) -> tuple | None:
     """What weights must share to be read as one stack (None: this one is read on its own)."""
-    if t.format not in FORMATS or not t.numel or any(p.compressed is not None for p in t.parts.values()):
+    if t.format not in FORMATS or not t.numel:
         return None
-    return t.format, t.shape, tuple((role, p.dtype, p.shape) for role, p in t.parts.items())
+    key = [t.format, t.shape]
+    for role, p in t.parts.items():  # asked once per weight (70k at a release's size): a plain loop
+        if p.compressed is not None:
+            return None
+        key += (role, p.dtype, p.shape)
+    return tuple(key)
 
 
 def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:

@@ -54,9 +54,12 @@ class SafetensorsWriter:
         self.specs = list(specs)
         header: dict = {"__metadata__": metadata} if metadata else {}
         offset = 0
+        starts, self._size = [], []  # of each tensor in the data region, and its bytes
         for name, tag, shape in self.specs:
             n = math.prod(shape) * ITEMSIZE[tag]
             header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            starts.append(offset)
+            self._size.append(n)
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data region 8-byte aligned, as safetensors writes it
@@ -64,8 +67,7 @@ class SafetensorsWriter:
         self.total = len(self._head) + offset
         # each tensor lands at its planned offset, in any order (shard writes same-shape batches): by index
         self._index = {name: i for i, (name, _, _) in enumerate(self.specs)}
-        self._at = [len(self._head) + header[name]["data_offsets"][0] for name, _, _ in self.specs]
-        self._size = [header[name]["data_offsets"][1] - header[name]["data_offsets"][0] for name, _, _ in self.specs]
+        self._at = [len(self._head) + b for b in starts]
         self._crcs: list[int | None] = [None] * len(self.specs)
         self._next = 0  # tensors written
         self._crc = 0

@@ -191,3 +191,29 @@ def test_frozen_gc_unfreezes_what_it_froze_and_leaves_a_callers_freeze():
         assert gc.get_freeze_count() == before
     finally:
         gc.unfreeze()
+
+
+def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(checkpoint, tmp_path, monkeypatch):
+    """A source read error in a stack: the unit again, weight by weight (same bytes); a write error: raised."""
+    from kconvert.errors import DiskFullError
+    from kconvert.source import stacked as source_stacked
+
+    src = checkpoint("topo-k25", layers=3, experts=8)
+    shard(ShardJob(str(src), str(tmp_path / "ref"), tp=2, quant="fp8"))
+    calls = []
+
+    def flaky(entries):
+        calls.append(len(entries))
+        raise FileNotFoundError(2, "gone for a moment", str(entries[0].file))
+
+    monkeypatch.setattr(source_stacked, "read_stacked", flaky)
+    shard(ShardJob(str(src), str(tmp_path / "redone"), tp=2, quant="fp8"))
+    assert calls and _digest(tmp_path / "redone") == _digest(tmp_path / "ref")
+    monkeypatch.undo()
+    opened = []  # each unit's files: opened again only by a redo
+    real_open = shard_unit._open
+    monkeypatch.setattr(shard_unit, "_open", lambda batch, out: opened.append(batch[0].unit) or real_open(batch, out))
+    monkeypatch.setattr(SafetensorsWriter, "write_bytes", lambda *a: (_ for _ in ()).throw(DiskFullError("disk full")))
+    with pytest.raises(DiskFullError):
+        shard(ShardJob(str(src), str(tmp_path / "full"), tp=2, quant="fp8"))
+    assert opened and len(opened) == len(set(opened))

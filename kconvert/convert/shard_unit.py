@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kconvert.errors import CheckpointError, KConvertError
+from kconvert.errors import CheckpointError, KConvertError, WriteError
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
@@ -52,8 +52,10 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
             try:
                 _write_jobs(ck, jobs, by_src, progress, codes)
                 return _finish(writers)
-            except (CheckpointError, NotStackable):
-                _abort(writers)
+            except WriteError:
+                raise
+            except (CheckpointError, NotStackable, OSError):  # a source problem: the one-by-one pass meets
+                _abort(writers)  # it in the order, and with the words, it always has
                 writers, by_src = _open(batch, out)
         _write_each(ck, order, by_src, progress, codes)
         return _finish(writers)

@@ -98,10 +98,11 @@ class Run:
             self.progress("start", total=total_bytes)
 
     @contextlib.contextmanager
-    def log(self, name: str, workers: int | None = None):
-        """The journal file this process appends to; with `workers`, the worker-thread settings too."""
+    def log(self, name: str, workers: int | None = None, threads: int | None = None):
+        """The journal file this process appends to; with `workers`, the worker-thread settings too
+        (`threads`: torch's threads, else the cores shared among the workers)."""
         with JournalLog(self.out / JOURNAL_DIR / name) as log, \
-                (worker_runtime(workers) if workers else contextlib.nullcontext()):
+                (worker_runtime(workers, threads) if workers else contextlib.nullcontext()):
             yield log
 
     def wrote(self, name: str, bytes_in: int = 0, *, durable_bytes: int | None = None) -> None:
@@ -162,7 +163,7 @@ def cores() -> int:
 
 
 @contextlib.contextmanager
-def worker_runtime(workers: int):
+def worker_runtime(workers: int, threads: int | None = None):
     """The workers are the parallelism: torch's own threads would oversubscribe the cores (small
     chunked ops spin-wait on busy cores), so each worker runs its ops on one thread unless there
     are fewer workers than cores. The objects alive before the conversion (torch, the plan) are
@@ -171,7 +172,7 @@ def worker_runtime(workers: int):
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, cores() // max(1, workers)))
+    torch.set_num_threads(threads or max(1, cores() // max(1, workers)))
     gc.freeze()
     try:
         yield

@@ -15,6 +15,7 @@ layers before it.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.shard_plan import Pipeline, WorkItem, plan_items, plan_pipeline
 from kconvert.convert.run import Run, RunResult, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
+from kconvert.io.gc_pause import frozen_gc
 from kconvert.io.safetensors_write import commit_all
 from kconvert.io.window import ordered_window
 
@@ -64,12 +66,18 @@ class ShardJob:
 
 
 def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
+    with ExitStack() as after_plan:  # the source's and the plan's objects, frozen out of the collector's walks
+        return _shard(job, progress, calibrate, after_plan)
+
+
+def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResult:
     """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("working", n=bytes) as tensors are made,
     ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
     `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 job."""
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
     ck = Checkpoint.open(job.src)
+    freeze = after_plan.enter_context(frozen_gc())  # the source's headers
     supported = ck.model.family.get("shard_quant")  # modes not done for this family are refused, never guessed
     if supported is not None and job.quant not in supported:
         ck.validate()  # a damaged source is named as such first
@@ -82,6 +90,7 @@ def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
                          layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
                          tied=bool(ck.model.text_config.get("tie_word_embeddings")))
     items = pipe.items
+    freeze()  # the plan too
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
     calibration = None
@@ -114,9 +123,12 @@ def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
     todo = [w for b in batches for w in b]
     run.start(sum(w.bytes_in for w in todo))
     workers = job.workers or _default_workers(ck, todo, policy)
+    # small tensors: torch on one thread (stacked ops of a few MB gain little from a second one, whose
+    # spin-wait between ops cost 3.7x the CPU time on topo-k25: measured with 2 threads on 2 cores)
+    threads = 1 if _small_tensors(todo) else None
     units = (_units(ck, batches, out, progress, level, workers) if calibration is None
              else _calibrated_units(ck, batches, out, progress, level, calibration))
-    with run.log(f"done-{dist.rank:04d}.jsonl", workers) as log:
+    with run.log(f"done-{dist.rank:04d}.jsonl", workers, threads) as log:
         for batch, recs in units:
             entries = []
             for w, (rec, stored) in zip(batch, recs):
@@ -130,6 +142,7 @@ def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
     shares = dist.all_gather_object((result.files_written, result.files_resumed, result.bytes_in))
     result.files_written, result.files_resumed, result.bytes_in = (sum(s[i] for s in shares) for i in range(3))
     result.details["processes"] = dist.world
+    freeze()  # again: the workers' runtime (run.worker_runtime) released what it froze
     cat = None
     if dist.rank == 0:
         cat = run.finish([w.file for w in items], Catalog.stored_bytes,
@@ -182,13 +195,18 @@ MAX_OPEN_FILES = 256  # temporaries held open by finished, not yet committed uni
 SMALL_TENSOR_BYTES = 1 << 20  # below this on average, per-tensor Python work, not data, sets the pace
 
 
+def _small_tensors(todo: list[WorkItem]) -> bool:
+    outputs = [o for w in todo for o in w.outputs]
+    return sum(o.bytes_in for o in outputs) < SMALL_TENSOR_BYTES * len(outputs)
+
+
 def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy) -> int:
     """From the memory budget; one worker when the tensors are small on average: their work holds the GIL
     (torch releases it only for large ops), so more threads only contend for it (measured on topo-k25
     at 11 layers: 3 workers took 1.5x the CPU time of 1, and no less wall time)."""
-    outputs = [o for w in todo for o in w.outputs]
-    if sum(o.bytes_in for o in outputs) < SMALL_TENSOR_BYTES * len(outputs):
+    if _small_tensors(todo):
         return 1
+    outputs = [o for w in todo for o in w.outputs]
     largest = max((ck.logical[o.src].stored_bytes for o in outputs), default=1)
     return default_workers(largest, quantized=policy.scheme != "none")
 
@@ -200,15 +218,16 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
     copy_side_files(ck, out)
     files, tensors = {}, []
     for w in items:
-        rec = done[w.file]
+        file = w.file
+        rec = done[file]
         layer = unit_layer(w.unit)
-        files[w.file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": layer,
+        files[file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": layer,
                          "bytes": rec["bytes"], "crc32": rec["crc32"]}
         if rec.get("stored"):
-            files[w.file]["stored"] = rec["stored"]
+            files[file]["stored"] = rec["stored"]
         for o in w.outputs:
             for name, dtype, shape in o.specs():
-                tensors.append({"name": name, "file": w.file, "rank": w.rank, "layer": layer, "unit": w.unit,
+                tensors.append({"name": name, "file": file, "rank": w.rank, "layer": layer, "unit": w.unit,
                                 "group": o.info.group, "component": o.info.component, "expert": o.info.expert,
                                 "rule": o.info.split, "slice": None if o.piece.dim is None else
                                 [o.piece.dim, o.piece.start, o.piece.stop],

@@ -9,6 +9,7 @@ What each stores (names, dtypes, shapes) is the scheme's `specs`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from kconvert.source.checkpoint import Checkpoint
@@ -45,7 +46,7 @@ class Output:
 
     @property
     def options(self) -> Options:
-        return Options(self.scale_format, self.group_size, self.int4_scales)
+        return _options(self.scale_format, self.group_size, self.int4_scales)
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         scheme = self.scheme
@@ -57,6 +58,11 @@ class Output:
     @property
     def bytes_in(self) -> int:
         return input_bytes(self.shape, self.src_dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _options(scale_format: str, group_size: int, int4_scales: str) -> Options:
+    return Options(scale_format, group_size, int4_scales)  # one object per run, not one per output tensor
 
 
 @dataclass

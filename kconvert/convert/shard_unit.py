@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
-from kconvert.errors import KConvertError
+from kconvert.errors import CheckpointError, KConvertError, WriteError
 from kconvert.io.dtypes import DTYPES
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.stored_parts import read_parts
 from kconvert.convert.shard_plan import Output, WorkItem
+from kconvert.convert.shard_stacks import Pairs, plan_jobs, write_stack
+from kconvert.quant.stacked import NotStackable
 
 
 def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
@@ -36,10 +38,35 @@ def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
 def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
                codes: dict | None = None) -> list[SafetensorsWriter]:
     """Write every rank's file of one unit (a layer, globals or vision) in one pass over the source:
-    each source tensor is read once, and each rank's slice of it goes to that rank's file. `codes`:
-    {source name: (int8 codes, scale)} computed already (calibrated int4), stored instead of quantizing. Memory:
-    the tensor being written plus the one read ahead. Returns the finished writers (bytes written,
+    each source tensor is read once, and each rank's slice of it goes to that rank's file. Small weights
+    of one shape go as stacks (shard_stacks.py); if a stack fails a check, the unit is written again one
+    weight at a time, which names the bad tensor as it always has. `codes`: {source name: (int8 codes,
+    scale)} computed already (calibrated int4), stored instead of quantizing. Memory: the tensor (or
+    stack) being written plus the one read ahead. Returns the finished writers (bytes written,
     writeback started, not yet durable: commit_all them before journalling)."""
+    writers, by_src = _open(batch, out)
+    try:
+        order = sorted(by_src)
+        jobs = plan_jobs(ck, order, by_src, codes)
+        if len(jobs) < len(order):
+            try:
+                _write_jobs(ck, jobs, by_src, progress, codes)
+                return _finish(writers)
+            except WriteError:
+                raise
+            except (CheckpointError, NotStackable, OSError):  # a source problem: the one-by-one pass meets
+                _abort(writers)  # it in the order, and with the words, it always has
+                writers, by_src = _open(batch, out)
+        _write_each(ck, order, by_src, progress, codes)
+        return _finish(writers)
+    except BaseException:
+        _abort(writers)
+        raise
+
+
+def _open(batch: list[WorkItem], out: Path) -> tuple[list[SafetensorsWriter], dict[str, Pairs]]:
+    """Every file of the unit opened, and source tensor -> [(writer, output)] in the name order every
+    file's header was planned in."""
     writers = []
     try:
         for w in batch:
@@ -48,44 +75,70 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
                 stale.unlink(missing_ok=True)  # left by a killed run
             writers.append(SafetensorsWriter(path, w.specs(), {"format": "pt", "kconvert_rank": str(w.rank),
                                                                "kconvert_unit": w.unit}))
-        # source tensor -> [(writer, output)], in the name order every file's header was planned in
-        by_src: dict[str, list[tuple[SafetensorsWriter, Output]]] = {}
-        for writer, w in zip(writers, batch):
-            for o in w.outputs:
-                by_src.setdefault(o.src, []).append((writer, o))
-        order = sorted(by_src)
-        with ThreadPoolExecutor(1) as reader:  # read-ahead of one source tensor: two in flight at most
-            ahead = _read_ahead(reader, ck, by_src[order[0]][0][1]) if order else None
-            for i, src in enumerate(order):
-                x = ahead.result()
-                ahead = _read_ahead(reader, ck, by_src[order[i + 1]][0][1]) if i + 1 < len(order) else None
-                made: dict[tuple, list] = {}  # a replicated tensor is transformed once, not once per rank
-                for writer, o in by_src[src]:
-                    try:
-                        if codes and o.src in codes:
-                            produced = _encode(o, codes[o.src])
-                        elif o.piece.dim is None:
-                            key = (o.transform, o.scale_format, o.group_size, o.int4_scales)
-                            if key not in made:
-                                made[key] = list(_produce(o, x))
-                            produced = made[key]
-                        else:
-                            produced = _produce(o, _slice(ck, o, x))
-                        for name, tensor in produced:
-                            writer.write(name, tensor)
-                    except KConvertError as e:
-                        e.file = e.file or str(ck.logical[o.src].main.file)
-                        raise
-                    if progress:  # in flight: the bar counts a file's bytes when it is durable (Run.wrote)
-                        progress("working", n=o.bytes_in)
-                del x, made
-        for wr in writers:
-            wr.finish()
     except BaseException:
-        for wr in writers:
-            wr.abort()
+        _abort(writers)
         raise
+    by_src: dict[str, Pairs] = {}
+    for writer, w in zip(writers, batch):
+        for o in w.outputs:
+            by_src.setdefault(o.src, []).append((writer, o))
+    return writers, by_src
+
+
+def _finish(writers: list[SafetensorsWriter]) -> list[SafetensorsWriter]:
+    for wr in writers:
+        wr.finish()
     return writers
+
+
+def _abort(writers: list[SafetensorsWriter]) -> None:
+    for wr in writers:
+        wr.abort()
+
+
+def _write_jobs(ck: Checkpoint, jobs: list[list[str]], by_src: dict[str, Pairs], progress, codes) -> None:
+    """plan_jobs' jobs: stacks as stacks, each run of lone weights between them one at a time."""
+    alone: list[str] = []
+    for job in [*jobs, []]:
+        if len(job) == 1:
+            alone.append(job[0])
+            continue
+        if alone:
+            _write_each(ck, alone, by_src, progress, codes)
+            alone = []
+        if job:
+            n = write_stack(ck, job, by_src)
+            if progress:
+                progress("working", n=n)
+
+
+def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], progress, codes) -> None:
+    """Source tensors `order`, one at a time: each read once (the next read ahead while this one is written)."""
+    with ThreadPoolExecutor(1) as reader:  # read-ahead of one source tensor: two in flight at most
+        ahead = _read_ahead(reader, ck, by_src[order[0]][0][1]) if order else None
+        for i, src in enumerate(order):
+            x = ahead.result()
+            ahead = _read_ahead(reader, ck, by_src[order[i + 1]][0][1]) if i + 1 < len(order) else None
+            made: dict[tuple, list] = {}  # a replicated tensor is transformed once, not once per rank
+            for writer, o in by_src[src]:
+                try:
+                    if codes and o.src in codes:
+                        produced = _encode(o, codes[o.src])
+                    elif o.piece.dim is None:
+                        key = (o.transform, o.scale_format, o.group_size, o.int4_scales)
+                        if key not in made:
+                            made[key] = list(_produce(o, x))
+                        produced = made[key]
+                    else:
+                        produced = _produce(o, _slice(ck, o, x))
+                    for name, tensor in produced:
+                        writer.write(name, tensor)
+                except KConvertError as e:
+                    e.file = e.file or str(ck.logical[o.src].main.file)
+                    raise
+                if progress:  # in flight: the bar counts a file's bytes when it is durable (Run.wrote)
+                    progress("working", n=o.bytes_in)
+            del x, made
 
 
 READ_AHEAD_BYTES = 1 << 20  # smaller source tensors are read when needed, on this thread

@@ -22,3 +22,20 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextmanager
+def frozen_gc() -> Iterator:
+    """Objects alive now (a conversion's source headers, then its plan: 100k+ entries and outputs) moved out
+    of the collector's sight until the block ends, so the collections the work itself triggers do not walk
+    them again and again (on topo-k25 at 8 layers, shard with the collector off took a fifth less CPU).
+    Collection goes on for everything made inside the block; calling what the block yields freezes what
+    was made so far too. A process that froze objects itself is left as it is."""
+    if gc.get_freeze_count():
+        yield lambda: None
+        return
+    gc.freeze()
+    try:
+        yield gc.freeze
+    finally:
+        gc.unfreeze()

@@ -1,10 +1,11 @@
 """Write one safetensors file tensor by tensor, crash-safely.
 
 The header is computed up front from the planned (name, dtype, shape) list, so tensors can be
-produced and written one at a time (memory: one tensor). Bytes go to a hidden temporary name,
+produced and written one at a time (memory: one tensor), each at its planned offset in any order
+(shard writes a batch of same-shape experts, then the next shape). Bytes go to a hidden temporary name,
 are fsynced, then renamed into place (and the directory fsynced): a file under its final name is
 always complete. Each tensor's bytes are written straight from the tensor's memory (no copy) and
-passed over once for its CRC-32; the file's CRC-32 is combined from those (io/crc.py).
+passed over once for its CRC-32; the file's CRC-32 is combined from those in file order (io/crc.py).
 
 Durability in batches: `finish()` ends a file without waiting for the disk (it only starts the
 writeback), and `commit_all()` later fsyncs a group of finished files, renames them into place and
@@ -30,6 +31,7 @@ from kconvert.io.dtypes import ITEMSIZE, TAGS
 
 
 WRITEBACK_STEP = 64 << 20  # start writing a growing file back every this many bytes
+STAGE_BYTES = 4 << 20  # a file up to this size is put together in memory and written at once
 
 
 @dataclass
@@ -52,17 +54,27 @@ class SafetensorsWriter:
         self.specs = list(specs)
         header: dict = {"__metadata__": metadata} if metadata else {}
         offset = 0
+        starts, self._size = [], []  # of each tensor in the data region, and its bytes
         for name, tag, shape in self.specs:
             n = math.prod(shape) * ITEMSIZE[tag]
             header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            starts.append(offset)
+            self._size.append(n)
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data region 8-byte aligned, as safetensors writes it
         self._head = len(raw).to_bytes(8, "little") + raw
         self.total = len(self._head) + offset
-        self._next = 0
+        # each tensor lands at its planned offset, in any order (shard writes same-shape batches): by index
+        self._index = {name: i for i, (name, _, _) in enumerate(self.specs)}
+        self._at = [len(self._head) + b for b in starts]
+        self._crcs: list[int | None] = [None] * len(self.specs)
+        self._next = 0  # tensors written
         self._crc = 0
         self._tensor_crc: dict[str, str] = {}
+        self._lo, self._hi = self.total, 0  # the range written since writeback was last started
+        # a small file is put together in memory and written once: one system call, not one per tensor
+        self._stage = bytearray(self.total) if self.total <= STAGE_BYTES else None
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,41 +83,79 @@ class SafetensorsWriter:
         except OSError as e:
             raise write_error(e, self.path) from None
         self._finished = False
-        self._written = self._kicked = 0
-        self._write(self._head)
+        self._write([self._head], 0)
         self._crc = zlib.crc32(self._head)
 
-    def _write(self, data) -> None:
-        view = memoryview(data).cast("B")
+    def _write(self, buffers: list, at: int) -> None:
+        """Put `buffers` back to back from file offset `at`: into the staged file, or one positioned write."""
+        if self._stage is not None:
+            for b in buffers:
+                view = memoryview(b).cast("B")
+                self._stage[at:at + len(view)] = view
+                at += len(view)
+            return
+        self._pwrite([memoryview(b).cast("B") for b in buffers], at)
+
+    def _pwrite(self, views: list[memoryview], at: int) -> None:
+        n_all = sum(len(v) for v in views)
         try:
-            while len(view):
-                n = os.write(self._fd, view)
-                view = view[n:]
-                self._written += n
+            done = 0
+            while done < n_all:
+                n = os.pwritev(self._fd, views, at + done)
+                done += n
+                while n and views:  # drop what was written (a short write resumes mid-buffer)
+                    if n >= len(views[0]):
+                        n -= len(views.pop(0))
+                    else:
+                        views[0], n = views[0][n:], 0
         except OSError as e:
             self.abort()
             raise write_error(e, self.path) from None
-        if self._written - self._kicked >= WRITEBACK_STEP:  # a big file: keep the disk busy while it grows
-            _advise(self._fd, "POSIX_FADV_DONTNEED", self._kicked, self._written - self._kicked)
-            self._kicked = self._written
+        self._lo, self._hi = min(self._lo, at), max(self._hi, at + n_all)
+        if self._hi - self._lo >= WRITEBACK_STEP:  # a big file: keep the disk busy while it grows
+            _advise(self._fd, "POSIX_FADV_DONTNEED", self._lo, self._hi - self._lo)
+            self._lo, self._hi = self.total, 0
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        want_name, tag, shape = self.specs[self._next]
-        if name != want_name or TAGS.get(t.dtype) != tag or tuple(t.shape) != tuple(shape):
+        i = self._index.get(name, -1)
+        want_name, tag, shape = self.specs[i] if i >= 0 else (name, None, None)
+        if i < 0 or self._crcs[i] is not None or TAGS.get(t.dtype) != tag or tuple(t.shape) != tuple(shape):
             self.abort()
-            raise RuntimeError(f"writer expected {want_name} {tag}{list(shape)}, got {name} {t.dtype}{list(t.shape)}")
-        data = tensor_bytes(t)
-        crc = zlib.crc32(data)
-        self._write(data)
-        self._crc = crc32_combine(self._crc, crc, len(data))
-        self._tensor_crc[name] = f"{crc:08x}"
-        self._next += 1
+            raise RuntimeError(f"writer expected {want_name} {tag}{list(shape or ())} once, got {name} {t.dtype}{list(t.shape)}")
+        self.write_bytes(i, [tensor_bytes(t)])
+
+    def index(self, name: str) -> int:
+        """Where tensor `name` is in the planned order (for write_bytes)."""
+        return self._index[name]
+
+    def write_bytes(self, first: int, buffers: list) -> None:
+        """The bytes of planned tensors first, first + 1, ... (adjacent in the file: one write), each the
+        planned size: the caller has checked dtype and shape (shard's batches check them once a batch)."""
+        for k, data in enumerate(buffers):
+            i = first + k
+            if self._crcs[i] is not None or memoryview(data).nbytes != self._size[i]:
+                self.abort()
+                raise RuntimeError(f"writer expected {self._size[i]} bytes of {self.specs[i][0]} once, "
+                                   f"got {memoryview(data).nbytes}")
+            self._crcs[i] = zlib.crc32(data)
+        self._write(buffers, self._at[first])
+        self._next += len(buffers)
 
     def finish(self) -> None:
         """Every planned tensor is written: start writing the file back, do not wait for it."""
         if self._next != len(self.specs):
             self.abort()
             raise RuntimeError(f"{self.path}: {len(self.specs) - self._next} planned tensors never written")
+        if self._stage is not None:
+            staged, self._stage = memoryview(self._stage), None
+            self._pwrite([staged], 0)
+            self._crc = zlib.crc32(staged)  # a small file: one pass, not a combination per tensor
+        else:
+            crc = zlib.crc32(self._head)  # the file's CRC from its tensors', in file order
+            for c, n in zip(self._crcs, self._size):
+                crc = crc32_combine(crc, c, n)
+            self._crc = crc
+        self._tensor_crc = {name: f"{c:08x}" for (name, _, _), c in zip(self.specs, self._crcs)}
         _advise(self._fd, "POSIX_FADV_DONTNEED")  # on dirty pages: starts their writeback, returns at once
         self._finished = True
 

@@ -29,6 +29,8 @@ def get_scheme(name: str) -> Scheme:
 def scheme_of_transform(transform: str) -> Scheme | None:
     """The scheme a plan's transform stores: the scheme's own name, or one of its lossless copies;
     None for `copy` / `bf16` (kept unquantized)."""
-    if transform in REGISTRY:
-        return REGISTRY[transform]
-    return next((s for s in REGISTRY.values() if transform in s.copies), None)
+    return _BY_TRANSFORM.get(transform)
+
+
+# asked once per output tensor: a dict, the first scheme listing a copy winning as before
+_BY_TRANSFORM = {**{c: s for s in reversed(REGISTRY.values()) for c in s.copies}, **REGISTRY}

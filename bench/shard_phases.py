@@ -1,0 +1,91 @@
+"""Where `shard`'s CPU time goes, phase by phase, in one process (bench only, not CI).
+
+Runs `shard` on SRC with its unit pool replaced by a synchronous one (every phase on this thread, so CPU
+time is attributed exactly) and prints CPU seconds of: opening the source (headers, canonical names,
+folding), planning (validation included), writing the units (read, transform, write), committing them,
+kconvert.json and the rank lists, and the rest (fingerprint, journal, output checks). Per written tensor
+the figures say what metadata_bench.py's "beyond data" is made of.
+
+    .venv/bin/python bench/shard_phases.py /tmp/kmeta/topo-k25-L-E --quant fp8 --tp 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class SyncPool:
+    """ThreadPoolExecutor's interface, running each task at submit."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def submit(self, fn, *a, **k):
+        f = Future()
+        try:
+            f.set_result(fn(*a, **k))
+        except BaseException as e:  # noqa: BLE001  (handed to the waiter, as a pool does)
+            f.set_exception(e)
+        return f
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=Path)
+    ap.add_argument("--quant", default="none")
+    ap.add_argument("--tp", type=int, default=8)
+    a = ap.parse_args(argv)
+    import kconvert.convert.shard as sh
+    from kconvert.source.checkpoint import Checkpoint
+
+    cpu: collections.Counter = collections.Counter()
+
+    def timed(name, fn):
+        def run(*args, **kw):
+            t = time.process_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                cpu[name] += time.process_time() - t
+        return run
+
+    sh.ThreadPoolExecutor = SyncPool
+    opener = Checkpoint.open.__func__
+    Checkpoint.open = classmethod(lambda cls, *args, **kw: timed("open source", opener)(cls, *args, **kw))
+    for fn, name in (("plan_items", "plan"), ("write_unit", "write units"), ("commit_all", "commit"),
+                     ("_write_catalog", "kconvert.json + rank lists")):
+        setattr(sh, fn, timed(name, getattr(sh, fn)))
+    out = Path(tempfile.mkdtemp(prefix="shard-phases-"))
+    try:
+        t = time.process_time()
+        sh.shard(sh.ShardJob(str(a.src), str(out / "out"), tp=a.tp, quant=a.quant, workers=1))
+        total = time.process_time() - t
+        written = sum(e["tensors"] for e in __import__("json").loads((out / "out" / "kconvert.json").read_text())
+                      ["tensors_by_rank"])
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    cpu["rest (fingerprint, journal, checks)"] = total - sum(cpu.values())
+    print(f"shard --tp {a.tp} --quant {a.quant}: {total:.2f} s CPU, {written} tensors written")
+    for name, s in cpu.items():
+        print(f"  {name:36s} {s:6.2f} s  {1e6 * s / written:6.1f} us/tensor")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Shard a unit's small same-shape weights as stacks: a layer's routed experts (384 x gate/up/down in
+Kimi-K2.5) are read, dequantized, sliced and quantized N at a time, then each expert's slices are written
+to their ranks' files at their planned offsets. At 100k+ small tensors the ~25 torch calls and the
+reads each tensor cost one at a time were nearly all of shard's time (issue 25); a stack pays them once.
+
+A stack holds one unit's weights of one shape, stored form and output layout (the same slices, the same
+transforms on every rank), at most STACK_BYTES of float32; a weight of more than STACK_ELEMS values is
+done alone as before (its data, not the calls, sets the pace). Every result is bit-identical to the
+one-at-a-time path (quant/stacked.py). A stack that fails a check raises NotStackable or the source's
+CheckpointError: shard_unit then writes the whole unit one weight at a time, which names the bad
+tensor exactly as it always has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.convert.shard_plan import Output
+from kconvert.io.dtypes import TAGS
+from kconvert.io.safetensors_write import SafetensorsWriter
+from kconvert.quant import stacked
+from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.formats import LogicalTensor
+from kconvert.source.stacked import read_stack, stack_key
+
+STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized alone
+STACK_BYTES = 64 << 20  # float32 bytes of one stack at most (a real model's large experts are not stacked)
+
+Pairs = list[tuple[SafetensorsWriter, Output]]  # one source weight's outputs: the file and what goes in it
+
+
+def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes: dict | None) -> list[list[str]]:
+    """The unit's source weights as jobs, in the order of each job's first weight: one weight alone, or
+    a stack of weights that share a key (at most STACK_BYTES of float32 each)."""
+    jobs: list[list[str]] = []
+    open_stack: dict[tuple, list[str]] = {}
+    stackable: dict[tuple, bool] = {}  # (transform, options) -> whether quant/stacked.py does it
+    for src in order:
+        key = _key(ck.logical[src], by_src[src], codes, stackable)
+        if key is None:
+            jobs.append([src])
+            continue
+        stack = open_stack.get(key)
+        if stack is None or len(stack) * ck.logical[src].numel * 4 >= STACK_BYTES:
+            stack = open_stack[key] = []
+            jobs.append(stack)
+        stack.append(src)
+    return jobs
+
+
+def _key(t: LogicalTensor, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool]) -> tuple | None:
+    if t.numel > STACK_ELEMS or (codes and t.name in codes):
+        return None
+    form = stack_key(t)
+    if form is None:
+        return None
+    outs = [form]
+    for _, o in pairs:
+        if o.copy is not None or o.info.rule.values_below is not None:
+            return None
+        how = (o.transform, o.scale_format, o.group_size, o.int4_scales)
+        ok = stackable.get(how)
+        if ok is None:
+            scheme = o.scheme
+            ok = stackable[how] = scheme is None or stacked.supports(scheme, o.options)
+        if not ok:
+            return None
+        outs.append((o.piece.dim, o.piece.start, o.piece.stop, how))
+    return tuple(outs)
+
+
+def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
+    """Read, transform and write the stack `srcs` (weights sharing a plan_jobs key); returns the source
+    bytes done (for progress)."""
+    x = read_stack([ck.logical[s] for s in srcs], ck.int4_group())
+    made: dict = {}  # a replicated output (whole on every rank) is made once
+    done = 0
+    for j, (_, o0) in enumerate(by_src[srcs[0]]):
+        p = o0.piece
+        key = (o0.transform, o0.options) if p.dim is None else j
+        if key not in made:
+            made[key] = _produce(o0, x if p.dim is None else x.narrow(p.dim + 1, p.start, p.stop - p.start))
+        stacks = made[key]
+        specs0 = o0.specs()
+        if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
+            raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
+        # every weight's specs are specs0 with its own name in front of the same suffixes (src, src_scale_inv ...):
+        # checked below against what its file planned
+        tails = [(name[len(o0.src):], tag, shape) for name, tag, shape in specs0]
+        if any(not name.startswith(o0.src) for name, _, _ in specs0):
+            raise RuntimeError(f"stacked {o0.transform} of {o0.src}: names {specs0} do not start with it")
+        rows = [s.reshape(len(srcs), s[0].numel()).view(torch.uint8).numpy() for s in stacks]  # a row a weight
+        for n, src in enumerate(srcs):
+            writer, o = by_src[src][j]
+            first = writer.index(src)
+            if writer.specs[first:first + len(tails)] != [(src + tail, tag, shape) for tail, tag, shape in tails]:
+                raise RuntimeError(f"{writer.path}: {src} is not planned as a stacked {o0.transform}")
+            writer.write_bytes(first, [r[n] for r in rows])
+            done += o.bytes_in
+    return done
+
+
+def _produce(o: Output, x: torch.Tensor) -> list[torch.Tensor]:
+    """shard_unit._produce over a stack: contiguous [N, ...] tensors, one per planned spec."""
+    if o.scheme is not None:
+        return stacked.quantize(o.scheme, x, o.options)
+    return [(x.to(torch.bfloat16) if o.transform == "bf16" else x).contiguous()]

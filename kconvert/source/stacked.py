@@ -1,0 +1,47 @@
+"""Read many small logical weights of one shape and stored form as one stack [N, ...], dequantized as
+Checkpoint.read gives each (plain: kept dtype; INT4 pack-quantized: float32), with the same checks made
+over the whole stack at once. When a check fails, NotStackable: the caller reads those weights one at a
+time, and that read names the file and tensor as it always has."""
+
+from __future__ import annotations
+
+import torch
+
+from kconvert.io.stacked_read import read_stacked
+from kconvert.quant.stacked import NotStackable, dequantize_int4_words
+from kconvert.source.formats import LogicalTensor, all_finite, declared_shape
+
+FORMATS = ("plain", "int4_packed")
+
+
+def stack_key(t: LogicalTensor) -> tuple | None:
+    """What weights must share to be read as one stack (None: this one is read on its own)."""
+    if t.format not in FORMATS or not t.numel:
+        return None
+    key = [t.format, t.shape]
+    for role, p in t.parts.items():  # asked once per weight (70k at a release's size): a plain loop
+        if p.compressed is not None:
+            return None
+        key += (role, p.dtype, p.shape)
+    return tuple(key)
+
+
+def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
+    """Logical weights sharing a stack_key -> [N, *shape]."""
+    t0 = ts[0]
+    if t0.format == "plain":
+        x = read_stacked([t.parts["weight"] for t in ts])
+        if not all_finite(x):
+            raise NotStackable
+        return x
+    shapes = read_stacked([t.parts["shape"] for t in ts]).reshape(len(ts), -1)
+    rows, cols = declared_shape(t0, shapes[0])  # a CheckpointError here: the one-by-one read names it too
+    if not bool((shapes == shapes[0]).all()):
+        raise NotStackable
+    packed = read_stacked([t.parts["packed"] for t in ts])
+    scale = read_stacked([t.parts["scale"] for t in ts])
+    # every value is (code - 8) * its scale with |code - 8| <= 8: all are finite when every 8 * scale is (a
+    # pass over the scales, not the values; a stack this refuses but the weights pass is read one by one)
+    if not all_finite(scale.to(torch.float32) * 8):
+        raise NotStackable
+    return dequantize_int4_words(packed, scale, cols, group)

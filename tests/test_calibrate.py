@@ -192,3 +192,35 @@ def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tm
                            .to(theirs.dtype).float()), n
         moved += int((gptq[n] != rtn[n]).sum())
     assert moved > 0
+
+
+def test_torchrun_splits_the_experts_and_writes_the_bytes_of_one_process(calibrated, checkpoint, tmp_path):
+    """Two processes under torchrun (CPU gloo): each computes the codes of its half of every layer's experts
+    (expert e on process e % 2) and of the shared expert's linears, the codes go to both, each writes its own
+    units; the files are byte for byte the single process's, and so are the layers' figures."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = tmp_path / "two"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+                           "-m", "cli.main", "shard", str(checkpoint("tiny-k3")), str(out), "--tp", "2", "--quant", "int4",
+                           "--quantize", SHARED[0], "--workers", "1", "--calibrate", "stdlib", "--calibration-tokens",
+                           str(TOKENS), "--calibration-seq", str(SEQ), "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _files(out) == _files(calibrated[0])
+    run = json.loads(proc.stdout)  # rank 0's summary
+    assert run["processes"] == 2
+    two, one = run["calibration"]["layers"], calibrated[1].details["calibration"]["layers"]
+    # layers 1, 2: rank 0 has experts 0, 2, ..., 14 (8 x 3 weights) and the shared expert's 1st and 3rd linear
+    assert [f["codes_computed_here"] for f in two] == [0, 26, 26]
+    assert [f["codes_computed_here"] for f in one] == [0, 51, 51]
+    same = lambda f: {k: v for k, v in f.items() if k not in ("seconds", "codes_computed_here")}  # noqa: E731
+    assert list(map(same, two)) == list(map(same, one))

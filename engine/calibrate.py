@@ -191,9 +191,10 @@ class LayerCalibration:
             fig.update(self._experts(layer, moe, moe_in.rows, stored, result))
             del moe_in
         fig["codes_computed_here"] = len(result)  # the others' came from the other processes (torchrun)
+        path_of = {n: p for p, n in stored.items()}
         for name, (codes, scale) in split.gather(result, owner).items():
-            path = next(p for p, n in stored.items() if n == name)
-            result[name] = self._install(layer, path, codes, scale, layer.get_submodule(path).dense(torch.float32).shape[1])
+            cols = layer.get_submodule(path_of[name]).dense(torch.float32).shape[1]
+            result[name] = self._install(layer, path_of[name], codes, scale, cols)
         result = {n: result[n] for n in stored.values()}
         trim()
         out = self._run(layer, L, self.x)  # in place: each micro-batch's output over its input

@@ -1,7 +1,14 @@
 """What keeps a calibrated run's peak memory near one layer's (engine/calibrate.py uses these).
 
-Measured on tiny-k3-trained (64 x 256 calibration tokens, hidden 256: 16 MiB of activations): before these,
-the calibrated shard peaked at 2.6x an uncalibrated one although its live memory was ~80 MiB above it.
+Measured on tiny-k3-trained (64 x 256 calibration tokens, hidden 256: 16 MiB of activations per copy): the
+calibrated shard peaked at 642 MiB, 2.6x an uncalibrated one (244 MiB); with these and calibrate.py's
+in-place buffers, 386 MiB (1.48x the uncalibrated shard plus the activations), the same codes byte for byte.
+- calibrate.py: the next layer's input overwrites this one's in place, micro-batch by micro-batch; the MoE's
+  input over all tokens fills one buffer (TokenRows; a list of pieces plus its concatenation was 2 copies);
+  one KV cache per pass, reset between micro-batches (a cache is a reference cycle: a new one each
+  micro-batch left them all to the garbage collector); an expert's SwiGLU in place (an expert can take
+  every token: xe, gate and up outputs held at once, not five such tensors); the source's float32 weights
+  dropped as each is replaced by its dequantized copy.
 - glibc's heap: freed float32 temporaries (up to 32 MiB each here) stay in the heap, because glibc raises its
   mmap threshold to the largest block freed so far. A fixed threshold puts every block of MMAP_THRESHOLD or
   more in its own mapping, returned to the system when torch frees it; malloc_trim gives back the rest
@@ -9,7 +16,7 @@ the calibrated shard peaked at 2.6x an uncalibrated one although its live memory
 - the engine's prefill chunks: the DSA indexer scores [queries, heads, keys] and the attention gathers latent
   rows, each in blocks of up to 2^25 / 2^26 elements (sized for a GPU); calibration's micro-batches of 8
   sequences made those blocks 32 MiB each plus copies. Smaller blocks split the same work along the
-  queries only: every output is the same dot product, bit for bit (checked: tests/test_calibrate.py)."""
+  queries only: every output is the same dot product, bit for bit (tests/test_calibrate.py checks it)."""
 
 from __future__ import annotations
 
@@ -51,12 +58,12 @@ def trim() -> None:
 
 
 @contextlib.contextmanager
-def small_prefill_blocks():
-    """The engine's prefill score / gather blocks at calibration's budgets for the duration."""
+def small_prefill_blocks(score: int = SCORE_BUDGET, gather: int = GATHER_BUDGET):
+    """The engine's prefill score / gather blocks at calibration's budgets (elements) for the duration."""
     from engine import attention, indexer
 
     saved = indexer.SCORE_BUDGET, attention.GATHER_BUDGET
-    indexer.SCORE_BUDGET, attention.GATHER_BUDGET = SCORE_BUDGET, GATHER_BUDGET
+    indexer.SCORE_BUDGET, attention.GATHER_BUDGET = score, gather
     try:
         yield
     finally:

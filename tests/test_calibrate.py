@@ -224,3 +224,43 @@ def test_torchrun_splits_the_experts_and_writes_the_bytes_of_one_process(calibra
     assert [f["codes_computed_here"] for f in one] == [0, 51, 51]
     same = lambda f: {k: v for k, v in f.items() if k not in ("seconds", "codes_computed_here")}  # noqa: E731
     assert list(map(same, two)) == list(map(same, one))
+
+
+def test_calibration_memory_helpers_keep_the_numbers(checkpoint):
+    """What bounds a calibrated run's memory changes no number: the engine's prefill blocks cut small along
+    the queries (here to 8 queries, as calibration's budgets cut 8 sequences of 256) give the same layer
+    output bit for bit; the MoE-input buffer is the concatenation; the chunked error is the whole-tensor one."""
+    from engine import calibrate_memory as mem
+    from engine.model import Model
+    from kconvert.convert.shard_plan import unit_of
+    from kconvert.converted.units import layer_unit
+    from kconvert.distributed import Group
+    from kconvert.family.engine_names import engine_keys
+    from kconvert.source.checkpoint import Checkpoint
+
+    ck = Checkpoint.open(checkpoint("tiny-k3"))
+    m = Model(ck.config, ck.family, Group(), "cpu", torch.float32)
+    names = [n for n in ck.logical if unit_of(ck.info(n)) == layer_unit(1)]
+    layer = m.build_layer(1, engine_keys(m.names, {n: ck.read(n, dtype=torch.float32) for n in names}), use_catalog=False)
+    g = torch.Generator().manual_seed(5)
+    x, ids = torch.randn(2, SEQ, m.cfg.hidden_size, generator=g), torch.randint(0, 1000, (2, SEQ), generator=g)
+
+    def forward():
+        cache = m.new_cache(2, SEQ)
+        cos, sin = m.rotary(torch.arange(SEQ).expand(2, SEQ), m.dtype)
+        with torch.no_grad():
+            return layer.forward(x, 0, cache.layers[m.slot[1]], cos, sin, m.par, ids=ids)
+
+    with one_thread():
+        whole = forward()
+        block = 2 * 8 * m.cfg.index_n_heads * SEQ  # 8 queries of 2 sequences a score block; gathers of 2
+        with mem.small_prefill_blocks(score=block, gather=block):
+            cut = forward()
+    assert torch.equal(whole, cut)
+    rows = mem.TokenRows(4 * SEQ)
+    parts = [torch.randn(2, SEQ, 16, generator=g) for _ in range(2)]
+    for p in parts:
+        rows.add(p)
+    assert torch.equal(rows.rows, torch.cat([p.reshape(-1, 16) for p in parts]))
+    a, b = torch.randn(6, 5, 7, generator=g), torch.randn(6, 5, 7, generator=g)
+    assert mem.rel_error(a, b, 4) == pytest.approx(float((a - b).norm() / b.norm()), rel=1e-6)

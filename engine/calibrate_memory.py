@@ -1,7 +1,7 @@
 """What keeps a calibrated run's peak memory near one layer's (engine/calibrate.py uses these).
 
 Measured on tiny-k3-trained (64 x 256 calibration tokens, hidden 256: 16 MiB of activations per copy): the
-calibrated shard peaked at 642 MiB, 2.6x an uncalibrated one (244 MiB); with these and calibrate.py's
+calibrated shard peaked at 643 MiB, 2.6x an uncalibrated one (244 MiB); with these and calibrate.py's
 in-place buffers, 386 MiB (1.48x the uncalibrated shard plus the activations), the same codes byte for byte.
 - calibrate.py: the next layer's input overwrites this one's in place, micro-batch by micro-batch; the MoE's
   input over all tokens fills one buffer (TokenRows; a list of pieces plus its concatenation was 2 copies);

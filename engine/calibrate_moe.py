@@ -1,14 +1,16 @@
 """The MoE kinds calibration (engine/calibrate.py) knows, one line each: which experts a calibration token
 reaches, asked of the engine's own router (DeepSeek-V3/K2's group-limited sigmoid top-k; DeepSeek-V4's
 sqrt(softplus) top-k or, on its first layers, the fixed token -> experts hash table), and what an expert's
-down projection sees, from the expert's own forward (V4 clamps its SwiGLU: no formula is repeated here).
-A new MoE kind adds its router call to ROUTERS."""
+down projection sees (V4: from the expert's own forward, which clamps its SwiGLU; V3/K2: its silu(gate) * up
+computed in place, for memory). A new MoE kind adds its router call to ROUTERS and its down input to DOWN_INPUTS."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from engine.calibrate_memory import TokenRows
 from engine.moe import MoE, route
 from engine.v4_moe import V4MoE
 
@@ -24,28 +26,50 @@ def routed_moe(layer: nn.Module) -> nn.Module | None:
     return mlp if type(mlp) in ROUTERS else None
 
 
-def keep_input(moe: nn.Module, into: list) -> torch.utils.hooks.RemovableHandle:
-    """A hook appending (tokens [N, hidden], their ids [N] or None) to `into` each time the MoE runs."""
+def keep_input(moe: nn.Module, into: TokenRows) -> torch.utils.hooks.RemovableHandle:
+    """A hook adding the MoE's tokens [N, hidden] (and their ids, where given) to `into` each time it runs."""
     def hook(_mod, args):
-        x = args[0].reshape(-1, args[0].shape[-1])
-        ids = args[1] if len(args) > 1 and args[1] is not None else None
-        into.append((x, ids.reshape(-1) if ids is not None else None))
+        ids = args[1] if len(args) > 1 else None
+        into.add(args[0], ids)
     return moe.register_forward_pre_hook(hook)
 
 
-def chosen_experts(moe: nn.Module, kept: list) -> tuple[torch.Tensor, torch.Tensor]:
+def chosen_experts(moe: nn.Module, kept: TokenRows) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens x [N, hidden], chosen experts [N, k]) of every token the MoE saw, by its router."""
-    x = torch.cat([t for t, _ in kept])
-    ids = torch.cat([i for _, i in kept]) if all(i is not None for _, i in kept) else None
-    return x, ROUTERS[type(moe)](moe, x, ids)
+    return kept.rows, ROUTERS[type(moe)](moe, kept.rows, kept.token_ids())
 
 
-def down_input(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+class _Seen(Exception):
+    """Raised by the hook below once down_proj's input is taken: the projection itself is not computed."""
+
+
+def _down_input_seen(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What `expert.down_proj` receives when the expert runs on x (its activation, clamps and all)."""
     seen = []
-    h = expert.down_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+
+    def take(_m, args):
+        seen.append(args[0])
+        raise _Seen
+
+    h = expert.down_proj.register_forward_pre_hook(take)
     try:
         expert(x)
+    except _Seen:
+        pass
     finally:
         h.remove()
     return seen[0]
+
+
+def _swiglu_in_place(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3/K2's expert activation, silu(gate) * up, in place: an expert can take every calibration
+    token, and five such [tokens, moe_inter] tensors at once were the calibrated run's peak (calibrate_memory)."""
+    return F.silu(expert.gate_proj(x), inplace=True).mul_(expert.up_proj(x))
+
+
+DOWN_INPUTS = {MoE: _swiglu_in_place, V4MoE: _down_input_seen}  # MoE class -> (expert, x) -> down_proj's input
+
+
+def down_input(moe: nn.Module, expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What the expert's down projection receives for tokens x."""
+    return DOWN_INPUTS[type(moe)](expert, x)

@@ -192,3 +192,82 @@ def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tm
                            .to(theirs.dtype).float()), n
         moved += int((gptq[n] != rtn[n]).sum())
     assert moved > 0
+
+
+def test_torchrun_splits_the_experts_and_writes_the_bytes_of_one_process(calibrated, checkpoint, tmp_path):
+    """Two processes under torchrun (CPU gloo): each computes the codes of its half of every layer's experts
+    (expert e on process e % 2) and of the shared expert's linears, the codes go to both, each writes its own
+    units; the files are byte for byte the single process's, and so are the layers' figures."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = tmp_path / "two"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+                           "-m", "cli.main", "shard", str(checkpoint("tiny-k3")), str(out), "--tp", "2", "--quant", "int4",
+                           "--quantize", SHARED[0], "--workers", "1", "--calibrate", "stdlib", "--calibration-tokens",
+                           str(TOKENS), "--calibration-seq", str(SEQ), "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _files(out) == _files(calibrated[0])
+    run = json.loads(proc.stdout)  # rank 0's summary
+    assert run["processes"] == 2
+    two, one = run["calibration"]["layers"], calibrated[1].details["calibration"]["layers"]
+    # layers 1, 2: rank 0 has experts 0, 2, ..., 14 (8 x 3 weights) and the shared expert's 1st and 3rd linear
+    assert [f["codes_computed_here"] for f in two] == [0, 26, 26]
+    assert [f["codes_computed_here"] for f in one] == [0, 51, 51]
+    same = lambda f: {k: v for k, v in f.items() if k not in ("seconds", "codes_computed_here")}  # noqa: E731
+    assert list(map(same, two)) == list(map(same, one))
+
+
+def test_calibration_memory_helpers_keep_the_numbers(checkpoint):
+    """What bounds a calibrated run's memory changes no number: the engine's prefill blocks cut small along
+    the queries (here to 8 queries, as calibration's budgets cut 8 sequences of 256) give the same layer
+    output bit for bit; the MoE-input buffer is the concatenation (ids too, where given); the chunked error is
+    the whole-tensor one; the in-place expert activation is what the expert's own forward gives down_proj."""
+    from engine import calibrate_memory as mem
+    from engine import calibrate_moe
+    from engine.model import Model
+    from kconvert.convert.shard_plan import unit_of
+    from kconvert.converted.units import layer_unit
+    from kconvert.distributed import Group
+    from kconvert.family.engine_names import engine_keys
+    from kconvert.source.checkpoint import Checkpoint
+
+    ck = Checkpoint.open(checkpoint("tiny-k3"))
+    m = Model(ck.config, ck.family, Group(), "cpu", torch.float32)
+    names = [n for n in ck.logical if unit_of(ck.info(n)) == layer_unit(1)]
+    layer = m.build_layer(1, engine_keys(m.names, {n: ck.read(n, dtype=torch.float32) for n in names}), use_catalog=False)
+    g = torch.Generator().manual_seed(5)
+    x, ids = torch.randn(2, SEQ, m.cfg.hidden_size, generator=g), torch.randint(0, 1000, (2, SEQ), generator=g)
+
+    def forward():
+        cache = m.new_cache(2, SEQ)
+        cos, sin = m.rotary(torch.arange(SEQ).expand(2, SEQ), m.dtype)
+        with torch.no_grad():
+            return layer.forward(x, 0, cache.layers[m.slot[1]], cos, sin, m.par, ids=ids)
+
+    with one_thread():
+        whole = forward()
+        block = 2 * 8 * m.cfg.index_n_heads * SEQ  # 8 queries of 2 sequences a score block; gathers of 2
+        with mem.small_prefill_blocks(score=block, gather=block):
+            cut = forward()
+    assert torch.equal(whole, cut)
+    rows = mem.TokenRows(4 * SEQ)
+    parts = [torch.randn(2, SEQ, 16, generator=g) for _ in range(2)]
+    for i, p in enumerate(parts):
+        rows.add(p, torch.full((2, SEQ), i))
+    assert torch.equal(rows.rows, torch.cat([p.reshape(-1, 16) for p in parts]))
+    assert torch.equal(rows.token_ids(), torch.arange(2).repeat_interleave(2 * SEQ))
+    moe = calibrate_moe.routed_moe(layer)
+    expert, xe = next(iter(moe.experts.values())), torch.randn(9, m.cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        assert torch.equal(calibrate_moe.down_input(moe, expert, xe), calibrate_moe._down_input_seen(expert, xe))
+    a, b = torch.randn(6, 5, 7, generator=g), torch.randn(6, 5, 7, generator=g)
+    assert mem.rel_error(a, b, 4) == pytest.approx(float((a - b).norm() / b.norm()), rel=1e-6)

@@ -39,6 +39,7 @@ def _calibration(flash):
 
 @pytest.mark.parametrize("L", [0, 3])  # a hash-routed layer, a score-routed (CSA) one
 def test_each_v4_expert_is_calibrated_on_the_tokens_the_layer_sends_it(flash, L):
+    from engine.calibrate_memory import TokenRows
     from engine.calibrate_moe import chosen_experts, down_input, keep_input, routed_moe
     from kconvert.family.engine_names import engine_keys
 
@@ -49,12 +50,12 @@ def test_each_v4_expert_is_calibrated_on_the_tokens_the_layer_sends_it(flash, L)
     tensors = {n: ck.read(n, dtype=torch.float32) for n in names}
     layer = m.build_layer(L, engine_keys(m.names, tensors), use_catalog=False)
     moe = routed_moe(layer)
-    kept, fed = [], {e: [] for e in moe.experts}
+    kept, fed = TokenRows(TOKENS), {e: [] for e in moe.experts}
     hooks = [keep_input(moe, kept)] + [
         mlp.gate_proj.register_forward_pre_hook(lambda _m, a, e=e: fed[e].append(a[0])) for e, mlp in moe.experts.items()]
     cal.x = m.stack.enter(ck.read("embed.weight", dtype=torch.float32)[windows])  # [n, seq, hc, hidden]
     with one_thread():
-        cal._run(layer, L)
+        cal._run(layer, L, torch.empty_like(cal.x))
     for h in hooks:
         h.remove()
     x, chosen = chosen_experts(moe, kept)
@@ -69,7 +70,7 @@ def test_each_v4_expert_is_calibrated_on_the_tokens_the_layer_sends_it(flash, L)
         gate, up = x[rows] @ w1.T, x[rows] @ w3.T
         expert.limit = limit = float(torch.cat([gate, up]).abs().median())  # random weights: make the clamp bite
         want = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-        torch.testing.assert_close(down_input(expert, x[rows]), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(down_input(moe, expert, x[rows]), want, rtol=1e-5, atol=1e-5)
 
 
 def test_v4_gptq_is_deterministic_resumes_and_beats_rounding_on_every_layer(flash, monkeypatch, tmp_path):

@@ -8,8 +8,9 @@ then records them in the journal (OUT/.kconvert/), one fsync per unit; a re-run 
 resumes after the last recorded file, and kconvert.json is written last (the run's skeleton: run.py).
 Under torchrun, process p takes units p, p + P, p + 2P, ...; process 0 writes kconvert.json.
 Calibrated int4 (`calibrate`, made by the caller: engine/calibrate.py runs the layers, a later stage than
-this one) takes the units one at a time, in order, in one process: each layer's codes come from the
-layers before it.
+this one) takes the units one at a time, in order: each layer's codes come from the layers before it.
+Under torchrun every process walks every layer left to do, together, each computing its share of the
+layer's experts (engine/calibrate_split.py), and writes its own units (p, p + P, ...) as above.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     if calibrate is not None:
         if job.quant != "int4":
             raise UsageError(f"--calibrate computes int4 codes (GPTQ); --quant {job.quant} has nothing to calibrate")
-        if dist.world > 1:
-            raise UsageError("--calibrate runs in one process (each layer is calibrated on the layers before it)")
         calibration = calibrate(ck, policy, progress)
+        if dist.world > 1:
+            calibration.share(dist)
         identity["calibration"] = calibration.record
     level = None
     if job.compress:
@@ -126,8 +127,12 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     # small tensors: torch on one thread (stacked ops of a few MB gain little from a second one, whose
     # spin-wait between ops cost 3.7x the CPU time on topo-k25: measured with 2 threads on 2 cores)
     threads = 1 if _small_tensors(todo) else None
-    units = (_units(ck, batches, out, progress, level, workers) if calibration is None
-             else _calibrated_units(ck, batches, out, progress, level, calibration))
+    if calibration is None:
+        units = _units(ck, batches, out, progress, level, workers)
+    else:  # the layers any process has left to write: every process calibrates each of them
+        layers = sorted({L for part in dist.all_gather_object([unit_layer(b[0].unit) for b in batches])
+                         for L in part if L is not None})
+        units = _calibrated_units(ck, batches, layers, out, progress, level, calibration)
     with run.log(f"done-{dist.rank:04d}.jsonl", workers, threads) as log:
         for batch, recs in units:
             entries = []
@@ -173,15 +178,23 @@ def _units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, l
             yield batch, ([(rec, None) for rec in commit_all(done)] if level is None else done)
 
 
-def _calibrated_units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, level: int | None, calibration):
-    """Like _units, one unit at a time in order: a layer's calibrated codes, then its files; once the caller
-    has journalled them, the calibration drops the layer inputs a resume no longer needs."""
+def _calibrated_units(ck: Checkpoint, batches: list[list[WorkItem]], layers: list[int], out: Path, progress,
+                      level: int | None, calibration):
+    """Like _units, one unit at a time: units without a layer first, then each of `layers` in order (with the
+    other processes): its calibrated codes, then its files where the unit is this process's; once every
+    process has journalled its files, the calibration drops the layer inputs a resume no longer needs."""
+    mine = {}
     for batch in batches:
         L = unit_layer(batch[0].unit)
-        codes = calibration.layer(L) if L is not None else {}
-        yield batch, run_unit(ck, batch, out, progress, level, codes)
-        if L is not None:
-            calibration.done_before(L + 1)
+        if L is None:
+            yield batch, run_unit(ck, batch, out, progress, level, {})
+        else:
+            mine[L] = batch
+    for L in layers:
+        codes = calibration.layer(L)
+        if L in mine:
+            yield mine[L], run_unit(ck, mine[L], out, progress, level, codes)
+        calibration.done_before(L + 1)
 
 
 def _abort_all(writers) -> None:

@@ -94,13 +94,14 @@ class Checkpoint:
 
     def info(self, name: str) -> TensorInfo:
         """Manifest classification of a logical tensor (ManifestError if unknown)."""
-        if name not in self._info:
+        info = self._info.get(name)
+        if info is None:
             info = self.model.classify(name)
             if info is None:
                 t = self.logical[name]
                 raise ManifestError(f"tensor not known to the {self.family} manifest", file=str(t.main.file), tensor=name)
             self._info[name] = info
-        return self._info[name]
+        return info
 
     def validate(self) -> None:
         """Every tensor known with the shape config.json implies; every required tensor present."""

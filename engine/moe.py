@@ -73,18 +73,25 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         ids, w = route(self.cfg, x, self.gate.weight, self.gate.e_score_correction_bias)
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()
-        wflat = w.flatten().to(x.dtype)
-        offset = sum(counts[: self.first])
-        for e in range(self.first, self.first + len(self.experts)):
-            n = counts[e]
-            if n:
-                rows = order[offset:offset + n]
-                tokens = rows // k
-                y = self.experts[str(e)](x[tokens]) * wflat[rows, None]
-                out.index_add_(0, tokens, y)
-                offset += n
-        return out.view(shape)
+        return dispatch(x, ids, w, self.experts, self.first, self.cfg.n_routed_experts, out).view(shape)
+
+
+def dispatch(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, experts: nn.ModuleDict, first: int,
+             n_experts: int, out: torch.Tensor) -> torch.Tensor:
+    """Add this rank's routed experts' weighted outputs to `out` (tokens x [N, hidden]; chosen, w [N, k]):
+    experts `first`.. in `experts`, each run once on all the tokens routed to it. Every MoE kind dispatches
+    here (DeepSeek-V3/K2's and V4's differ in their routers and expert activations only)."""
+    k = chosen.shape[1]
+    flat = chosen.flatten()
+    order = flat.argsort(stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    wflat = w.flatten().to(x.dtype)
+    offset = sum(counts[:first])
+    for e in range(first, first + len(experts)):
+        n = counts[e]
+        if n:
+            rows = order[offset:offset + n]
+            tokens = rows // k
+            out.index_add_(0, tokens, experts[str(e)](x[tokens]) * wflat[rows, None])
+            offset += n
+    return out

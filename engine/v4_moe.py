@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.config import TextConfig
 from engine.linear import LinearSlot
+from engine.moe import dispatch
 from engine.slots import slot
 from engine.v4_config import V4Config, v4_config
 from kconvert.distributed import Group
@@ -81,17 +82,4 @@ class V4MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, w = self.gate(x, ids)
-        out = self.shared_experts(x)
-        k = chosen.shape[1]
-        flat = chosen.flatten()
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        offset = sum(counts[: self.first])
-        wflat = w.flatten().to(x.dtype)
-        for e in range(self.first, self.first + len(self.experts)):
-            rows = order[offset:offset + counts[e]]
-            offset += counts[e]
-            if len(rows):
-                tokens = rows // k
-                out.index_add_(0, tokens, self.experts[str(e)](x[tokens]) * wflat[rows, None])
-        return out.view(shape)
+        return dispatch(x, chosen, w, self.experts, self.first, self.n_experts, self.shared_experts(x)).view(shape)

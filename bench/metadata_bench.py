@@ -33,14 +33,15 @@ sys.path.insert(0, str(ROOT))
 SCALE_MIN = 64 << 20  # the `scale` preset from 53 MB on has 16+ heads (tp 8 needs 8)
 
 
-def kconvert(*args, env_note: str = "") -> dict:
-    """Run `kconvert ARGS` in a fresh process: wall seconds, peak RSS of that process, its stdout."""
+def kconvert(*args, root: Path = ROOT) -> dict:
+    """Run `kconvert ARGS` in a fresh process, from the tree at `root` (its own kconvert first on sys.path):
+    wall seconds, peak RSS of that process, its stdout."""
     cmd = [sys.executable, "-c", "import resource, sys; from cli.main import main; rc = main(sys.argv[1:]); "
            "u = resource.getrusage(resource.RUSAGE_SELF); "
            "print('RSS', u.ru_maxrss * 1024, u.ru_utime + u.ru_stime, file=sys.stderr); sys.exit(rc)",
            *map(str, args)]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if proc.returncode:
         raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")

@@ -20,7 +20,6 @@ Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 13
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
         return 0
 
     with contextlib.ExitStack() as stack:
-        code = run_reporting_errors(lambda: size_the_world(stack), _say)
+        code = run_reporting_errors(lambda: size_the_world(stack), launch.say_once)
         if code:
             return code
         return launch.run(world, [sys.executable, "-m", "engine.chat", *argv], lambda: _guarded(a), a.device)
@@ -153,15 +152,7 @@ def main(argv=None) -> int:
 def _guarded(a) -> int:
     """One rank's run; every way it can end is one line and an exit code. A collective fails when another
     rank died: that rank's error is the one to show (launch.peer_failure)."""
-    return run_reporting_errors(lambda: _run(a), _say, on_internal=lambda e: launch.peer_failure())
-
-
-def _say(line: str) -> None:
-    """The run's last line; after Ctrl-C on rank 0 on a line of its own (the answer or "> " holds the cursor)."""
-    if line == "interrupted" and os.environ.get("RANK", "0") == "0":
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    launch.say_once(line)
+    return run_reporting_errors(lambda: _run(a), launch.say_once, on_internal=lambda e: launch.peer_failure())
 
 
 def _context(requested: int | None, model: Model) -> int:
@@ -203,10 +194,12 @@ def _interactive(session: Session, model: Model, par: Group, out) -> None:
     while True:
         line = None
         if par.rank == 0:
+            out.mid_line = True  # the "> " prompt holds the cursor until the user ends the line
             try:
                 line = input("> ")
             except EOFError:
                 line = "/exit"
+            out.mid_line = False
         line = par.broadcast_object(line).strip()
         if not line:
             continue

@@ -38,8 +38,9 @@ _said_once = False
 
 
 class LineCursor:
-    """Rank 0's stdout as the streamed answer leaves it: the run's last line (an error from any rank, on
-    stderr) first ends a line the answer left open instead of gluing onto it."""
+    """Rank 0's stdout as the streamed answer (or chat's "> " prompt, which sets mid_line) leaves it: the run's
+    last line (an error from any rank, "interrupted", on stderr) first ends a line left open instead of gluing
+    onto it."""
 
     def __init__(self, stream):
         self.stream, self.mid_line = stream, False

@@ -89,10 +89,8 @@ def test_inspect_and_plan_read_headers_without_importing_torch(checkpoint):
     import torch
 
     from kconvert.io.dtypes import DTYPES, ITEMSIZE
-    from kconvert.quant.fp4_e2m1 import GROUP
-    from kconvert.source.formats import FP4_GROUP
 
-    assert {t: torch.empty(0, dtype=d).element_size() for t, d in DTYPES.items()} == ITEMSIZE and FP4_GROUP == GROUP
+    assert {t: torch.empty(0, dtype=d).element_size() for t, d in DTYPES.items()} == ITEMSIZE
     src = checkpoint("topo-k25", layers=3, experts=EXPERTS)
     code = f"""
 import contextlib, io, json, sys

@@ -148,24 +148,25 @@ class BoundPart:
         return value
 
     def shape_of(self, rule: Rule, layer: int | None) -> tuple[int, ...]:
-        """The shape config.json implies for `rule` at `layer`, evaluated once per (rule, layer)."""
-        key = (rule.pattern, layer)
+        """The shape config.json implies for `rule` at `layer`, evaluated once per (rule, layer) (the rule itself,
+        as for layer_matches: two rules of one pattern may differ in shape)."""
+        key = (id(rule), layer)
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = tuple(int(self._eval(s, layer)) for s in rule.shape)
         return shape
 
-    def layer_matches_cached(self, rule: Rule, layer: int) -> bool:
-        """layer_matches, once per (rule, layer): 384 experts of a layer ask the same question. Keyed by the
-        rule itself (its id: rules live as long as their part), as two rules of one pattern serve different
-        layer kinds."""
+    def layer_matches(self, rule: Rule, layer: int) -> bool:
+        """Whether `rule` names a tensor of `layer`: once per (rule, layer), as 384 experts of a layer ask the
+        same question (keyed by the rule itself: rules live as long as their part, and two rules of one
+        pattern serve different layer kinds)."""
         key = (id(rule), layer)
         ok = self._layer_ok.get(key)
         if ok is None:
-            ok = self._layer_ok[key] = self.layer_matches(rule, layer)
+            ok = self._layer_ok[key] = self._layer_matches(rule, layer)
         return ok
 
-    def layer_matches(self, rule: Rule, layer: int) -> bool:
+    def _layer_matches(self, rule: Rule, layer: int) -> bool:
         if not 0 <= layer < self.layer_count + self.extra_layers:
             return False
         if "{M}" in rule.pattern and layer < self.layer_count:
@@ -226,7 +227,7 @@ class ModelMap:
                     layer = rule.part.layer_count + int(value)
                 else:
                     expert = int(value)
-            if layer is not None and not rule.part.layer_matches_cached(rule, layer):
+            if layer is not None and not rule.part.layer_matches(rule, layer):
                 continue
             if expert is not None and not 0 <= expert < rule.part.expert_count:
                 continue

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-# safetensors dtype tag -> bytes per element: static, so header checks and plans need no torch
-ITEMSIZE: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1,
+# safetensors dtype tag -> (torch dtype's name, bytes per element): static, so header checks and plans need no torch
+_TAGS = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "U16": ("uint16", 2),
+    "U32": ("uint32", 4), "U64": ("uint64", 8), "F8_E8M0": ("float8_e8m0fnu", 1),
 }
-_TORCH_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E8M0": "float8_e8m0fnu",
-}
+ITEMSIZE: dict[str, int] = {tag: size for tag, (_, size) in _TAGS.items()}
 
 
 def __getattr__(name: str):
@@ -21,7 +19,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import torch
 
-    dtypes = {tag: getattr(torch, n) for tag, n in _TORCH_NAMES.items()}
+    dtypes = {tag: getattr(torch, n) for tag, (n, _) in _TAGS.items()}
     globals().update(DTYPES=dtypes, TAGS={v: k for k, v in dtypes.items()})
     return globals()[name]
 

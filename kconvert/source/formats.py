@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
 from kconvert.io.dtypes import FP8_BLOCK, e8m0_to_float
+from kconvert.quant.fp4_e2m1 import GROUP as FP4_GROUP, dequantize_fp4
+from kconvert.quant.fp8_block import dequantize_fp8_block
+from kconvert.quant.int4_group import dequantize_int4
+from kconvert.quant.packing import unpack_int32_words
 
-# torch and the schemes' dequantizers are imported by the functions that read data: folding headers into
+# torch is imported by the functions that read data (the schemes' modules likewise): folding headers into
 # logical tensors (inspect, plan) must not pay torch's ~1.5 s import
-FP4_GROUP = 32  # e2m1 values per e8m0 scale (kconvert/quant/fp4_e2m1.GROUP; tests hold the two equal)
 
 FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 # 8-bit floats have no aminmax on CPU: their NaN/Inf bit patterns are tested instead (pattern & mask == mask)
@@ -217,9 +220,6 @@ def dequant_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[
     [R, C/group]."""
     import torch
 
-    from kconvert.quant.int4_group import dequantize_int4
-    from kconvert.quant.packing import unpack_int32_words
-
     return dequantize_int4(unpack_int32_words(packed, shape[1]), scale, group).to(dtype or torch.float32)
 
 
@@ -228,8 +228,6 @@ def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     """compressed-tensors fp8/int8: per-tensor (1,) / per-channel (R, 1) / block-grid scale (float32 unless
     `dtype`)."""
     import torch
-
-    from kconvert.quant.fp8_block import dequantize_fp8_block
 
     dtype = dtype or torch.float32
     w = weight.to(torch.float32)
@@ -257,9 +255,6 @@ def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype
 
 def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int, int], group: int) -> torch.Tensor:
     import torch
-
-    from kconvert.quant.fp4_e2m1 import dequantize_fp4
-    from kconvert.quant.fp8_block import dequantize_fp8_block
 
     a = rows[0] if rows else 0
     if t.format == "int4_packed":

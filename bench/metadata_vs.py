@@ -1,0 +1,52 @@
+"""`inspect` and `plan` on a real-topology fixture, this tree against another checkout, interleaved (bench only).
+
+This 2-core machine's speed drifts over minutes, so two commits are compared run by run: each round runs
+`kconvert --version`, `inspect` and `plan --tp T --quant fp8` from the other tree, then from this one, and the
+bare `json.loads` of the headers; it prints each figure's median (CPU seconds of each process).
+
+    git worktree add /tmp/base <commit>
+    .venv/bin/python bench/metadata_vs.py /tmp/base --work /tmp/kmeta      # the fixture metadata_bench.py built
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from metadata_bench import ROOT, json_floor, kconvert
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("other", type=Path, help="The checkout to compare against (a git worktree of another commit).")
+    ap.add_argument("--work", type=Path, required=True, help="Folder holding the fixture (built if absent).")
+    ap.add_argument("--preset", default="topo-k25")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv)
+    src = a.work / f"{a.preset}-L-E"  # metadata_bench.py's name for the preset at its own size
+    if not (src / "config.json").exists():
+        kconvert("fixture", a.preset, src)
+    trees = {"other": a.other.resolve(), "this": ROOT}
+    steps = {"start-up": ["--version"], "inspect": ["inspect", src, "--json"],
+             "plan": ["plan", src, "--tp", a.tp, "--quant", "fp8", "--json"]}
+    cpu: dict[tuple[str, str], list[float]] = {}
+    floor = []
+    for _ in range(a.rounds):
+        for tree, root in trees.items():
+            for step, args in steps.items():
+                cpu.setdefault((tree, step), []).append(kconvert(*args, root=root)["cpu"])
+        floor.append(json_floor(src)[0])
+    f = statistics.median(floor)
+    print(f"{src}: medians of {a.rounds} interleaved rounds, CPU s; json.loads of the headers {f:.2f} s")
+    print("| step | other | this | this − start-up, × the json floor |\n|---|---|---|---|")
+    for step in steps:
+        o, t = (statistics.median(cpu[(tree, step)]) for tree in trees)
+        beyond = "" if step == "start-up" else f"{(t - statistics.median(cpu[('this', 'start-up')])) / f:.1f}×"
+        print(f"| {step} | {o:.2f} | {t:.2f} | {beyond} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -45,6 +45,17 @@ def family_aliases(family: dict) -> tuple[tuple[re.Pattern, str], ...]:
         raise ManifestError(f"family {family.get('name')}: bad [family.aliases]: {e}") from None
 
 
+def any_alias(aliases: tuple[tuple[re.Pattern, str], ...]) -> re.Pattern | None:
+    """One pattern matching where any alias rule matches (200k names: one search each, not one per rule); None
+    when a rule's own backreference would change meaning inside an alternation."""
+    if not aliases or any(re.search(r"\\[1-9]|\(\?P=", p.pattern) for p, _ in aliases):
+        return None
+    try:
+        return re.compile("|".join(f"(?:{p.pattern})" for p, _ in aliases))
+    except re.error:  # e.g. a rule's global inline flag, legal only at the start of a whole pattern
+        return None
+
+
 def find_family(config: dict, *, config_file: str = "config.json") -> dict:
     archs = config.get("architectures") or []
     model_type = config.get("model_type")

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from kconvert.errors import ManifestError
 from kconvert.family.compose import part_applies, with_traits
-from kconvert.family.families import family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
+from kconvert.family.families import any_alias, family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
 from kconvert.family.schedule import read_schedules
@@ -193,7 +193,7 @@ class ModelMap:
         self.text_config: dict = config if key == "." else config.get(key, {})
         self._index: dict[str, list[tuple[Rule, tuple[str, ...]]]] = {}  # key -> (rule, its {L}/{E}/{M} in order)
         self.aliases = family_aliases(family)
-        self._any_alias = _any_of(self.aliases)
+        self._any_alias = any_alias(self.aliases)
         # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
         self.renames = any(r.engine or r.reference for p in parts for r in p.rules)
         for part in parts:
@@ -208,6 +208,10 @@ class ModelMap:
         for pattern, published in self.aliases:
             name = pattern.sub(published, name, count=1)
         return name
+
+    def aliased(self, names) -> bool:
+        """Whether an alias rule may rename one of `names` (200k: one C-level pass)."""
+        return self._any_alias is None or any(map(self._any_alias.search, names))
 
     @property
     def text(self) -> BoundPart:
@@ -236,31 +240,30 @@ class ModelMap:
 
     def expected(self, *, include_optional: bool = False) -> Iterator[tuple[TensorInfo, bool]]:
         """Every tensor the config implies, as (info, required), in model order."""
+        for rule, layer, required, names in self.expected_groups():
+            if required or include_optional:
+                per_expert = "{E}" in rule.pattern
+                for e, name in enumerate(names):
+                    yield TensorInfo(name, rule, layer, e if per_expert else None), required
+
+    def expected_groups(self) -> Iterator[tuple[Rule, int | None, bool, list[str]]]:
+        """The tensors the config implies a (rule, layer) at a time, optional ones included: (rule, layer, required,
+        names), in expert order for a per-expert rule (384 experts: one group, not 384 infos)."""
         for part in self.parts:
             for rule in part.rules:
                 layers = [None] if rule.layers is None else [
                     L for L in range(part.layer_count + part.extra_layers) if part.layer_matches(rule, L)]
-                experts = range(part.expert_count) if "{E}" in rule.pattern else [None]
                 for L in layers:
-                    required = part.is_required(rule, L)
-                    if not (required or include_optional):
-                        continue
-                    for E in experts:
-                        name = rule.pattern.replace("{L}", str(L)).replace("{E}", str(E))
-                        if L is not None:
-                            name = name.replace("{M}", str(L - part.layer_count))
-                        yield TensorInfo(name, rule, L, E), required
-
-
-def _any_of(aliases) -> re.Pattern | None:
-    """One pattern matching where any alias rule matches (200k names: one search each, not one per rule); None
-    when a rule's own backreference would change meaning inside an alternation."""
-    if not aliases or any(re.search(r"\\[1-9]|\(\?P=", p.pattern) for p, _ in aliases):
-        return None
-    try:
-        return re.compile("|".join(f"(?:{p.pattern})" for p, _ in aliases))
-    except re.error:  # e.g. a rule's global inline flag, legal only at the start of a whole pattern
-        return None
+                    name = rule.pattern if L is None else \
+                        rule.pattern.replace("{L}", str(L)).replace("{M}", str(L - part.layer_count))
+                    if "{E}" not in name:
+                        names = [name]
+                    elif name.count("{E}") == 1:
+                        head, _, tail = name.partition("{E}")
+                        names = [f"{head}{e}{tail}" for e in range(part.expert_count)]
+                    else:
+                        names = [name.replace("{E}", str(e)) for e in range(part.expert_count)]
+                    yield rule, L, part.is_required(rule, L), names
 
 
 def _key(name: str) -> str:

@@ -36,19 +36,19 @@ class Summary:
 
 def summarize(ck: Checkpoint) -> Summary:
     """Validate `ck` against its manifest and count what it holds (no tensor data is read)."""
-    ck.validate()
+    grouped = ck.grouped  # validated; tensors stored alike counted a bucket at a time
     params: dict[str, int] = defaultdict(int)
     formats: dict[tuple[str, str], dict] = {}
-    for name, t in ck.logical.items():
-        info = ck.info(name)
-        numel, key = t.numel, (t.format, t.stored_dtype)
+    for info, t, count in [(b.info, b.sample, len(b.names)) for b in grouped.buckets] + \
+            [(ck.info(n), ck.logical[n], 1) for n in grouped.rest]:
+        numel, key = t.numel * count, (t.format, t.stored_dtype)
         params[info.component] += numel
         row = formats.get(key)
         if row is None:
             row = formats[key] = {"format": t.format, "dtype": key[1], "tensors": 0, "params": 0, "bytes": 0}
-        row["tensors"] += 1
+        row["tensors"] += count
         row["params"] += numel
-        row["bytes"] += t.stored_bytes
+        row["bytes"] += t.stored_bytes * count
     tc = ck.text_config
     n_experts = int(tc.get("n_routed_experts") or 0)
     per_tok = int(tc.get("num_experts_per_tok") or 0)

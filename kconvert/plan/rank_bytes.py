@@ -45,17 +45,16 @@ class TensorGroup:
 
 
 def _collapse(items) -> list[TensorGroup]:
-    """(info, shape, itemsize), any order -> groups: experts of one (rule, layer, shape, dtype) merged,
+    """(info, shape, itemsize, experts), any order -> groups: experts of one (rule, layer, shape, dtype) merged,
     then equal (rule, shape, dtype, experts) merged across layers. MTP layers are left out."""
     per_layer: dict[tuple, tuple[TensorInfo, tuple, int, list[int]]] = {}
-    for info, shape, itemsize in items:
+    for info, shape, itemsize, experts in items:
         if info.component == "mtp":
             continue
         key = (info.rule.pattern, info.layer if info.expert is not None else info.name, tuple(shape), itemsize)
         if key not in per_layer:
             per_layer[key] = (info, tuple(shape), itemsize, [])
-        if info.expert is not None:
-            per_layer[key][3].append(info.expert)
+        per_layer[key][3].extend(experts)
     merged: dict[tuple, TensorGroup] = {}
     for info, shape, itemsize, experts in per_layer.values():
         key = (info.rule.pattern, shape, itemsize, tuple(sorted(experts)))
@@ -69,23 +68,28 @@ def _collapse(items) -> list[TensorGroup]:
 def config_groups(config_json: str, config_file: str = "config.json") -> tuple[ModelMap, tuple[TensorGroup, ...]]:
     """Groups of a model known only by its config (cached: `plan` asks again for every tp degree)."""
     model = bind(json.loads(config_json), config_file=config_file)
-    shapes: dict[tuple, tuple[int, ...]] = {}  # experts of one rule and layer share one shape: evaluate once
 
     def items():
-        for info, _ in model.expected():
-            key = (info.rule.pattern, info.layer)
-            if key not in shapes:
-                shapes[key] = info.expected_shape()
-            stored = ITEMSIZE[info.rule.dtype] if info.rule.dtype else 4 if info.name.endswith("e_score_correction_bias") else 2
-            yield info, shapes[key], stored
+        for rule, layer, required, names in model.expected_groups():
+            if required:
+                experts = list(range(len(names))) if "{E}" in rule.pattern else []
+                info = TensorInfo(names[0], rule, layer, 0 if experts else None)
+                stored = ITEMSIZE[rule.dtype] if rule.dtype else 4 if names[0].endswith("e_score_correction_bias") else 2
+                yield info, info.expected_shape(), stored, experts
 
     return model, tuple(_collapse(items()))
 
 
 def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
-    ck.validate()
-    return _collapse((ck.info(name), t.shape, ITEMSIZE[t.main.dtype] if t.format == "plain" else 2)
-                     for name, t in ck.logical.items())
+    grouped = ck.grouped  # validated, in buckets of tensors stored alike
+
+    def itemsize(t) -> int:
+        return ITEMSIZE[t.main.dtype] if t.format == "plain" else 2
+
+    return _collapse([(b.info, b.sample.shape, itemsize(b.sample), [e for e in b.experts if e is not None])
+                      for b in grouped.buckets] +
+                     [(info, ck.logical[n].shape, itemsize(ck.logical[n]), [] if info.expert is None else [info.expert])
+                      for n in grouped.rest for info in (ck.info(n),)])
 
 
 def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[int]:

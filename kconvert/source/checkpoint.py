@@ -1,7 +1,7 @@
 """A source checkpoint: config.json + (sharded) safetensors, opened lazily.
 
 `Checkpoint.open(src)` reads config.json, the index and every file's header (never tensor data),
-folds quantization companions into logical weights (`source_formats.fold`) and binds the family
+folds quantization companions into logical weights (`logical.fold`) and binds the family
 manifest. `validate()` checks every tensor against the manifest (known, right shape, none missing).
 `read(name)` reads one logical weight, or a row range of it, dequantized on request.
 """
@@ -12,10 +12,13 @@ import hashlib
 import json
 import math
 import os
+from functools import partial
+from itertools import repeat
 from pathlib import Path
 
 from kconvert.source import hub
-from kconvert.errors import CheckpointError, ManifestError
+
+from kconvert.errors import CheckpointError, KConvertError, ManifestError
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
@@ -23,13 +26,12 @@ from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
 from kconvert.source.formats import LogicalTensor, fold, read_logical
-from kconvert.source.stored_parts import check_scale_shape
+from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors
 from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
-FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
-TABLE_TAGS = ("I64", "I32")  # integer lookup tables the manifest names (`values_below`: V4's tid2eid)
 SINGLE = "model.safetensors"
+_info_of = partial(tuple.__new__, TensorInfo)  # 70k TensorInfo from (name, rule, layer, expert) at C level
 
 
 class Checkpoint:
@@ -42,6 +44,7 @@ class Checkpoint:
             self.stored = _canonical(self.model, stored)
         self.logical: dict[str, LogicalTensor] = fold(self.stored)
         self._info: dict[str, TensorInfo] = {}
+        self._grouped: Grouped | None = None  # by validate()
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -95,6 +98,10 @@ class Checkpoint:
     def info(self, name: str) -> TensorInfo:
         """Manifest classification of a logical tensor (ManifestError if unknown)."""
         info = self._info.get(name)
+        if info is None and self._grouped is not None and not self._info:  # once: every grouped tensor's info
+            for b in self._grouped.buckets:
+                self._info.update(zip(b.names, map(_info_of, zip(b.names, repeat(b.rule), repeat(b.layer), b.experts))))
+            info = self._info.get(name)
         if info is None:
             info = self.model.classify(name)
             if info is None:
@@ -103,32 +110,48 @@ class Checkpoint:
             self._info[name] = info
         return info
 
-    def validate(self) -> None:
-        """Every tensor known with the shape config.json implies; every required tensor present."""
-        with paused_gc():
-            self._validate()
+    @property
+    def grouped(self) -> Grouped:
+        """The validated tensors by manifest (rule, layer), stored alike (source/tensor_groups.py)."""
+        self.validate()
+        return self._grouped
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Every tensor known with the shape config.json implies; every required tensor present. Checked a
+        bucket at a time; when anything fails, the error is the one a walk in stored order meets first."""
+        if self._grouped is None:
+            with paused_gc():
+                self._grouped = self._validate()
+
+    def _validate(self) -> Grouped:
         block, group = self.quant_block(), self.int4_group()
-        for name, t in self.logical.items():
-            info = self.info(name)
-            if info.rule.values_below is not None:
-                if t.format != "plain" or t.main.dtype not in TABLE_TAGS:
-                    raise ManifestError(f"stored as {t.main.dtype}: an index table must be I64 or I32",
-                                        file=str(t.main.file), tensor=name)
-            elif t.format == "plain" and t.main.dtype not in FLOAT_TAGS:  # e.g. a header whose BF16 became I16
-                raise ManifestError(f"stored as {t.main.dtype}: a model weight must be a float (F16, BF16, F32 or "
-                                    "F64), or FP8/INT8/INT4 with its scale", file=str(t.main.file), tensor=name)
-            check_scale_shape(t, block, group)
-            expect = info.expected_shape()
-            if tuple(t.shape) != expect:
-                raise ManifestError(f"shape {list(t.shape)} disagrees with config.json, which implies {list(expect)}",
-                                    file=str(t.main.file), tensor=name)
-        for info, required in self.model.expected():
-            if required and info.name not in self.logical:
-                where = INDEX if (self.root / INDEX).exists() else SINGLE
-                raise ManifestError(f"required by the {self.family} manifest but absent from the checkpoint",
-                                    file=str(self.root / where), tensor=info.name)
+        grouped = group_tensors(self.model, self.logical)
+        failed: dict[str, TensorInfo | None] = {}  # the first failing tensor of `rest`, of each bucket
+        for name in grouped.rest:
+            try:
+                check_tensor(self.logical[name], self.info(name), block, group)
+            except KConvertError:
+                failed[name] = None
+                break
+        bad = []
+        for b in grouped.buckets:
+            try:
+                check_tensor(b.sample, b.info, block, group)
+            except KConvertError:
+                bad.append(b)
+        if failed or bad:  # report what a walk in stored order meets first; a bucket's members fail alike
+            pos = {n: i for i, n in enumerate(self.logical)}
+            for b in bad:
+                i = min(range(len(b.names)), key=lambda i: pos[b.names[i]])
+                failed[b.names[i]] = _info_of((b.names[i], b.rule, b.layer, b.experts[i]))
+            name = min(failed, key=pos.__getitem__)
+            check_tensor(self.logical[name], failed[name] or self.info(name), block, group)
+            raise AssertionError(f"unreachable: {name} failed its check once")
+        if grouped.missing is not None:
+            where = INDEX if (self.root / INDEX).exists() else SINGLE
+            raise ManifestError(f"required by the {self.family} manifest but absent from the checkpoint",
+                                file=str(self.root / where), tensor=grouped.missing)
+        return grouped
 
     @property
     def quantization_config(self) -> dict:
@@ -211,6 +234,8 @@ def _merged(root: Path, files: dict[str, SafetensorsHeader], index_map: dict[str
 
 def _canonical(model: ModelMap, stored: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
     """Stored tensors under the names the manifest knows (entries keep their on-disk names for messages)."""
+    if not model.aliased(stored):
+        return stored  # the usual case
     out: dict[str, TensorEntry] = {}
     for name, entry in stored.items():
         key = model.canonical(name)

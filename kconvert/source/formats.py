@@ -1,4 +1,4 @@
-"""Source weight formats: how stored tensors fold into logical weights, and one dequantizer each.
+"""Source weight formats: the stored forms of a logical weight (logical.py folds them), one dequantizer each.
 
 - plain:        `X` stored as is (bf16 / fp16 / fp32 ...).
 - block_fp8:    DeepSeek/Kimi release FP8: `X.weight` float8_e4m3fn + `X.weight_scale_inv` float32
@@ -22,12 +22,11 @@ propagates NaN and Inf and allocates nothing the size of the tensor (~6 GB/s on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
 from kconvert.io.dtypes import FP8_BLOCK, e8m0_to_float
-from kconvert.quant.fp4_e2m1 import GROUP as FP4_GROUP, dequantize_fp4
+from kconvert.source.logical import LogicalTensor, fold  # noqa: F401  (fold: re-exported; logical.py folds)
+from kconvert.quant.fp4_e2m1 import dequantize_fp4
 from kconvert.quant.fp8_block import dequantize_fp8_block
 from kconvert.quant.int4_group import dequantize_int4
 from kconvert.quant.packing import unpack_int32_words
@@ -35,117 +34,9 @@ from kconvert.quant.packing import unpack_int32_words
 # torch is imported by the functions that read data (the schemes' modules likewise): folding headers into
 # logical tensors (inspect, plan) must not pay torch's ~1.5 s import
 
-FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 # 8-bit floats have no aminmax on CPU: their NaN/Inf bit patterns are tested instead (pattern & mask == mask)
 _FP8_NONFINITE = {"torch.float8_e4m3fn": 0x7F, "torch.float8_e5m2": 0x7C, "torch.float8_e8m0fnu": 0xFF}  # str(dtype)
 _CHUNK = 1 << 20  # bytes per step of the fp8 bit test: its temporaries stay small
-
-
-_PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4"}  # what inspect calls two codes a byte / eight a word
-
-
-@dataclass
-class LogicalTensor:
-    """One model weight as the model sees it, whatever its stored form."""
-
-    name: str
-    shape: tuple[int, ...]
-    format: str  # plain | block_fp8 | int4_packed | fp4_packed | scaled
-    parts: dict[str, TensorEntry] = field(default_factory=dict)  # role -> stored entry
-
-    @property
-    def main(self) -> TensorEntry:
-        return self.parts["packed"] if self.format == "int4_packed" else self.parts["weight"]
-
-    @property
-    def stored_dtype(self) -> str:
-        return _PACKED_TAGS.get(self.format) or self.main.dtype
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(p.nbytes for p in self.parts.values())
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
-    """Group stored tensors into logical ones. Raises CheckpointError on orphans or missing companions."""
-    out: dict[str, LogicalTensor] = {}
-    used: set[str] = set()
-
-    def need(base: str, suffix: str, for_name: str) -> TensorEntry:
-        e = stored.get(base + suffix)
-        if e is None:
-            raise CheckpointError(f"{for_name} needs a companion {base + suffix} that is absent",
-                                  file=str(stored[for_name].file), tensor=for_name)
-        return e
-
-    for name, e in stored.items():
-        if name.endswith(".weight_packed"):
-            base = name[: -len("_packed")]
-            scale = need(base, "_scale", name)
-            shape_t = need(base, "_shape", name)
-            if e.dtype != "I32" or len(e.shape) != 2:
-                raise CheckpointError(f"weight_packed must be int32 2-D, is {e.dtype}{list(e.shape)}",
-                                      file=str(e.file), tensor=name)
-            shape = (e.shape[0], e.shape[1] * 8)
-            out[base] = LogicalTensor(base, shape, "int4_packed", {"packed": e, "scale": scale, "shape": shape_t})
-            used.update({name, base + "_scale", base + "_shape"})  # keys, not on-disk names (family aliases)
-        elif name.endswith(".scale"):  # DeepSeek-V4's sidecar: `X.scale` beside `X.weight`
-            base = name[: -len(".scale")] + ".weight"
-            if base not in stored:
-                raise CheckpointError("quantization scale without its weight", file=str(e.file), tensor=name)
-            out[base] = _sidecar(stored[base], e)
-            used.update({name, base})
-        elif name.endswith(".weight_scale_inv"):
-            base = name[: -len("_scale_inv")]
-            w = need(base, "", name)
-            out[base] = LogicalTensor(base, w.shape, "block_fp8", {"weight": w, "scale": e})
-            used.update({name, base})
-    for name, e in stored.items():
-        if name in used:
-            continue
-        if name.endswith(".weight_scale") or name.endswith(".input_scale"):
-            base = name.rsplit(".", 1)[0] + ".weight"
-            if base not in stored:
-                raise CheckpointError("quantization scale without its weight", file=str(e.file), tensor=name)
-            continue  # folded below with its weight
-        if e.dtype in FP8_TAGS or (e.dtype == "I8" and name + "_scale" in stored):
-            scale = stored.get(name + "_scale")
-            if scale is None:
-                raise CheckpointError(f"{e.dtype} weight has no weight_scale_inv / weight_scale",
-                                      file=str(e.file), tensor=name)
-            parts = {"weight": e, "scale": scale}
-            inp = stored.get(name.rsplit(".", 1)[0] + ".input_scale")
-            if inp is not None:
-                parts["input_scale"] = inp
-            out[name] = LogicalTensor(name, e.shape, "scaled", parts)
-        else:
-            out[name] = LogicalTensor(name, e.shape, "plain", {"weight": e})
-    return out
-
-
-def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:
-    """A V4 weight and its `.scale`: FP8 blocks (e8m0 or float32 scales) or FP4 e2m1 pairs (e8m0 per 32)."""
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(why, file=str(scale.file), tensor=scale.name)
-
-    if w.dtype == "F8_E4M3":
-        if scale.dtype not in ("F8_E8M0", "F32") or len(scale.shape) != 2:
-            raise bad(f"an FP8 weight's scale must be F8_E8M0 or F32 2-D, is {scale.dtype}{list(scale.shape)}")
-        return LogicalTensor(w.name, w.shape, "block_fp8", {"weight": w, "scale": scale})
-    if w.dtype in ("I8", "U8") and len(w.shape) == 2:
-        rows, cols = w.shape[0], w.shape[1] * 2
-        if scale.dtype != "F8_E8M0" or tuple(scale.shape) != (rows, -(-cols // FP4_GROUP)) or cols % FP4_GROUP:
-            raise bad(f"FP4 weight {list(w.shape)} (two codes a byte) needs an F8_E8M0 scale [{rows}, {cols // FP4_GROUP}] "
-                      f"per {FP4_GROUP} inputs, is {scale.dtype}{list(scale.shape)}")
-        return LogicalTensor(w.name, (rows, cols), "fp4_packed", {"weight": w, "scale": scale})
-    raise bad(f"a .scale sidecar belongs to an F8_E4M3 or packed-FP4 int8 weight, not {w.dtype}{list(w.shape)}")
 
 
 # --------------------------------------------------------------------------- finiteness

@@ -1,0 +1,173 @@
+"""Logical tensors: a checkpoint's stored tensors folded into the weights the model sees (formats.py says what
+each stored form is and reads it).
+
+A released checkpoint stores 70k-200k tensors, so folding runs in bulk where the checkpoint is uniform: INT4's
+`weight_packed` / `weight_scale` / `weight_shape` triples, block-FP8's `weight_scale_inv` pairs and plain
+weights are matched and wrapped by C-level map/zip/set operations. Anything else (a missing companion, mixed
+companion kinds, V4's `.scale` sidecars, FP8 or INT8 weights with a compressed-tensors scale) takes the
+per-name path, which names what is wrong. Both give the same tensors in the same order.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from itertools import repeat
+from operator import add, attrgetter
+from typing import NamedTuple
+
+from kconvert.errors import CheckpointError
+from kconvert.io.safetensors_read import TensorEntry
+from kconvert.quant.fp4_e2m1 import GROUP as FP4_GROUP
+
+FP8_TAGS = ("F8_E4M3", "F8_E5M2")
+_PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4"}  # what inspect calls two codes a byte / eight a word
+_BY_SUFFIX = (".weight_packed", ".scale", ".weight_scale_inv")  # a companion that names its weight
+_SCALE_ONLY = (".weight_scale", ".input_scale")  # folded with the weight found from the other side
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+
+
+class LogicalTensor(NamedTuple):
+    """One model weight as the model sees it, whatever its stored form (a named tuple: folding builds 70k+)."""
+
+    name: str
+    shape: tuple[int, ...]
+    format: str  # plain | block_fp8 | int4_packed | fp4_packed | scaled
+    parts: dict[str, TensorEntry]  # role -> stored entry
+
+    @property
+    def main(self) -> TensorEntry:
+        return self.parts["packed"] if self.format == "int4_packed" else self.parts["weight"]
+
+    @property
+    def stored_dtype(self) -> str:
+        return _PACKED_TAGS.get(self.format) or self.main.dtype
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(p.end - p.begin for p in self.parts.values())
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+_new = partial(tuple.__new__, LogicalTensor)  # from (name, shape, format, parts), without a Python-level call
+
+
+def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
+    """Group stored tensors into logical ones. Raises CheckpointError on orphans or missing companions.
+    Order: the weights that companions name, in the companions' stored order, then the rest in stored order."""
+    named = [n for n in stored if n.endswith(_BY_SUFFIX)]
+    out: dict[str, LogicalTensor] = {}
+    used: set[str] = set()
+    if named and not _named_bulk(stored, named, out, used):  # it changes nothing when it declines
+        _named_one_by_one(stored, named, out, used)
+    rest = [n for n in stored if n not in used] if used else list(stored)
+    entries = list(map(stored.__getitem__, rest))
+    if set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)) and not any(n.endswith(_SCALE_ONLY) for n in rest):
+        out.update(zip(rest, map(_new, zip(rest, map(_SHAPE, entries), repeat("plain"),
+                                           [{"weight": e} for e in entries]))))
+    else:
+        _rest_one_by_one(stored, rest, out)
+    return out
+
+
+def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, used: set) -> bool:
+    """All INT4 triples or all block-FP8 pairs, each complete and well-formed: fold them at once (True).
+    False leaves the per-name path to fold them, or to name the one that is wrong."""
+    if all(n.endswith(".weight_packed") for n in named):
+        bases = [n[: -len("_packed")] for n in named]
+        scale_keys, shape_keys = list(map(add, bases, repeat("_scale"))), list(map(add, bases, repeat("_shape")))
+        packed = list(map(stored.__getitem__, named))
+        scales, shapes = list(map(stored.get, scale_keys)), list(map(stored.get, shape_keys))
+        if None in scales or None in shapes or set(map(_DTYPE, packed)) != {"I32"} \
+                or set(map(len, map(_SHAPE, packed))) != {2}:
+            return False
+        logical = [(s[0], s[1] * 8) for s in map(_SHAPE, packed)]
+        parts = [{"packed": p, "scale": s, "shape": h} for p, s, h in zip(packed, scales, shapes)]
+        out.update(zip(bases, map(_new, zip(bases, logical, repeat("int4_packed"), parts))))
+        used.update(named, scale_keys, shape_keys)  # keys, not on-disk names (family aliases)
+        return True
+    if all(n.endswith(".weight_scale_inv") for n in named):
+        bases = [n[: -len("_scale_inv")] for n in named]
+        weights = list(map(stored.get, bases))
+        if None in weights:
+            return False
+        parts = [{"weight": w, "scale": stored[n]} for w, n in zip(weights, named)]
+        out.update(zip(bases, map(_new, zip(bases, map(_SHAPE, weights), repeat("block_fp8"), parts))))
+        used.update(named, bases)
+        return True
+    return False
+
+
+def _named_one_by_one(stored: dict[str, TensorEntry], named: list[str], out: dict, used: set) -> None:
+    def need(base: str, suffix: str, for_name: str) -> TensorEntry:
+        e = stored.get(base + suffix)
+        if e is None:
+            raise CheckpointError(f"{for_name} needs a companion {base + suffix} that is absent",
+                                  file=str(stored[for_name].file), tensor=for_name)
+        return e
+
+    for name in named:
+        e = stored[name]
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            scale, shape_t = need(base, "_scale", name), need(base, "_shape", name)
+            if e.dtype != "I32" or len(e.shape) != 2:
+                raise CheckpointError(f"weight_packed must be int32 2-D, is {e.dtype}{list(e.shape)}",
+                                      file=str(e.file), tensor=name)
+            out[base] = _new((base, (e.shape[0], e.shape[1] * 8), "int4_packed",
+                              {"packed": e, "scale": scale, "shape": shape_t}))
+            used.update((name, base + "_scale", base + "_shape"))
+        elif name.endswith(".scale"):  # DeepSeek-V4's sidecar: `X.scale` beside `X.weight`
+            base = name[: -len(".scale")] + ".weight"
+            if base not in stored:
+                raise CheckpointError("quantization scale without its weight", file=str(e.file), tensor=name)
+            out[base] = _sidecar(stored[base], e)
+            used.update((name, base))
+        else:  # .weight_scale_inv
+            base = name[: -len("_scale_inv")]
+            out[base] = _new((base, need(base, "", name).shape, "block_fp8", {"weight": stored[base], "scale": e}))
+            used.update((name, base))
+
+
+def _rest_one_by_one(stored: dict[str, TensorEntry], rest: list[str], out: dict) -> None:
+    for name in rest:
+        e = stored[name]
+        if name.endswith(_SCALE_ONLY):
+            if name.rsplit(".", 1)[0] + ".weight" not in stored:
+                raise CheckpointError("quantization scale without its weight", file=str(e.file), tensor=name)
+            continue  # folded below with its weight
+        if e.dtype in FP8_TAGS or (e.dtype == "I8" and name + "_scale" in stored):
+            scale = stored.get(name + "_scale")
+            if scale is None:
+                raise CheckpointError(f"{e.dtype} weight has no weight_scale_inv / weight_scale",
+                                      file=str(e.file), tensor=name)
+            parts = {"weight": e, "scale": scale}
+            inp = stored.get(name.rsplit(".", 1)[0] + ".input_scale")
+            if inp is not None:
+                parts["input_scale"] = inp
+            out[name] = _new((name, e.shape, "scaled", parts))
+        else:
+            out[name] = _new((name, e.shape, "plain", {"weight": e}))
+
+
+def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:
+    """A V4 weight and its `.scale`: FP8 blocks (e8m0 or float32 scales) or FP4 e2m1 pairs (e8m0 per 32)."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(why, file=str(scale.file), tensor=scale.name)
+
+    if w.dtype == "F8_E4M3":
+        if scale.dtype not in ("F8_E8M0", "F32") or len(scale.shape) != 2:
+            raise bad(f"an FP8 weight's scale must be F8_E8M0 or F32 2-D, is {scale.dtype}{list(scale.shape)}")
+        return _new((w.name, w.shape, "block_fp8", {"weight": w, "scale": scale}))
+    if w.dtype in ("I8", "U8") and len(w.shape) == 2:
+        rows, cols = w.shape[0], w.shape[1] * 2
+        if scale.dtype != "F8_E8M0" or tuple(scale.shape) != (rows, -(-cols // FP4_GROUP)) or cols % FP4_GROUP:
+            raise bad(f"FP4 weight {list(w.shape)} (two codes a byte) needs an F8_E8M0 scale [{rows}, {cols // FP4_GROUP}] "
+                      f"per {FP4_GROUP} inputs, is {scale.dtype}{list(scale.shape)}")
+        return _new((w.name, (rows, cols), "fp4_packed", {"weight": w, "scale": scale}))
+    raise bad(f"a .scale sidecar belongs to an F8_E4M3 or packed-FP4 int8 weight, not {w.dtype}{list(w.shape)}")

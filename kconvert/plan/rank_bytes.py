@@ -81,15 +81,22 @@ def config_groups(config_json: str, config_file: str = "config.json") -> tuple[M
 
 
 def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
-    grouped = ck.grouped  # validated, in buckets of tensors stored alike
+    """Groups of a checkpoint's tensors (from its validated buckets), in the order their tensors are stored."""
+    grouped = ck.grouped
+    pos = dict(zip(ck.logical, range(len(ck.logical))))
 
     def itemsize(t) -> int:
         return ITEMSIZE[t.main.dtype] if t.format == "plain" else 2
 
-    return _collapse([(b.info, b.sample.shape, itemsize(b.sample), [e for e in b.experts if e is not None])
-                      for b in grouped.buckets] +
-                     [(info, ck.logical[n].shape, itemsize(ck.logical[n]), [] if info.expert is None else [info.expert])
-                      for n in grouped.rest for info in (ck.info(n),)])
+    items = []
+    for b in grouped.buckets:  # a bucket stands where its first stored tensor stands, and by that tensor
+        at = list(map(pos.__getitem__, b.names))
+        i = at.index(min(at))
+        items.append((at[i], TensorInfo(b.names[i], b.rule, b.layer, b.experts[i]), b.sample.shape, itemsize(b.sample),
+                      [e for e in b.experts if e is not None]))
+    items += [(pos[n], info, ck.logical[n].shape, itemsize(ck.logical[n]), [] if info.expert is None else [info.expert])
+              for n in grouped.rest for info in (ck.info(n),)]
+    return _collapse(item[1:] for item in sorted(items, key=lambda item: item[0]))
 
 
 def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[int]:

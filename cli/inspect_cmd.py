@@ -29,6 +29,7 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
       kconvert inspect moonshotai/Kimi-K2.5 --json
       kconvert inspect ./tiny-k3-tp2-fp8
     """
+    from kconvert.io.gc_pause import paused_gc
     from kconvert.plan.inspect import summarize
     from kconvert.plan.inspect_converted import is_converted, summarize_converted
     from kconvert.source.checkpoint import Checkpoint
@@ -36,7 +37,8 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
     if is_converted(src):
         _print_converted(summarize_converted(src), as_json)
         return
-    s = summarize(Checkpoint.open(src, revision=revision, headers_only=True))
+    with paused_gc():  # 100k+ header entries, none in a cycle: the collector would only walk them again and again
+        s = summarize(Checkpoint.open(src, revision=revision, headers_only=True))
     if as_json:
         click.echo(json.dumps(s.to_json(), indent=2))
         return

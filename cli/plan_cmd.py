@@ -112,11 +112,13 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
       kconvert plan kimi-k3-3t --tp 8 --pp 3 --quant fp8 --device H200 --context 128k
       kconvert plan ./tiny-k3 --tp 4 --quant fp8 --kv-cache-dtype fp8 --json
     """
+    from kconvert.io.gc_pause import paused_gc
     from kconvert.plan.memory import make_plan
 
     context = parse_tokens(context_text) if context_text is not None else None
-    p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision, host_gb,
-                  pp=pp, pp_layers=pp_layers, gpus_per_node=gpus_per_node)
+    with paused_gc():  # 100k+ header entries, none in a cycle: the collector would only walk them again and again
+        p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision, host_gb,
+                      pp=pp, pp_layers=pp_layers, gpus_per_node=gpus_per_node)
     if as_json:
         click.echo(json.dumps(p.to_json(), indent=2))
         return

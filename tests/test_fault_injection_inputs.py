@@ -75,6 +75,27 @@ def deadline():
     signal.signal(signal.SIGALRM, old)
 
 
+@pytest.mark.parametrize("text", [False, True], ids=["bytes", "str"])
+def test_json_nested_one_past_the_bound_refused(tmp_path, text):
+    """MAX_DEPTH levels read; one more is refused (the walk runs whenever the file holds more than MAX_DEPTH
+    openings, also when many are in strings or side by side, and is skipped otherwise)."""
+    from kconvert.errors import CheckpointError
+    from kconvert.io.side_files import MAX_DEPTH, parse_json
+
+    def nest(n: int) -> str:
+        return '{"s": "' + "[{" * 40 + '", "a": [' + "[]," * 200 + "[" * (n - 2) + "1" + "]" * (n - 1) + "}"
+
+    def enc(t: str) -> str | bytes:
+        return t if text else t.encode()
+
+    assert parse_json(enc(nest(MAX_DEPTH)), file="f")["s"].startswith("[{")
+    assert len(parse_json(enc("[" * MAX_DEPTH + "]" * MAX_DEPTH), file="f")) == 1
+    for deep in (nest(MAX_DEPTH + 1), "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)):
+        with pytest.raises(CheckpointError) as e:
+            parse_json(enc(deep), file="f")
+        assert e.value.one_line() == f"f: JSON nested deeper than {MAX_DEPTH} levels"
+
+
 def test_campaign_side_files(sandbox, deadline):
     """FIFOs, character devices, deep JSON, huge files and 5000-digit numbers as each side file SRC has:
     `shard` refuses in one line naming the file (or, for a tokenizer file it only copies, refuses to copy

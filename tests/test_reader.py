@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import assert_one_line_error, header_offsets, load_source, run_cli
+from kconvert.errors import CheckpointError
 from kconvert.io import safetensors_read as safetensors_file
 from kconvert.source.checkpoint import Checkpoint
 
@@ -147,6 +148,33 @@ def test_index_with_unsafe_path(checkpoint, copy_checkpoint, bad):
     index["weight_map"][Q_B] = bad
     _write_index(src, index)
     assert_one_line_error(run_cli("inspect", src), bad, Q_B)
+
+
+@pytest.mark.parametrize("damage", ["moved", "extra", "twice"])
+def test_index_and_headers_disagree(checkpoint, copy_checkpoint, damage):
+    """Every tensor where the index says, once, and the index naming no other: the first that is not, named."""
+    src = copy_checkpoint(checkpoint("tiny-k3"))
+    index = _index(src)
+    a = index["weight_map"][Q_B]
+    b = next(f for f in sorted(set(index["weight_map"].values())) if f != a)
+    if damage == "moved":
+        index["weight_map"][Q_B] = b
+        tensor, message = Q_B, f"tensor is in {a} but the index says {b}"
+    elif damage == "extra":
+        index["weight_map"]["language_model.model.extra.weight"] = b
+        tensor, message = "language_model.model.extra.weight", f"the index places this tensor in {b}, which does not hold it"
+    else:  # Q_B's bytes appended to file b, and its entry to b's header
+        (sa, ha), (sb, hb) = header_offsets(src / a), header_offsets(src / b)
+        lo, hi = ha[Q_B]["data_offsets"]
+        data = (src / b).read_bytes()[sb:]
+        hb[Q_B] = dict(ha[Q_B], data_offsets=[len(data), len(data) + hi - lo])
+        raw = json.dumps(hb).encode()
+        (src / b).write_bytes(struct.pack("<Q", len(raw)) + raw + data + (src / a).read_bytes()[sa + lo:sa + hi])
+        tensor, message = Q_B, f"tensor stored twice (also in {a})" if a < b else f"tensor is in {b} but the index says {a}"
+    _write_index(src, index)
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint.open(src)
+    assert (e.value.message, e.value.tensor) == (message, tensor)
 
 
 def test_truncated_file(checkpoint, copy_checkpoint):

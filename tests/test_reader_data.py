@@ -1,6 +1,7 @@
 """A source shard's data region (issue 10): tensor offsets must tile it exactly (no alias, overlap, gap or
 trailing bytes), files the safetensors library writes are accepted, non-finite values are refused on
-read, and large tensors are mapped copy-on-write (a truncated file is an error, not a crash)."""
+read, and large tensors are mapped copy-on-write (a truncated file is an error, not a crash). Header faults in a
+5,000-tensor header (read by whole-list checks) are named exactly as the entry-by-entry walk names them."""
 
 from __future__ import annotations
 
@@ -88,6 +89,93 @@ def test_files_the_safetensors_library_writes_are_accepted(tmp_path):
     for name, t in tensors.items():
         assert torch.equal(safetensors_file.read_tensor(header.tensors[name]), t), name
     assert safetensors_file.read_header(tmp_path / "none.safetensors").tensors == {}
+
+
+
+def _many(f: Path, n: int = 5000, reverse: bool = False, edit=None, extra: int = 0) -> None:
+    """A shard of n + 2 tensors written byte by byte (big enough for read_header's whole-list path): "first" U8[1]
+    at [0, 1], "scalar" F32[] after it, then "t.{i}" F32[2, 2]; `edit(specs)` damages it after offsets are set."""
+    layout = [("first", "U8", [1]), ("scalar", "F32", [])] + [(f"t.{i}", "F32", [2, 2]) for i in range(n)]
+    specs, pos = {}, 0
+    for name, dtype, shape in layout:
+        size = {"U8": 1, "F32": 4}[dtype] * (shape[0] * shape[1] if len(shape) == 2 else shape[0] if shape else 1)
+        specs[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + size]}
+        pos += size
+    if reverse:  # valid still: safetensors orders the header by offset, but readers must not rely on it
+        specs = dict(reversed(specs.items()))
+    if edit:
+        edit(specs)
+    raw = json.dumps({"__metadata__": {"format": "pt"}, **specs}).encode()  # keeps 2.0 and true as written
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(pos + extra))
+
+
+def _set(name: str, key: str, value):
+    return lambda specs: specs[name].__setitem__(key, value)
+
+
+def _shift_all(specs: dict) -> None:
+    for spec in specs.values():
+        spec["data_offsets"] = [x + 4 for x in spec["data_offsets"]]
+
+
+MALFORMED = "malformed header entry (shape and data_offsets must be lists of integers)"
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["in-order", "reversed"])
+@pytest.mark.parametrize("edit,extra,tensor,message", [
+    (_set("t.2500", "shape", [2.0, 2]), 0, "t.2500", MALFORMED),  # 2.0 == 2: same size, same hash
+    (_set("t.2500", "shape", [2, True, 2]), 0, "t.2500", MALFORMED),  # True == 1
+    (_set("scalar", "data_offsets", [True, 5]), 0, "scalar", MALFORMED),  # where 1 is right
+    (_set("first", "data_offsets", [False, 1]), 0, "first", MALFORMED),
+    (_set("scalar", "shape", {}), 0, "scalar", MALFORMED),  # tuple({}) == () would pass as a scalar
+    (_set("scalar", "shape", ""), 0, "scalar", MALFORMED),
+    (_set("t.2500", "dtype", ["F32"]), 0, "t.2500", "unsupported dtype ['F32']"),
+    (_set("t.2500", "data_offsets", [40005, 40021, 40037]), 0, "t.2500",
+     "malformed header entry (needs dtype, shape, data_offsets)"),
+    (_set("t.2500", "data_offsets", [40005, 40021.0]), 0, "t.2500", MALFORMED),
+    (_set("t.3000", "data_offsets", [47989, 48005]), 0, "t.3000",  # t.2999's bytes: an alias
+     "data offsets [47989, 48005] overlap tensor t.2999 (aliased or overlapping data)"),
+    (_set("t.3000", "data_offsets", [47997, 48013]), 0, "t.3000",
+     "data offsets [47997, 48013] overlap tensor t.2999 (aliased or overlapping data)"),
+    (_set("t.4999", "data_offsets", [79993, 80009]), 4, "t.4999",
+     "data offsets [79993, 80009] leave a gap of 4 bytes after t.4998"),
+    (_shift_all, 4, "first", "data offsets [4, 5] leave a gap of 4 bytes after the header"),
+    (None, 4, None, "4 bytes after the last tensor belong to none (the header does not describe the whole file)"),
+    (_set("t.4999", "shape", [2, 3]), 0, "t.4999", "holds 16 bytes but F32[2, 3] needs 24"),
+    (_set("t.4999", "shape", [-2, -2]), 0, "t.4999", "invalid shape [-2, -2] or offsets [79989, 80005]"),  # 16 bytes
+    (_set("t.4999", "dtype", "I32"), 0, None, None),  # not a fault: the same size
+    (_set("t.4999", "dtype", "F31"), 0, "t.4999", "unsupported dtype 'F31'"),
+], ids=["float-dim", "true-dim", "true-offset", "false-offset", "dict-shape", "str-shape", "list-dtype", "3-offsets",
+        "float-offset", "alias", "overlap", "gap", "leading-gap", "trailing", "size", "negative-dims", "other-dtype", "unknown-dtype"])
+def test_header_faults_in_a_large_header_are_named(tmp_path, reverse, edit, extra, tensor, message):
+    f = tmp_path / "many.safetensors"
+    _many(f, reverse=reverse, edit=edit, extra=extra)
+    if message is None:
+        assert safetensors_file.read_header(f).tensors["t.4999"].dtype == "I32"
+        return
+    with pytest.raises(safetensors_file.FormatError) as e:
+        safetensors_file.read_header(f)
+    if reverse and tensor == "t.3000" and "[47989," in message:  # equal spans: the later in the header is named
+        tensor, message = "t.2999", message.replace("tensor t.2999", "tensor t.3000")
+    assert (e.value.message, e.value.file, e.value.tensor) == (message, str(f), tensor)
+
+
+def test_large_header_read_whole_list_or_walked_alike(tmp_path):
+    """The same entries, in header order, whichever way the header lists them; and the entry-by-entry walk gives
+    the very same dict (it is what a header that fails a whole-list check takes)."""
+    plain, reverse = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _many(plain)
+    _many(reverse, reverse=True)
+    a, b = safetensors_file.read_header(plain), safetensors_file.read_header(reverse)
+    assert list(a.tensors) == list(reversed(list(b.tensors))) and len(a.tensors) == 5002
+    assert all(e == b.tensors[k]._replace(file=plain) for k, e in a.tensors.items())
+    obj = json.loads(plain.read_bytes()[8:a.data_start])
+    del obj["__metadata__"]
+    walked = safetensors_file._entries(plain, obj, a.data_start, a.size - a.data_start, None)
+    assert list(walked.items()) == list(a.tensors.items())
+    assert list(safetensors_file._bulk(plain, obj, a.data_start, a.size - a.data_start, None).items()) == \
+        list(walked.items())
+    assert a.tensors["scalar"].shape == () and type(a.tensors["t.7"].shape[0]) is int
 
 
 def _poke(f: Path, tensor: str, value_bytes: bytes, element: int = 0) -> None:

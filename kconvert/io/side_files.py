@@ -65,7 +65,7 @@ def read_bytes(path: str | os.PathLike, *, limit: int, error: type[KConvertError
             raise error(f"{size} bytes: over the {_human(limit)} limit for this file", file=str(path))
         chunks, got = [], 0
         while got <= size:  # one byte past the size seen: a file that grows while read is refused, not followed
-            b = os.read(fd, min(size + 1 - got, 16 * MiB) or 1)
+            b = os.read(fd, size + 1 - got)  # all at once: one buffer, and join returns a lone chunk uncopied
             if not b:
                 break
             chunks.append(b)
@@ -105,9 +105,24 @@ def parse_json(raw: bytes | str, *, file: str, error: type[KConvertError] = Chec
         raise error(f"JSON nested deeper than {MAX_DEPTH} levels", file=file, tensor=tensor) from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, a number past Python's digit limit
         raise error(f"not valid JSON ({_short(e)})", file=file, tensor=tensor) from None
-    if _depth_over(obj, MAX_DEPTH):
+    if _openings_over(raw, MAX_DEPTH) and _depth_over(obj, MAX_DEPTH):
         raise error(f"JSON nested deeper than {MAX_DEPTH} levels", file=file, tensor=tensor)
     return obj
+
+
+def _openings_over(raw: bytes | str, limit: int) -> bool:
+    """Whether `raw` holds more than `limit` '{' and '[' (counted in any encoding, and in strings too): with
+    fewer, nesting cannot go deeper, and a 200k-tensor index (3 objects) needs no walk. Each find is a memchr;
+    counting stops at limit + 1."""
+    left = limit
+    for c in ("{", "[") if isinstance(raw, str) else (b"{", b"["):
+        i = raw.find(c)
+        while i >= 0:
+            left -= 1
+            if left < 0:
+                return True
+            i = raw.find(c, i + 1)
+    return False
 
 
 def _depth_over(obj: object, limit: int) -> bool:

@@ -209,12 +209,12 @@ def _merged(root: Path, files: dict[str, SafetensorsHeader], index_map: dict[str
     """Every file's tensors in one map, each stored once and where the index says. At 200k tensors the checks
     run as whole-dict operations; only a checkpoint that fails them is walked tensor by tensor, to name one."""
     stored: dict[str, TensorEntry] = {}
-    placed: dict[str, str] = {}  # tensor -> the file holding it, to compare with the index in one step
-    for fname, header in files.items():
+    for header in files.values():
         stored.update(header.tensors)
-        placed.update(dict.fromkeys(header.tensors, fname))
-    if len(stored) == sum(len(h.tensors) for h in files.values()) and (index_map is None or placed == index_map):
-        return stored
+    if len(stored) == sum(len(h.tensors) for h in files.values()) and (index_map is None or (
+            len(index_map) == len(stored) and all(list(map(index_map.get, h.tensors)).count(fname) == len(h.tensors)
+                                                  for fname, h in files.items()))):
+        return stored  # no tensor twice, each where the index says, and the index names no other
     stored = {}
     for fname, header in files.items():
         for tname, entry in header.tensors.items():
@@ -265,12 +265,20 @@ def _index_map(root: Path) -> dict[str, str] | None:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))
-    checked: set = set()  # 200k tensors name a few dozen files: check each file once, naming its first tensor
+    files = weight_map.values()  # 200k tensors name a few dozen files: each is checked once
+    if set(map(type, files)) <= {str}:
+        try:
+            for fname in set(files):
+                contained(root, fname, named_in=path)  # the one path rule (kconvert/io/paths.py)
+            return weight_map
+        except CheckpointError:
+            pass  # the walk below names the first tensor placed in that file
+    checked: set = set()
     for tname, fname in weight_map.items():
         if not isinstance(fname, str) or fname not in checked:
-            contained(root, fname, named_in=path, tensor=tname)  # the one path rule (kconvert/io/paths.py)
+            contained(root, fname, named_in=path, tensor=tname)
             checked.add(fname)
-    return dict(weight_map)
+    return weight_map
 
 
 def _shard_files(root: Path, index: dict[str, str] | None) -> list[str]:

@@ -150,6 +150,16 @@ def test_index_with_unsafe_path(checkpoint, copy_checkpoint, bad):
     assert_one_line_error(run_cli("inspect", src), bad, Q_B)
 
 
+@pytest.mark.parametrize("bad", [["x.safetensors"], 7, None, ""])
+def test_index_file_name_not_a_string(checkpoint, copy_checkpoint, bad):
+    src = copy_checkpoint(checkpoint("tiny-k3"))
+    index = _index(src)
+    index["weight_map"][Q_B] = bad
+    _write_index(src, index)
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint.open(src)
+    assert (e.value.message, e.value.tensor) == (f"file name {bad!r} is not a plain relative path", Q_B)
+
 @pytest.mark.parametrize("damage", ["moved", "extra", "twice"])
 def test_index_and_headers_disagree(checkpoint, copy_checkpoint, damage):
     """Every tensor where the index says, once, and the index naming no other: the first that is not, named."""

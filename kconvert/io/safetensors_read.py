@@ -135,27 +135,31 @@ def decode_header_json(raw: bytes, path: Path) -> dict:
 
 _DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_TAGS = {tag: tag for tag in ITEMSIZE}  # one str per tag, not one per tensor
 
 
 def _bulk(path: Path, obj: dict, data_start: int, data_len: int, comp) -> dict[str, TensorEntry] | None:
     """`_entries` and `_check_tiling` for a header that passes them, as whole-list operations (C loops: at 200k
     tensors a Python loop costs more than json.loads), or None and nothing changed. Every number must be an int
-    first: 2.0 and True compare and hash equal to 2 and 1, and sizes are checked once per distinct triple."""
+    first: 2.0 and True compare and hash equal to 2 and 1, and sizes are checked once per distinct triple.
+    Entries share one tuple per distinct shape and one str per dtype tag (~25 MB less at 200k tensors)."""
     specs = obj.values()
     try:
-        dtypes = list(map(_DTYPE, specs))
+        dtypes = list(map(_TAGS.get, map(_DTYPE, specs)))  # None: not a tag
         shape_lists = list(map(_SHAPE, specs))
         offsets = list(map(_OFFSETS, specs))
         if not specs or set(map(type, shape_lists)) != {list} or set(map(len, offsets)) != {2} \
                 or not set(map(type, chain.from_iterable(shape_lists))) <= {int}:
             return None
-        shapes = list(map(tuple, shape_lists))
         los, his = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
         if set(map(type, los)) | set(map(type, his)) != {int}:
             return None
-        for dtype, shape, n in set(zip(dtypes, shapes, map(sub, his, los))):  # a few dozen in a release
-            if dtype not in ITEMSIZE or min(shape, default=0) < 0 or n != math.prod(shape) * ITEMSIZE[dtype]:
+        shared: dict[tuple, tuple] = {}
+        for dtype, shape, n in set(zip(dtypes, map(tuple, shape_lists), map(sub, his, los))):  # a few dozen
+            if dtype is None or min(shape, default=0) < 0 or n != math.prod(shape) * ITEMSIZE[dtype]:
                 return None
+            shared[shape] = shape
+        shapes = list(map(shared.__getitem__, map(tuple, shape_lists)))
     except (KeyError, TypeError):  # a spec that is no object or lacks a field; a dtype that is a list
         return None
     # Sizes are >= 0, so offsets that chain from 0 to data_len in order also lie in [0, data_len].

@@ -265,14 +265,12 @@ def _index_map(root: Path) -> dict[str, str] | None:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))
-    files = weight_map.values()  # 200k tensors name a few dozen files: each is checked once
-    if set(map(type, files)) <= {str}:
-        try:
-            for fname in set(files):
-                contained(root, fname, named_in=path)  # the one path rule (kconvert/io/paths.py)
-            return weight_map
-        except CheckpointError:
-            pass  # the walk below names the first tensor placed in that file
+    try:  # 200k tensors name a few dozen files: each is checked once
+        for fname in set(weight_map.values()):
+            contained(root, fname, named_in=path)  # the one path rule (kconvert/io/paths.py)
+        return weight_map
+    except (TypeError, CheckpointError):  # an unhashable name or a bad one: the walk names its first tensor
+        pass
     checked: set = set()
     for tname, fname in weight_map.items():
         if not isinstance(fname, str) or fname not in checked:

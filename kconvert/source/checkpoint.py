@@ -207,7 +207,8 @@ class Checkpoint:
 
 def _merged(root: Path, files: dict[str, SafetensorsHeader], index_map: dict[str, str] | None) -> dict[str, TensorEntry]:
     """Every file's tensors in one map, each stored once and where the index says. At 200k tensors the checks
-    run as whole-dict operations; only a checkpoint that fails them is walked tensor by tensor, to name one."""
+    run as whole-list operations, a file at a time; only a checkpoint that fails them is walked tensor by
+    tensor, to name one."""
     stored: dict[str, TensorEntry] = {}
     for header in files.values():
         stored.update(header.tensors)
@@ -229,7 +230,7 @@ def _merged(root: Path, files: dict[str, SafetensorsHeader], index_map: dict[str
         if tname not in stored:
             raise CheckpointError(f"the index places this tensor in {fname}, which does not hold it",
                                   file=str(root / fname), tensor=tname)
-    raise AssertionError("unreachable: the whole-dict checks failed, so one tensor fails the walk")
+    raise AssertionError("unreachable: the whole-list checks failed, so one tensor fails the walk")
 
 
 def _canonical(model: ModelMap, stored: dict[str, TensorEntry]) -> dict[str, TensorEntry]:

@@ -63,9 +63,10 @@ class TensorInfo(NamedTuple):
 
     @property
     def component(self) -> str:
-        if self.group == "text" and self.layer is not None and self.layer >= self.rule.part.layer_count:
+        rule, layer = self.rule, self.layer  # asked per tensor and per piece: locals, no property chain
+        if layer is not None and layer >= rule.part.layer_count and rule.part.group == "text":
             return "mtp"
-        return self.rule.component
+        return rule.component
 
     @property
     def split(self) -> str:

@@ -13,21 +13,15 @@ import argparse
 import json
 import shlex
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
 METHODS = {"round to nearest (amax)": ["--int4-scales", "amax"],
            "clipping search (default)": [],
            "GPTQ (--calibrate stdlib)": ["--calibrate", "stdlib"],
            "GPTQ, amax scales": ["--calibrate", "stdlib", "--int4-scales", "amax"],
            "GPTQ, Kimi 15-level grid": ["--calibrate", "stdlib", "--calibration-grid", "kimi"]}
-
-
-def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
 
 
 def main() -> None:

@@ -16,12 +16,11 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
 sys.path.insert(0, str(ROOT))
 
 WIDTHS = {"hidden_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 32, "q_lora_rank": 256,
@@ -59,8 +58,7 @@ def build(work: Path) -> tuple[Path, Path]:
 def shard(src: Path, out: Path, quant: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "cli.main", "shard", str(src), str(out), "--tp", "1", "--quant", quant,
-                        "--json"], cwd=ROOT, capture_output=True, text=True)
+    r = cli("shard", src, out, "--tp", 1, "--quant", quant, "--json")
     if r.returncode:
         raise SystemExit(f"shard {src.name} --quant {quant} failed:\n{r.stderr}")
     res = json.loads(r.stdout)

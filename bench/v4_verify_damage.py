@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
 sys.path.insert(0, str(ROOT))
 
 from kconvert.verify import damage  # noqa: E402
@@ -47,8 +46,7 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(clean, out)
         damage.rewrite(out, damage.files_holding(out, name)[0], lambda t: mutate(t, name))
-        r = subprocess.run([sys.executable, "-m", "cli.main", "verify", str(out), "--reference", str(ref), "--per-layer",
-                            "--json"], cwd=ROOT, capture_output=True, text=True)
+        r = cli("verify", out, "--reference", ref, "--per-layer", "--json")
         rep = json.loads(r.stdout)
         f, c = rep["faithfulness"], rep["cost"]
         print(f"| {label} | {f['overall']['mean_kld']:.3g} | {f['verdict']} | {c['overall']['mean_kld']:.3g} | "

@@ -10,19 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
 SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
            "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"], "int8": ["--quant", "int8"],
            "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"], "fp4": ["--quant", "fp4"]}
-
-
-def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
 
 
 def main() -> None:

@@ -15,24 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
 sys.path.insert(0, str(ROOT))
 
 from kconvert.verify.damage import CASES  # noqa: E402
 
 CLEAN = {"none": [], "fp8": ["--quant", "fp8"], "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"],
          "int8": ["--quant", "int8"], "int4": ["--quant", "int4"]}
-
-
-def run_cli(*args, check: bool = False) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
-    if check and r.returncode != 0:
-        raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr}")
-    return r
 
 
 def damage(clean: Path, work: Path) -> dict[str, Path]:
@@ -70,16 +62,16 @@ def main() -> None:
         src, ref = work / f"tiny-k3-trained-s{seed}", work / f"ref-s{seed}.safetensors"
         if not (src / "config.json").exists():
             shutil.rmtree(src, ignore_errors=True)
-            print(run_cli("fixture", "tiny-k3-trained", src, "--seed", seed, check=True).stdout.strip(), flush=True)
+            print(cli("fixture", "tiny-k3-trained", src, "--seed", seed, check=True).stdout.strip(), flush=True)
         if not ref.exists():
-            run_cli("reference", src, "--out", ref, "--hidden-states", check=True)
+            cli("reference", src, "--out", ref, "--hidden-states", check=True)
         print(f"\nseed {seed}\n{head}", flush=True)
         for tp in map(int, args.tp.split(",")):
             for label, extra in CLEAN.items():
                 out = work / f"s{seed}-tp{tp}-{label}"
                 shutil.rmtree(out, ignore_errors=True)
-                run_cli("shard", src, out, "--tp", tp, *extra, check=True)
-                rep = json.loads(run_cli("verify", out, "--reference", ref, "--json").stdout)
+                cli("shard", src, out, "--tp", tp, *extra, check=True)
+                rep = json.loads(cli("verify", out, "--reference", ref, "--json").stdout)
                 total += 1
                 false_fails += rep["faithfulness"]["verdict"] != "PASS"
                 print(row(f"clean {label} tp{tp}", rep), flush=True)
@@ -87,9 +79,9 @@ def main() -> None:
             continue
         clean = work / f"s{seed}-tp2-fp8"
         fq = work / f"fq-s{seed}.safetensors"
-        run_cli("reference", src, "--out", fq, "--like", clean, "--hidden-states", check=True)
+        cli("reference", src, "--out", fq, "--like", clean, "--hidden-states", check=True)
         for name, d in damage(clean, work).items():
-            r = run_cli("verify", d, "--reference", ref, "--faithful-reference", fq, "--per-layer", "--json")
+            r = cli("verify", d, "--reference", ref, "--faithful-reference", fq, "--per-layer", "--json")
             print(row(name, json.loads(r.stdout)), flush=True)
     print(f"\nclean conversions: {false_fails} faithfulness FAILs out of {total}")
 

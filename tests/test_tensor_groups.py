@@ -64,6 +64,7 @@ def test_bucketed_summary_matches_a_walk_of_every_tensor(checkpoint, preset, kw)
     assert {(r["format"], r["dtype"]): (r["tensors"], r["params"], r["bytes"]) for r in s.formats} == formats
     assert s.tensors == len(ck.logical) == sum(len(b.names) for b in ck.grouped.buckets) + len(ck.grouped.rest)
     assert not ck.grouped.rest  # every name of a valid release is one the manifest generates
+    assert all(ck.info(n) == ck.model.classify(n) for n in ck.logical)  # the infos shard asks for, from buckets
     # one expert stored otherwise (bf16 among INT4 / FP4, f32 among bf16): its own bucket, counted as such
     name, t = next((n, t) for n, t in ck.logical.items() if ".experts.3." in n)
     stored = {k: e for k, e in ck.stored.items() if not k.startswith(name.rsplit(".", 1)[0] + ".")}

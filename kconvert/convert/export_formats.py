@@ -23,13 +23,13 @@ import torch
 
 from kconvert.errors import UsageError
 from kconvert.family.manifest import TensorInfo
-from kconvert.io.dtypes import DTYPES, FP8_BLOCK, specs_bytes
+from kconvert.io.dtypes import FP8_BLOCK, specs_bytes
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
 from kconvert.source.stored_parts import read_parts
 from kconvert.convert.quant_policy import selected, source_quant, source_scale_fmt  # noqa: F401 (export.py imports source_scale_fmt here)
 from kconvert.quant.registry import get_scheme
-from kconvert.quant.scheme import COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, Options, Scheme, input_bytes
+from kconvert.quant.scheme import COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, Options, Scheme, copied_parts, input_bytes
 from kconvert.convert.export_table import EXPORT_FORMATS, FORMATS, ExportFormat, format_of, runs_as  # noqa: F401 (API)
 
 
@@ -123,10 +123,8 @@ def load(ck: Checkpoint, e: Exported):
 
 def produce(e: Exported, x) -> list[torch.Tensor]:
     """The tensors of `e.specs()`, in that order."""
-    if e.recode is not None:  # exact re-encoding, each part in the dtype the format stores it in
-        return [part.to(DTYPES[tag]) for (_, tag, _), part in zip(e.specs(), e.recode(x, e.src))]
-    if e.copy_roles:  # stored parts as they are (a scale held in another float type becomes the planned one)
-        return [part.to(DTYPES[tag]) for (_, tag, _), part in zip(e.specs(), x)]
+    if e.recode is not None or e.copy_roles:  # stored parts as they are, or re-encoded exactly: as shard writes them
+        return copied_parts(x, [tag for _, tag, _ in e.specs()], e.recode, e.src)
     scheme = e.scheme
     if scheme is None:
         return [(x.to(torch.bfloat16) if e.transform == "bf16" else x).contiguous()]

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import CheckpointError, KConvertError, WriteError
-from kconvert.io.dtypes import DTYPES
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.stored_parts import read_parts
 from kconvert.convert.shard_plan import Output, WorkItem
 from kconvert.convert.shard_stacks import Pairs, plan_jobs, write_stack
+from kconvert.quant.scheme import copied_parts
 from kconvert.quant.stacked import NotStackable
 
 
@@ -196,13 +196,8 @@ def _encode(o: Output, codes_scale):
 
 def _produce(o: Output, x):
     specs = o.specs()
-    if o.copy is not None and o.copy.recode is not None:  # re-encoded exactly (FP4 experts as FP8)
-        yield from zip((name for name, _, _ in specs), o.copy.recode(x, o.src))
-        return
-    if o.copy is not None:  # stored parts as they are (a scale held in another float type becomes the planned one)
-        for (name, tag, _), part in zip(specs, x):
-            same_width = part.element_size() == DTYPES[tag].itemsize and not part.is_floating_point()
-            yield name, part.view(DTYPES[tag]) if same_width else part.to(DTYPES[tag])  # int8 codes: the bits
+    if o.copy is not None:  # stored parts as they are, or re-encoded exactly (FP4 experts as FP8)
+        yield from zip((name for name, _, _ in specs), copied_parts(x, [tag for _, tag, _ in specs], o.copy.recode, o.src))
         return
     scheme = o.scheme
     if scheme is not None:  # each quantizer refuses NaN/Inf (found from its scales)

@@ -62,6 +62,20 @@ class LosslessCopy:
     recode: Callable[..., list[torch.Tensor]] | None = None
 
 
+def copied_parts(parts, tags, recode: Callable[..., list[torch.Tensor]] | None = None, name: str = "") -> list[torch.Tensor]:
+    """What a lossless copy writes, the one rule `shard` and `export` share: the stored parts (or their exact
+    re-encoding) each in the dtype its spec plans. Integer codes keep their bits (a same-width view: int8 FP4 pairs
+    stay pairs); a scale held in another float type is cast to the planned one."""
+    from kconvert.io.dtypes import DTYPES
+
+    out = []
+    for part, tag in zip(recode(parts, name) if recode is not None else parts, tags):
+        want = DTYPES[tag]
+        out.append(part.view(want) if part.element_size() == want.itemsize and not part.is_floating_point()
+                   else part.to(want))
+    return out
+
+
 class Scheme:
     name: str = ""  # `--quant` value, kconvert.json quantization.scheme and tensors[*].transform
     shard: bool = True  # offered by `kconvert shard` (the loader and engine read it)

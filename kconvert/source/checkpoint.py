@@ -45,6 +45,7 @@ class Checkpoint:
         self.logical: dict[str, LogicalTensor] = fold(self.stored)
         self._info: dict[str, TensorInfo] = {}
         self._grouped: Grouped | None = None  # by validate()
+        self._infos_filled = False  # the buckets' tensors' infos in _info (built at C speed on first need)
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -98,7 +99,8 @@ class Checkpoint:
     def info(self, name: str) -> TensorInfo:
         """Manifest classification of a logical tensor (ManifestError if unknown)."""
         info = self._info.get(name)
-        if info is None and self._grouped is not None and not self._info:  # once: every grouped tensor's info
+        if info is None and self._grouped is not None and not self._infos_filled:  # once: every bucketed tensor's
+            self._infos_filled = True
             for b in self._grouped.buckets:
                 self._info.update(zip(b.names, map(_info_of, zip(b.names, repeat(b.rule), repeat(b.layer), b.experts))))
             info = self._info.get(name)

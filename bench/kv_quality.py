@@ -5,9 +5,12 @@ scale granularity. kv_bench.py runs these and prints them."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's kconvert and engine
 
 # label -> (--kv-dtype, indexer key code override): the shipped formats first, then the mixes that split
 # the error between the latent and the indexer keys

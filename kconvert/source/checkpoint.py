@@ -17,7 +17,6 @@ from itertools import repeat
 from pathlib import Path
 
 from kconvert.source import hub
-
 from kconvert.errors import CheckpointError, KConvertError, ManifestError
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import ITEMSIZE

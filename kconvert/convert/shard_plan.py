@@ -48,12 +48,16 @@ class Output:
     def options(self) -> Options:
         return _options(self.scale_format, self.group_size, self.int4_scales)
 
-    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        scheme = self.scheme
-        if scheme is not None:
-            return scheme.specs(self.src, self.shape, self.options)
-        tag = self.src_dtype if self.transform == "copy" else "BF16"
-        return [(self.src, tag, self.shape)]
+    def specs(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """The tensors this output writes (name, dtype tag, shape): worked out once, asked by the writer, the
+        stacks and the catalog."""
+        got = self.__dict__.get("_specs")
+        if got is None:
+            scheme = self.scheme
+            got = tuple(scheme.specs(self.src, self.shape, self.options)) if scheme is not None else \
+                ((self.src, self.src_dtype if self.transform == "copy" else "BF16", self.shape),)
+            object.__setattr__(self, "_specs", got)  # a cache beside the frozen fields
+        return got
 
     @property
     def bytes_in(self) -> int:
@@ -104,12 +108,17 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
     misaligned: list[str] = []
     whole_copies: set[str] = set()
     scheme, opts = policy.quant, policy.options
+    copies: dict[str, LosslessCopy | None] = {}  # by source format: the same answer for 70k tensors
     for name, t in ck.logical.items():
         info = ck.info(name)
         if info.component == "mtp" and not keep_mtp:
             continue
         quant = policy.quantizes(info, t.shape)
-        copy = scheme.lossless_copy(source_quant(ck, t), opts) if quant else None
+        copy = None
+        if quant:
+            if t.format not in copies:
+                copies[t.format] = scheme.lossless_copy(source_quant(ck, t), opts)
+            copy = copies[t.format]
         for p in pieces(info, t.shape, layout, n_experts):
             shape = list(t.shape)
             if p.dim is not None:

@@ -7,6 +7,7 @@ engine's logits (raw float bytes) on one prompt for a few conversions. Run it on
     .venv/bin/python bench/identity_check.py --out /tmp/before.json     # on the old commit
     .venv/bin/python bench/identity_check.py --out /tmp/after.json      # on the new one
     .venv/bin/python bench/identity_check.py --diff /tmp/before.json /tmp/after.json
+    .venv/bin/python bench/identity_check.py --presets topo-k25,topo-dsv4-pro --layers 3 --experts 32 --out X.json
 
 Paths are not part of the fingerprint (JSON files have the work folder and kconvert.json's digest masked).
 """
@@ -84,7 +85,9 @@ def logits_digest(conv: Path, dtype: str = "float32") -> str:
     return hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def fingerprint(work: Path, presets, with_logits: bool) -> dict:
+def fingerprint(work: Path, presets, with_logits: bool, sizes: dict | None = None) -> dict:
+    """`sizes` ({"layers": N, "experts": E}): the topology presets' overrides (a release's tensor layout at a size
+    a run can afford; the other presets have one size)."""
     import torch
 
     from kconvert.fixtures import build_fixture
@@ -92,7 +95,7 @@ def fingerprint(work: Path, presets, with_logits: bool) -> dict:
     torch.set_num_threads(2)
     result = {}
     for preset in presets:
-        src = build_fixture(preset, work / preset)
+        src = build_fixture(preset, work / preset, **((sizes or {}) if preset.startswith("topo-") else {}))
         result[f"{preset}/source"] = digest(src)
         for tag, args in SHARDS:
             out = work / f"{preset}.{tag}"
@@ -141,11 +144,14 @@ def main() -> int:
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--no-logits", action="store_true")
     ap.add_argument("--diff", nargs=2, type=Path)
+    ap.add_argument("--layers", type=int, help="topo-* presets: decoder layers (e.g. 3 for topo-k25: 2 MoE layers)")
+    ap.add_argument("--experts", type=int, help="topo-* presets: routed experts")
     a = ap.parse_args()
     if a.diff:
         return diff(json.loads(a.diff[0].read_text()), json.loads(a.diff[1].read_text()))
     with tempfile.TemporaryDirectory(prefix="kconvert-identity-") as tmp:
-        result = fingerprint(Path(tmp), a.presets.split(","), not a.no_logits)
+        sizes = {k: v for k, v in (("layers", a.layers), ("experts", a.experts)) if v}
+        result = fingerprint(Path(tmp), a.presets.split(","), not a.no_logits, sizes)
     text = json.dumps(result, indent=1, sort_keys=True)
     if a.out:
         a.out.write_text(text)

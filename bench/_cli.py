@@ -1,4 +1,4 @@
-"""The one way bench scripts run `kconvert` as a user does: a fresh process of this tree's CLI (bench only)."""
+"""The shared way bench scripts run `kconvert` as a user does: a fresh process of this tree's CLI (bench only)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
+from _cli import cli  # bench/ is the script's folder: on sys.path
 METHODS = {"round to nearest (amax)": ["--int4-scales", "amax"],
            "clipping search (default)": [],
            "GPTQ (--calibrate stdlib)": ["--calibrate", "stdlib"],

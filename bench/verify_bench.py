@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
+from _cli import cli  # bench/ is the script's folder: on sys.path
 SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
            "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"], "int8": ["--quant", "int8"],
            "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"], "fp4": ["--quant", "fp4"]}

@@ -67,7 +67,7 @@ class LayerCalibration:
             if info.layer is not None and unit_of(info) == layer_unit(info.layer) and info.component != "mtp":
                 self.by_layer.setdefault(info.layer, []).append(name)
         self.state_dir: Path | None = None
-        self.x: torch.Tensor | None = None  # the input of layer self.at, [n, seq, hidden]
+        self.x: torch.Tensor | None = None  # the input of layer self.at, [n, seq, *stack.residual_shape]
         self.at = 0
         self.last: tuple[int | None, dict] = (None, {})  # the last layer's result
         self.figures: list[dict] = []  # one per calibrated layer
@@ -164,10 +164,11 @@ class LayerCalibration:
         routed = {id(lin): int(e) for e, mlp in moe.experts.items() for lin in mlp.children()} if moe else {}
         expert_of = {p: routed.get(id(layer.get_submodule(p))) for p in stored}
         others = [p for p, e in expert_of.items() if e is None]
-        owner = {stored[p]: split.owner(others.index(p) if e is None else e)
+        slot = {p: k for k, p in enumerate(others)}  # the k-th other linear: process k % P computes it
+        owner = {stored[p]: split.owner(slot[p] if e is None else e)
                  for p, e in expert_of.items()}  # which process computes each weight's codes (calibrate_split)
         hessians: dict[str, Hessian] = {}
-        hooks = [layer.get_submodule(p).register_forward_pre_hook(self._summing(hessians, p, split.owns(others.index(p))))
+        hooks = [layer.get_submodule(p).register_forward_pre_hook(self._summing(hessians, p, split.owns(slot[p])))
                  for p in others]
         moe_in = TokenRows(self.windows.numel()) if len(others) < len(stored) else None
         if moe_in is not None:
@@ -178,7 +179,7 @@ class LayerCalibration:
         result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for path in others:
             h = hessians.get(path)
-            if split.owns(others.index(path)):
+            if split.owns(slot[path]):
                 result[stored[path]] = self._quantize(layer, path, stored[path], h.sum if h and h.tokens else None)
         # linears no token reached (a weight the layer uses other than through its forward)
         unreached = sum(not (p in hessians and hessians[p].tokens) for p in others)

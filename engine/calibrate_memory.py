@@ -45,7 +45,8 @@ def _libc():
 
 @functools.cache
 def fixed_mmap_threshold() -> bool:
-    """Once per process: blocks of MMAP_THRESHOLD or more are mapped on their own (and unmapped when freed)."""
+    """Once per process: blocks of MMAP_THRESHOLD or more are mapped on their own (and unmapped when freed).
+    Never undone: the rest of the process (the remainder of `shard`, a test session) keeps the threshold."""
     lib = _libc()
     return bool(lib and lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 

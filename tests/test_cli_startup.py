@@ -43,7 +43,7 @@ def _option(command: click.Command, name: str) -> click.Option:
 def test_help_comes_from_the_registries():
     from cli.main import app
     from kconvert.convert.export import DEFAULT_MAX_SHARD
-    from kconvert.convert.export_formats import FORMATS
+    from kconvert.convert.export_table import FORMATS
     from kconvert.plan.device_presets import devices
     from kconvert.plan.kv_bytes import KV_DTYPES
     from kconvert.quant.registry import SHARD_SCHEMES

@@ -15,7 +15,8 @@ from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.fixtures.shards import write_tensors
 from kconvert.io.safetensors_read import read_header
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.formats import fold, read_logical
+from kconvert.source.formats import read_logical
+from kconvert.source.logical import fold
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

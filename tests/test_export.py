@@ -156,7 +156,7 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
         assert res.exit_code == 0, res.output
         return json.loads(res.output)
 
-    from kconvert.convert.export_formats import EXPORT_FORMATS
+    from kconvert.convert.export_table import EXPORT_FORMATS
 
     src = inspect(checkpoint("tiny-k3"))
     assert src["quantization"] is None

@@ -123,12 +123,15 @@ def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpo
     with open(files[0], "r+b") as fh:
         fh.seek(entry.begin + 2)
         fh.write(scale)  # the second scale of the first row
-    errors = []
+    errors, stacked = [], []
+    real = shard_unit.write_stack
+    monkeypatch.setattr(shard_unit, "write_stack", lambda ck, srcs, by_src: stacked.extend(srcs) or real(ck, srcs, by_src))
     for tag, elems in (("stacked", shard_stacks.STACK_ELEMS), ("alone", 0)):
         monkeypatch.setattr(shard_stacks, "STACK_ELEMS", elems)
         with pytest.raises(KConvertError) as e:
             shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant="fp8"))
         errors.append(e.value.one_line())
+    assert any(".experts.5.up_proj" in n for n in stacked)  # the damaged expert was read in a stack first
     assert errors[0] == errors[1] and "experts.5.up_proj" in errors[0]
 
 

@@ -26,8 +26,10 @@ from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.quant.scheme import DEEPSEEK_V4
 from kconvert.converted.journal import JOURNAL_DIR
-from kconvert.convert.export_formats import (EXPORT_FORMATS, FORMATS, Exported, ignore_list, load, plan_tensor, produce,
-                                             quantization_config, quantizes, source_scale_fmt)
+from kconvert.convert.export_formats import (Exported, ignore_list, load, plan_tensor, produce, quantization_config,
+                                             quantizes)
+from kconvert.convert.export_table import EXPORT_FORMATS, FORMATS
+from kconvert.convert.quant_policy import source_scale_fmt
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
 from kconvert.convert.run import Run, RunResult, default_workers
 

@@ -27,10 +27,10 @@ from kconvert.io.dtypes import FP8_BLOCK, specs_bytes
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
 from kconvert.source.stored_parts import read_parts
-from kconvert.convert.quant_policy import selected, source_quant, source_scale_fmt  # noqa: F401 (export.py imports source_scale_fmt here)
+from kconvert.convert.quant_policy import selected, source_quant
 from kconvert.quant.registry import get_scheme
 from kconvert.quant.scheme import COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, Options, Scheme, copied_parts, input_bytes
-from kconvert.convert.export_table import EXPORT_FORMATS, FORMATS, ExportFormat, format_of, runs_as  # noqa: F401 (API)
+from kconvert.convert.export_table import EXPORT_FORMATS
 
 
 

@@ -122,11 +122,13 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     batches = [todo for b in mine if (todo := [w for w in b if w.file not in done])]
     result.files_resumed = sum(len(b) for b in mine) - sum(len(b) for b in batches)
     todo = [w for b in batches for w in b]
+    freeze()  # the identity and the batches too (the workers' runtime keeps this freeze)
     run.start(sum(w.bytes_in for w in todo))
-    workers = job.workers or _default_workers(ck, todo, policy)
+    small = _small_tensors(todo)
+    workers = job.workers or _default_workers(ck, todo, policy, small)
     # small tensors: torch on one thread (stacked ops of a few MB gain little from a second one, whose
     # spin-wait between ops cost 3.7x the CPU time on topo-k25: measured with 2 threads on 2 cores)
-    threads = 1 if _small_tensors(todo) else None
+    threads = 1 if small else None
     if calibration is None:
         units = _units(ck, batches, out, progress, level, workers)
     else:  # the layers any process has left to write: every process calibrates each of them
@@ -147,7 +149,6 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     shares = dist.all_gather_object((result.files_written, result.files_resumed, result.bytes_in))
     result.files_written, result.files_resumed, result.bytes_in = (sum(s[i] for s in shares) for i in range(3))
     result.details["processes"] = dist.world
-    freeze()  # again: the workers' runtime (run.worker_runtime) released what it froze
     cat = None
     if dist.rank == 0:
         cat = run.finish([w.file for w in items], Catalog.stored_bytes,
@@ -213,11 +214,11 @@ def _small_tensors(todo: list[WorkItem]) -> bool:
     return sum(o.bytes_in for o in outputs) < SMALL_TENSOR_BYTES * len(outputs)
 
 
-def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy) -> int:
+def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy, small: bool) -> int:
     """From the memory budget; one worker when the tensors are small on average: their work holds the GIL
     (torch releases it only for large ops), so more threads only contend for it (measured on topo-k25
     at 11 layers: 3 workers took 1.5x the CPU time of 1, and no less wall time)."""
-    if _small_tensors(todo):
+    if small:  # _small_tensors(todo)
         return 1
     outputs = [o for w in todo for o in w.outputs]
     largest = max((ck.logical[o.src].stored_bytes for o in outputs), default=1)

@@ -70,7 +70,6 @@ class SafetensorsWriter:
         self._at = [len(self._head) + b for b in starts]
         self._crcs: list[int | None] = [None] * len(self.specs)
         self._next = 0  # tensors written
-        self._crc = 0
         self._tensor_crc: dict[str, str] = {}
         self._lo, self._hi = self.total, 0  # the range written since writeback was last started
         # a small file is put together in memory and written once: one system call, not one per tensor
@@ -84,7 +83,7 @@ class SafetensorsWriter:
             raise write_error(e, self.path) from None
         self._finished = False
         self._write([self._head], 0)
-        self._crc = zlib.crc32(self._head)
+        self._crc = zlib.crc32(self._head)  # the header's; finish() extends it by the tensors'
 
     def _write(self, buffers: list, at: int) -> None:
         """Put `buffers` back to back from file offset `at`: into the staged file, or one positioned write."""
@@ -149,9 +148,9 @@ class SafetensorsWriter:
         if self._stage is not None:
             staged, self._stage = memoryview(self._stage), None
             self._pwrite([staged], 0)
-            self._crc = zlib.crc32(staged)  # a small file: one pass, not a combination per tensor
+            self._crc = zlib.crc32(staged)  # a small file: one pass over it (simpler than combining per tensor)
         else:
-            crc = zlib.crc32(self._head)  # the file's CRC from its tensors', in file order
+            crc = self._crc  # the file's CRC from the header's and its tensors', in file order
             for c, n in zip(self._crcs, self._size):
                 crc = crc32_combine(crc, c, n)
             self._crc = crc

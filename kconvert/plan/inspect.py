@@ -39,8 +39,8 @@ def summarize(ck: Checkpoint) -> Summary:
     grouped = ck.grouped  # validated; tensors stored alike counted a bucket at a time
     params: dict[str, int] = defaultdict(int)
     formats: dict[tuple[str, str], dict] = {}
-    for info, t, count in [(b.info, b.sample, len(b.names)) for b in grouped.buckets] + \
-            [(ck.info(n), ck.logical[n], 1) for n in grouped.rest]:
+    for b in grouped.buckets:
+        info, t, count = b.info, b.sample, len(b.names)
         numel, key = t.numel * count, (t.format, t.stored_dtype)
         params[info.component] += numel
         row = formats.get(key)

@@ -90,12 +90,8 @@ def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
 
     items = []
     for b in grouped.buckets:  # a bucket stands where its first stored tensor stands, and by that tensor
-        at = list(map(pos.__getitem__, b.names))
-        i = at.index(min(at))
-        items.append((at[i], TensorInfo(b.names[i], b.rule, b.layer, b.experts[i]), b.sample.shape, itemsize(b.sample),
-                      [e for e in b.experts if e is not None]))
-    items += [(pos[n], info, ck.logical[n].shape, itemsize(ck.logical[n]), [] if info.expert is None else [info.expert])
-              for n in grouped.rest for info in (ck.info(n),)]
+        first = b.earliest(pos)
+        items.append((pos[first.name], first, b.sample.shape, itemsize(b.sample), [e for e in b.experts if e is not None]))
     return _collapse(item[1:] for item in sorted(items, key=lambda item: item[0]))
 
 

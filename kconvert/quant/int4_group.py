@@ -90,8 +90,11 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, group: int, dtype:
     import torch
 
     dtype = dtype or torch.float32
-    cols = codes.shape[1]
-    return codes.to(dtype) * scale.to(dtype).repeat_interleave(group, dim=1)[:, :cols]
+    rows, cols = codes.shape
+    c, s = codes.to(dtype), scale.to(dtype)
+    if cols % group == 0 and s.shape[1] == cols // group:  # each group's scale broadcast, not repeated
+        return (c.view(rows, cols // group, group) * s[..., None]).view(rows, cols)
+    return c * s.repeat_interleave(group, dim=1)[:, :cols]
 
 
 class Int4Group(Scheme):

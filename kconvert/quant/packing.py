@@ -9,6 +9,8 @@ Codes are int8 values -8..7.
 
 from __future__ import annotations
 
+import sys
+
 import functools
 
 _ROWS_PER_STEP = 256  # int64 temporaries of a few rows at a time
@@ -55,6 +57,9 @@ def unpack_int32_words(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """int32 [R, W] -> int8 codes -8..7 [R, cols] (cols <= 8 W: a padded last word is cut)."""
     import torch
 
+    if sys.byteorder == "little":  # a word's byte k holds nibbles 2k (low) and 2k + 1: a byte a value, no int64
+        codes = unpack_nibble_pairs(packed.contiguous().view(torch.uint8))
+        return codes if codes.shape[1] == cols else codes[:, :cols].contiguous()
     words = packed.to(torch.int64) & 0xFFFFFFFF  # treat as unsigned 32-bit
     nibbles = (words.unsqueeze(-1) >> _shifts()) & 0xF  # [R, W, 8], low nibble first
     return (nibbles.reshape(packed.shape[0], -1)[:, :cols] - 8).to(torch.int8)

@@ -4,23 +4,21 @@ At 100k+ small tensors (a released MoE's routed experts at tiny widths, or a rea
 ones) the per-call cost of torch, not the data, sets shard's pace; one call over N stacked weights pays
 it once. Each weight still gets its own scales (blocks and rows never span two weights), and every
 operation is elementwise or an exact max, so each weight's result is bit-identical to quantizing it
-alone (tests/test_shard_batch.py checks against the per-tensor schemes). What a stack cannot do in the
+alone (tests/test_shard_stacks.py checks against the per-tensor schemes). What a stack cannot do in the
 same bits is left out: `supports` says which schemes and options are stacked (ue8m0's log2 may round
 differently in torch's vectorised loop than in its scalar tail, so it is not).
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from kconvert.io.dtypes import FP8_BLOCK
-from kconvert.quant.chunks import FP8_MAX, INT8_MAX, TINY, fold_max
+from kconvert.errors import CheckpointError
+from kconvert.quant.chunks import FP8_MAX, INT8_MAX, TINY, fold_max, quantize_rows
+from kconvert.quant.int4_group import dequantize_int4
+from kconvert.quant.packing import unpack_int32_words
 from kconvert.quant.scheme import KCONVERT, Options, Scheme
-
-_SHIFTS = torch.arange(8, dtype=torch.int64) * 4
-
 
 class NotStackable(Exception):
     """A stack with a non-finite value: the caller redoes it weight by weight, which names the bad one."""
@@ -60,28 +58,19 @@ def fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, t
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, R, C] -> (int8 [N, R, C], float32 scales [N, R, 1]) as int8_channel quantizes each w[i]:
-    s = max(row amax / 127, 1e-12), q = round(w / s)."""
-    x = w.to(torch.float32)
-    s = (fold_max(x, 2, x.shape[2], signed=True) / INT8_MAX).clamp_min_(TINY)
-    if not bool(torch.isfinite(s).all()):
-        raise NotStackable
-    return (x / s).round_().to(torch.int8), s
+    """w [N, R, C] -> (int8 [N, R, C], float32 scales [N, R, 1]) as int8_channel quantizes each w[i] (the same
+    row quantizer, over N x R rows): s = max(row amax / 127, 1e-12), q = round(w / s)."""
+    n, rows, cols = w.shape
+    try:
+        q, s = quantize_rows(w.reshape(n * rows, cols), INT8_MAX, torch.int8, True, "")
+    except CheckpointError:  # a non-finite row
+        raise NotStackable from None
+    return q.view(n, rows, cols), s.view(n, rows, 1)
 
 
 def dequantize_int4_words(packed: torch.Tensor, scale: torch.Tensor, cols: int, group: int) -> torch.Tensor:
     """compressed-tensors INT4 stacked: packed int32 [N, R, W], scale [N, R, G] -> float32 [N, R, cols], as
-    source.formats.dequant_int4_packed reads each weight: (nibble - 8) * its group's scale. The nibbles
-    are taken from the words' bytes (a little-endian word's byte k holds nibbles 2k, low, and 2k + 1),
-    one byte a value instead of int64 temporaries; nibble - 8 is exact in float32, so the product is too."""
+    source.formats.dequant_int4_packed reads each weight (the same unpacker and product, over N x R rows)."""
     n, rows, words = packed.shape
-    if sys.byteorder != "little":
-        w = (packed.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> _SHIFTS
-        values = ((w & 0xF).reshape(n, rows, -1)[..., :cols] - 8).to(torch.float32)
-    else:
-        b = packed.view(torch.uint8)
-        values = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(n, rows, -1)[..., :cols].to(torch.float32).sub_(8.0)
-    s = scale.to(torch.float32)
-    if cols % group == 0 and s.shape[2] == cols // group:  # the scale broadcast over each group, not repeated
-        return (values.reshape(n, rows, cols // group, group) * s[..., None]).reshape(n, rows, cols)
-    return values * s.repeat_interleave(group, dim=2)[..., :cols]
+    codes = unpack_int32_words(packed.reshape(n * rows, words), cols)
+    return dequantize_int4(codes, scale.reshape(n * rows, -1), group).view(n, rows, cols)

@@ -24,7 +24,8 @@ from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
-from kconvert.source.formats import LogicalTensor, fold, read_logical
+from kconvert.source.formats import read_logical
+from kconvert.source.logical import LogicalTensor, fold
 from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors
 from kconvert.io.dtypes import FP8_BLOCK
 
@@ -127,27 +128,19 @@ class Checkpoint:
     def _validate(self) -> Grouped:
         block, group = self.quant_block(), self.int4_group()
         grouped = group_tensors(self.model, self.logical)
-        failed: dict[str, TensorInfo | None] = {}  # the first failing tensor of `rest`, of each bucket
-        for name in grouped.rest:
-            try:
-                check_tensor(self.logical[name], self.info(name), block, group)
-            except KConvertError:
-                failed[name] = None
-                break
         bad = []
         for b in grouped.buckets:
             try:
                 check_tensor(b.sample, b.info, block, group)
             except KConvertError:
                 bad.append(b)
-        if failed or bad:  # report what a walk in stored order meets first; a bucket's members fail alike
+        if grouped.rest or bad:  # report what a walk in stored order meets first; a bucket's members fail alike
             pos = {n: i for i, n in enumerate(self.logical)}
-            for b in bad:
-                i = min(range(len(b.names)), key=lambda i: pos[b.names[i]])
-                failed[b.names[i]] = _info_of((b.names[i], b.rule, b.layer, b.experts[i]))
-            name = min(failed, key=pos.__getitem__)
-            check_tensor(self.logical[name], failed[name] or self.info(name), block, group)
-            raise AssertionError(f"unreachable: {name} failed its check once")
+            failed = [b.earliest(pos) for b in bad]
+            first = min([info.name for info in failed] + grouped.rest[:1], key=pos.__getitem__)
+            info = next((info for info in failed if info.name == first), None)
+            check_tensor(self.logical[first], info or self.info(first), block, group)  # self.info: an unknown name
+            raise AssertionError(f"unreachable: {first} failed its check once")
         if grouped.missing is not None:
             where = INDEX if (self.root / INDEX).exists() else SINGLE
             raise ManifestError(f"required by the {self.family} manifest but absent from the checkpoint",

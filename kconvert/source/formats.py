@@ -25,7 +25,7 @@ from __future__ import annotations
 from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
 from kconvert.io.dtypes import FP8_BLOCK, e8m0_to_float
-from kconvert.source.logical import LogicalTensor, fold  # noqa: F401  (fold: re-exported; logical.py folds)
+from kconvert.source.logical import LogicalTensor
 from kconvert.quant.fp4_e2m1 import dequantize_fp4
 from kconvert.quant.fp8_block import dequantize_fp8_block
 from kconvert.quant.int4_group import dequantize_int4

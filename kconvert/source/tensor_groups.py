@@ -4,8 +4,9 @@ A released MoE checkpoint is 70k-200k tensors but a few thousand (rule, layer) g
 layer share one rule, one expected shape and, in practice, one stored form. The manifest's names for each
 group are generated (`ModelMap.expected_groups`) and looked up; the members of a group stored alike (format,
 shape, every part's dtype and shape) form a bucket, checked once through its first member. A name no group
-generates (written otherwise, e.g. `layers.05`) is classified and checked on its own, as is every tensor of a
-group whose first name the manifest classifies otherwise. `inspect` and `plan` then count buckets, not tensors.
+generates (written otherwise, e.g. `layers.05`) is classified on its own into a bucket of one, as is every
+tensor of a group whose first name the manifest classifies otherwise. `inspect` and `plan` then count buckets,
+not tensors.
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ class Bucket(NamedTuple):
     def info(self) -> TensorInfo:
         return TensorInfo(self.names[0], self.rule, self.layer, self.experts[0])
 
+    def earliest(self, pos: dict[str, int]) -> TensorInfo:
+        """The member stored first (`pos`: name -> stored position): where a walk in stored order meets the bucket."""
+        at = list(map(pos.__getitem__, self.names))
+        i = at.index(min(at))
+        return TensorInfo(self.names[i], self.rule, self.layer, self.experts[i])
+
 
 class Grouped(NamedTuple):
-    buckets: list[Bucket]
-    rest: list[str]  # present names no group claims, in stored order: classified one by one
+    buckets: list[Bucket]  # every tensor the manifest knows, once
+    rest: list[str]  # present names the manifest does not know, in stored order
     missing: str | None  # the first required name absent (model order), for the caller to report last
 
 
@@ -80,7 +87,13 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
             b.names.append(names[i])
             b.experts.append(e)
         buckets.extend(by_form.values())
-    rest = [] if n_claimed == len(logical) else [n for n in logical if n not in claimed]
+    rest = []
+    for name in [] if n_claimed == len(logical) else [n for n in logical if n not in claimed]:
+        info = model.classify(name)
+        if info is None:
+            rest.append(name)
+        else:
+            buckets.append(Bucket(info.rule, info.layer, [name], [info.expert], logical[name]))
     return Grouped(buckets, rest, missing)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import assert_one_line_error, header_offsets, run_cli
+from kconvert.io import header_entries, typed_json
 from kconvert.io import safetensors_read as safetensors_file
 from kconvert.source.checkpoint import Checkpoint
 from test_reader import Q_B, _file_of
@@ -161,21 +162,30 @@ def test_header_faults_in_a_large_header_are_named(tmp_path, reverse, edit, extr
 
 
 def test_large_header_read_whole_list_or_walked_alike(tmp_path):
-    """The same entries, in header order, whichever way the header lists them; and the entry-by-entry walk gives
-    the very same dict (it is what a header that fails a whole-list check takes)."""
+    """The same entries, in header order, whichever way the header lists them; and the typed decode, json.loads'
+    whole-list checks and the entry-by-entry walk give the very same dict (a header that fails the first takes
+    the second, one that fails that takes the walk)."""
     plain, reverse = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     _many(plain)
     _many(reverse, reverse=True)
     a, b = safetensors_file.read_header(plain), safetensors_file.read_header(reverse)
     assert list(a.tensors) == list(reversed(list(b.tensors))) and len(a.tensors) == 5002
     assert all(e == b.tensors[k]._replace(file=plain) for k, e in a.tensors.items())
-    obj = json.loads(plain.read_bytes()[8:a.data_start])
-    del obj["__metadata__"]
-    walked = safetensors_file._entries(plain, obj, a.data_start, a.size - a.data_start, None)
+    raw = plain.read_bytes()[8:a.data_start]
+    span = a.data_start, a.size - a.data_start
+    walked = header_entries.entries(plain, _no_metadata(json.loads(raw)), *span, None)
     assert list(walked.items()) == list(a.tensors.items())
-    assert list(safetensors_file._bulk(plain, obj, a.data_start, a.size - a.data_start, None).items()) == \
+    assert list(header_entries.from_json(plain, _no_metadata(json.loads(raw)), *span, None).items()) == \
         list(walked.items())
+    specs, metadata = typed_json.header(raw)
+    assert list(header_entries.from_typed(plain, specs, *span).items()) == list(walked.items())
+    assert metadata == json.loads(raw)["__metadata__"] == a.metadata
     assert a.tensors["scalar"].shape == () and type(a.tensors["t.7"].shape[0]) is int
+
+
+def _no_metadata(obj: dict) -> dict:
+    del obj["__metadata__"]
+    return obj
 
 
 def _poke(f: Path, tensor: str, value_bytes: bytes, element: int = 0) -> None:

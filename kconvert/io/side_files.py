@@ -105,12 +105,12 @@ def parse_json(raw: bytes | str, *, file: str, error: type[KConvertError] = Chec
         raise error(f"JSON nested deeper than {MAX_DEPTH} levels", file=file, tensor=tensor) from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, a number past Python's digit limit
         raise error(f"not valid JSON ({_short(e)})", file=file, tensor=tensor) from None
-    if _openings_over(raw, MAX_DEPTH) and _depth_over(obj, MAX_DEPTH):
+    if openings_over(raw, MAX_DEPTH) and _depth_over(obj, MAX_DEPTH):
         raise error(f"JSON nested deeper than {MAX_DEPTH} levels", file=file, tensor=tensor)
     return obj
 
 
-def _openings_over(raw: bytes | str, limit: int) -> bool:
+def openings_over(raw: bytes | str, limit: int) -> bool:
     """Whether `raw` holds more than `limit` '{' and '[' (counted in any encoding, and in strings too): with
     fewer, nesting cannot go deeper, and a 200k-tensor index (3 objects) needs no walk. Each find is a memchr;
     counting stops at limit + 1."""

@@ -23,7 +23,9 @@ from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
-from kconvert.io.side_files import MAX_CONFIG, MAX_INDEX, read_json
+from kconvert.io import typed_json
+from kconvert.io.side_files import (MAX_CONFIG, MAX_DEPTH, MAX_INDEX, openings_over, parse_json, read_bytes,
+                                    read_json)
 from kconvert.source.formats import read_logical
 from kconvert.source.logical import LogicalTensor, fold
 from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors
@@ -256,8 +258,11 @@ def _index_map(root: Path) -> dict[str, str] | None:
     path = root / INDEX
     if not path.exists():
         return None
-    index = read_json(path, limit=MAX_INDEX)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    raw = read_bytes(path, limit=MAX_INDEX)
+    weight_map = None if openings_over(raw, MAX_DEPTH) else typed_json.weight_map(raw)  # 200k names, typed in C
+    if weight_map is None:  # anything unusual: json.loads, which names what is wrong
+        index = parse_json(raw, file=str(path))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))
     try:  # 200k tensors name a few dozen files: each is checked once

@@ -1,0 +1,118 @@
+"""The typed decode of headers and the index (io/typed_json.py) is a fast path only: whatever a header or an index
+holds, reading it gives the same entries, or the same one-line error, as the json.loads path it replaced."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from kconvert.errors import KConvertError
+from kconvert.io import typed_json
+from kconvert.io.safetensors_read import read_header
+from kconvert.io.side_files import MAX_DEPTH
+from kconvert.source import checkpoint
+
+A = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+B = {"dtype": "BF16", "shape": [1, 2], "data_offsets": [8, 12]}
+
+
+def _outcome(fn):
+    try:
+        r = fn()
+    except KConvertError as e:
+        return "error", e.one_line()
+    return "ok", r
+
+
+def _both(monkeypatch, fn):
+    """fn's outcome with the typed decoders, and with them declining every input (the json path)."""
+    typed = _outcome(fn)
+    with monkeypatch.context() as m:
+        m.setattr(typed_json, "header", lambda raw: None)
+        m.setattr(typed_json, "weight_map", lambda raw: None)
+        plain = _outcome(fn)
+    return typed, plain
+
+
+def _header(path: Path, text: str | bytes, data: int = 12) -> Path:
+    raw = text.encode() if isinstance(text, str) else text
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    return path
+
+
+HEADERS = {
+    "usual": json.dumps({"__metadata__": {"format": "pt"}, "a": A, "b": B}),
+    "no-metadata": json.dumps({"a": A, "b": B}),
+    "metadata-last-odd-values": json.dumps({"a": A, "b": B, "__metadata__": {"n": 1, "x": [1, {"y": None}]}}),
+    "metadata-not-an-object": json.dumps({"__metadata__": [1], "a": A, "b": B}),
+    "extra-field": json.dumps({"a": {**A, "note": {"k": [1]}}, "b": B}),
+    "unicode-names": json.dumps({"é.ü": A, "名": B}, ensure_ascii=False),
+    "escaped-names": json.dumps({"é.ü": A, "名": B}),
+    "reversed-order": json.dumps({"b": B, "a": A}),
+    "duplicate-key": '{"a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}, "a": ' + json.dumps(A)
+                     + ', "b": ' + json.dumps(B) + "}",
+    "utf-16": json.dumps({"a": A, "b": B}).encode("utf-16"),
+    "lone-surrogate-name": '{"\\ud800": ' + json.dumps(A) + ', "b": ' + json.dumps(B) + "}",
+    # faults: the same message either way
+    "float-offset": json.dumps({"a": {**A, "data_offsets": [0, 8.0]}, "b": B}),
+    "bool-dim": json.dumps({"a": {**A, "shape": [True, 2]}, "b": {**B, "shape": [2]}}),
+    "missing-dtype": json.dumps({"a": {"shape": [2], "data_offsets": [0, 8]}, "b": B}),
+    "null-shape": json.dumps({"a": {**A, "shape": None}, "b": B}),
+    "three-offsets": json.dumps({"a": {**A, "data_offsets": [0, 8, 9]}, "b": B}),
+    "huge-offset": json.dumps({"a": {**A, "data_offsets": [0, 2**64]}, "b": B}),
+    "nan": json.dumps({"a": {**A, "shape": [float("nan")]}, "b": B}),
+    "not-json": '{"a": ',
+    "not-an-object": "[1, 2]",
+    "entry-not-an-object": json.dumps({"a": [1], "b": B}),
+    "deep": '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "codec-without-index": json.dumps({"__metadata__": {"kconvert_codec": "zstd"}, "a": A, "b": B}),
+}
+
+
+@pytest.mark.parametrize("name", list(HEADERS))
+def test_header_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
+    f = _header(tmp_path / "x.safetensors", HEADERS[name])
+    typed, plain = _both(monkeypatch, lambda: read_header(f))
+    if typed[0] == "ok":
+        typed = "ok", (list(typed[1].tensors.items()), typed[1].metadata)
+        plain = "ok", (list(plain[1].tensors.items()), plain[1].metadata)
+    assert typed == plain
+    if name in TYPED:  # the fast path takes the usual headers (it is not always declining)
+        assert typed[0] == "ok" and len(typed[1][0]) == 2 and typed_json.header(f.read_bytes()[8:-12]) is not None
+
+
+TYPED = ("usual", "no-metadata", "metadata-last-odd-values", "extra-field", "unicode-names", "escaped-names",
+         "reversed-order", "duplicate-key")
+
+
+def _index(root: Path, text: str) -> None:
+    _header(root / "m.safetensors", json.dumps({"a": A, "b": B}))
+    (root / checkpoint.INDEX).write_text(text)
+
+
+INDEXES = {
+    "usual": json.dumps({"metadata": {"total_size": 12}, "weight_map": {"a": "m.safetensors", "b": "m.safetensors"}}),
+    "metadata-at-the-bound": json.dumps({"metadata": json.loads("[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1)),
+                                         "weight_map": {"a": "m.safetensors", "b": "m.safetensors"}}),
+    "metadata-too-deep": json.dumps({"metadata": json.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH),
+                                     "weight_map": {"a": "m.safetensors", "b": "m.safetensors"}}),
+    "number-file": json.dumps({"weight_map": {"a": "m.safetensors", "b": 7}}),
+    "no-weight-map": json.dumps({"metadata": {}}),
+    "null-weight-map": json.dumps({"weight_map": None}),
+    "list": "[]",
+    "escape": json.dumps({"weight_map": {"a": "m.safetensors", "b": "../m.safetensors"}}),
+    "not-json": '{"weight_map": {',
+}
+
+
+@pytest.mark.parametrize("name", list(INDEXES))
+def test_index_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
+    _index(tmp_path, INDEXES[name])
+    typed, plain = _both(monkeypatch, lambda: checkpoint._index_map(tmp_path))
+    assert typed == plain
+    assert (typed[0] == "ok") == (name in ("usual", "metadata-at-the-bound"))
+    if typed[0] == "ok":  # and the fast path took it
+        assert typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes()) == typed[1]

@@ -168,3 +168,35 @@ def test_shard_refuses_side_files_that_are_symlinks_out_of_the_source(checkpoint
     assert_one_line_error(proc, "tokenizer_config.json", "symlink")
     assert not (tmp_path / "out" / "kconvert.json").exists()
     assert not (tmp_path / "out" / "tokenizer_config.json").exists()
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda t: t.update(crc32="zzzzzzzz"), "crc32"),
+    (lambda t: t.update(name=7), "name"),
+    (lambda t: t.update(rank=1 - t["rank"]), "differ from its file's"),
+    (lambda t: t.update(shape=[True] * len(t["shape"])), "shape"),
+])
+def test_a_record_like_one_checked_already_is_still_checked(out, edit, field):
+    """Writing kconvert.json checks 100k+ records; one like a record checked already (dtype, shape, slice) passes
+    at once, so damage in any other field of a later record must still be named, with its index."""
+    meta = _meta(out)
+    keys = [(t["dtype"], t["shape"], t["slice"]) for t in meta["tensors"]]
+    i = max(j for j, k in enumerate(keys) if k in keys[:j])  # the last record like an earlier one
+    edit(meta["tensors"][i])
+    with pytest.raises(CheckpointError, match=rf"field tensors\[{i}\].*{field}"):
+        Catalog(meta).validate(out)
+
+
+def test_rank_lists_are_the_bytes_json_dumps_writes():
+    """The per-rank lists are encoded fast where that gives json.dumps' exact bytes (kconvert.json's digest and
+    every conversion's bytes depend on them), and by json.dumps otherwise."""
+    from kconvert.converted.rank_tensors import COLUMNS, FORMAT, encode
+
+    base = {"name": "m.w", "unit": "layer-0001", "group": "text", "component": "experts", "expert": 3, "rule": "x",
+            "slice": [0, 1, 2], "transform": "fp8", "dtype": "F8_E4M3", "shape": [2, 3], "crc32": "0011aabb"}
+    for name in ["plain", "é", "a\x7fb", "ctl\x01\n", "\u2028", 'q"\\/']:
+        for expert in (None, 3, 2**70):
+            recs = [dict(base, name=name, expert=expert), base]
+            want = json.dumps({"format": FORMAT, "rank": 1, "columns": list(COLUMNS),
+                               "tensors": [[t[c] for c in COLUMNS] for t in recs]}, separators=(",", ":")).encode()
+            assert encode(1, recs) == want

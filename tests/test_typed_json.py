@@ -11,6 +11,7 @@ import pytest
 
 from kconvert.errors import KConvertError
 from kconvert.io import typed_json
+from kconvert.io.compact_json import compact_json
 from kconvert.io.safetensors_read import read_header
 from kconvert.io.side_files import MAX_DEPTH
 from kconvert.source import checkpoint
@@ -116,3 +117,15 @@ def test_index_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
     assert (typed[0] == "ok") == (name in ("usual", "metadata-at-the-bound"))
     if typed[0] == "ok":  # and the fast path took it
         assert typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes()) == typed[1]
+
+
+@pytest.mark.parametrize("doc", [
+    {"__metadata__": {"format": "pt"}, "a.w": {"dtype": "F8_E4M3", "shape": [2, 3], "data_offsets": [0, 6]}},
+    {"é": [1, None, True, False, -7, 2**63, 2**70], "名": (1, 2), "ctl\x00\x1f\x7f\n\t": "\u2028\ud800", "q\"\\/": {}},
+    [["a", 1, [0, 1, 2], None]] * 3,
+    {},
+])
+def test_compact_json_is_what_json_dumps_writes(doc):
+    """Headers and rank lists are encoded fast only where that is json.dumps' exact text: every conversion's
+    bytes and kconvert.json's digest depend on it."""
+    assert compact_json(doc) == json.dumps(doc, separators=(",", ":")).encode()

@@ -239,14 +239,14 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
                          "bytes": rec["bytes"], "crc32": rec["crc32"]}
         if rec.get("stored"):
             files[file]["stored"] = rec["stored"]
-        for o in w.outputs:
-            for name, dtype, shape in o.specs():
-                tensors.append({"name": name, "file": file, "rank": w.rank, "layer": layer, "unit": w.unit,
-                                "group": o.info.group, "component": o.info.component, "expert": o.info.expert,
-                                "rule": o.info.split, "slice": None if o.piece.dim is None else
-                                [o.piece.dim, o.piece.start, o.piece.stop],
-                                "transform": o.transform, "dtype": dtype, "shape": list(shape),
-                                "crc32": rec["tensors"][name]})
+        crcs = rec["tensors"]
+        for o in w.outputs:  # what an output's tensors share, worked out once (a weight and its scale: two records)
+            info, p = o.info, o.piece
+            common = {"file": file, "rank": w.rank, "layer": layer, "unit": w.unit, "group": info.group,
+                      "component": info.component, "expert": info.expert, "rule": info.split,
+                      "slice": None if p.dim is None else [p.dim, p.start, p.stop], "transform": o.transform}
+            for name, dtype, shape in o.specs():  # RECORD_KEYS' order
+                tensors.append({"name": name, **common, "dtype": dtype, "shape": list(shape), "crc32": crcs[name]})
     units = load_order({w.unit for w in items} | {GLOBALS})
     doc = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "created_by": f"kconvert {__version__}",

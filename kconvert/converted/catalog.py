@@ -239,14 +239,18 @@ class Catalog:
         if not whole:
             rank_tensors.check_index(d["tensors_by_rank"], tp * pp, bad)
             return
+        files, seen = d["files"], set()  # 100k+ records: those like one checked already pass at once
         for i, t in enumerate(d["tensors"]):
+            rec = files.get(t.get("file")) if isinstance(t, dict) else None
+            if rec is not None and t.get("rank") == rec["rank"] and t.get("unit") == rec["unit"] \
+                    and rank_tensors.known(t, seen):
+                continue
             f = f"tensors[{i}]"
             if not isinstance(t, dict):
                 bad(f, "not a tensor record with a name")
-            rec = d["files"].get(t.get("file"))
             if rec is None:
                 bad(f"{f}.file", f"{t.get('file')!r} is not a listed file")
-            rank_tensors.check_record(f, t, bad, rec)
+            rank_tensors.check_record(f, t, bad, rec, seen)
 
     @staticmethod
     def _validate_stages(lay: dict, bad) -> None:

@@ -15,10 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from operator import itemgetter
 from pathlib import Path
+
 
 from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
+from kconvert.io.compact_json import compact_json
 from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
@@ -26,7 +29,9 @@ from kconvert.converted.units import unit_file, unit_layer
 
 FORMAT = "kconvert-rank-tensors"
 _CRC = re.compile(r"[0-9a-f]{8}")
+_INT = {int}  # every size an int itself (a bool is an int subclass, and equals 1 in a key)
 COLUMNS = ("name", "unit", "group", "component", "expert", "rule", "slice", "transform", "dtype", "shape", "crc32")
+_ROW = itemgetter(*COLUMNS)  # a record as its row (a tuple: JSON writes it as the list it was)
 RECORD_KEYS = ("name", "file", "rank", "layer", "unit", "group", "component", "expert", "rule", "slice", "transform",
                "dtype", "shape", "crc32")  # a full record, as version 3 stored it
 
@@ -36,9 +41,8 @@ def list_file(rank: int) -> str:
 
 
 def encode(rank: int, records: list[dict]) -> bytes:
-    rows = [[t[c] for c in COLUMNS] for t in records]
-    return json.dumps({"format": FORMAT, "rank": rank, "columns": list(COLUMNS), "tensors": rows},
-                      separators=(",", ":"), allow_nan=False).encode()
+    return compact_json({"format": FORMAT, "rank": rank, "columns": list(COLUMNS), "tensors": list(map(_ROW, records))},
+                        allow_nan=False)
 
 
 def split_by_rank(records: list[dict], world_size: int) -> list[list[dict]]:
@@ -114,14 +118,9 @@ def check_record(f: str, t: dict, bad, rec: dict | None = None, seen: set | None
     (dtype, shape, slice) triples already found valid, so 100k records check those once per distinct triple."""
     key = None
     if seen is not None:
-        try:
-            sl = t.get("slice")
-            key = (t.get("dtype"), type(t.get("shape")), tuple(t.get("shape")), type(sl), sl and tuple(sl))
-            if key in seen and rec is None and type(t.get("name")) is str and type(t.get("crc32")) is str \
-                    and _CRC.fullmatch(t["crc32"]) and all(type(s) is int for s in key[2] + (key[4] or ())):
-                return  # (a bool equals 1 as a key: the type test keeps [true] from passing as [1])
-        except TypeError:  # not lists of plain values: the checks below name what is wrong
-            key = None
+        key = _key(t)
+        if rec is None and key is not None and _seen(t, key, seen):
+            return
     if not isinstance(t.get("name"), str):
         bad(f, "not a tensor record with a name")
     if rec is not None and (t.get("rank") != rec["rank"] or t.get("unit") != rec["unit"]):
@@ -138,6 +137,29 @@ def check_record(f: str, t: dict, bad, rec: dict | None = None, seen: set | None
         bad(f"{f}.crc32", "not an 8-digit hex CRC-32")
     if key is not None:
         seen.add(key)
+
+
+def known(t: dict, seen: set) -> bool:
+    """Whether record `t` is like one check_record found valid (`seen`), its name and CRC well-formed: then it
+    passes check_record (given its file's rank and unit) without the field-by-field checks."""
+    key = _key(t)
+    return key is not None and _seen(t, key, seen)
+
+
+def _key(t: dict) -> tuple | None:
+    try:
+        sl = t.get("slice")
+        return t.get("dtype"), type(t.get("shape")), tuple(t.get("shape")), type(sl), sl and tuple(sl)
+    except TypeError:  # not lists of plain values: check_record names what is wrong
+        return None
+
+
+def _seen(t: dict, key: tuple, seen: set) -> bool:
+    try:
+        return key in seen and type(t.get("name")) is str and type(t.get("crc32")) is str \
+            and bool(_CRC.fullmatch(t["crc32"])) and _INT.issuperset(map(type, key[2] + (key[4] or ())))
+    except TypeError:  # an unhashable slice or shape member
+        return False  # (a bool equals 1 as a key: the type test keeps [true] from passing as [1])
 
 
 def _int(x: object) -> bool:

@@ -16,7 +16,6 @@ dropped from the page cache (they are clean then): a conversion does not push th
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import zlib
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kconvert.io.atomic import fsync_dir, write_error
+from kconvert.io.compact_json import compact_json
 from kconvert.io.crc import crc32_combine
 from kconvert.io.dtypes import ITEMSIZE, TAGS
 
@@ -61,7 +61,7 @@ class SafetensorsWriter:
             starts.append(offset)
             self._size.append(n)
             offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw = compact_json(header)
         raw += b" " * (-len(raw) % 8)  # data region 8-byte aligned, as safetensors writes it
         self._head = len(raw).to_bytes(8, "little") + raw
         self.total = len(self._head) + offset

@@ -13,17 +13,18 @@ from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, So
 
 
 def divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    """out = e4m3(x / s[r // block, c // block]), the scale broadcast over each block. No clamp to ±448
-    is needed: s >= amax / 448 up to one rounding, so |x / s| <= 448 (1 + 2^-22), which e4m3's
-    round-to-nearest-even maps to ±448 exactly as the clamped value (tests/test_export.py checks)."""
-    r, c = x.shape
-    s_rows = s.repeat_interleave(block, 0)[:r]  # [r, blocks across]: small
+    """out = e4m3(x / s[..., r // block, c // block]), the scale broadcast over each block of the last two dims
+    (leading dims: a stack of weights, quant/stacked.py). No clamp to ±448 is needed: s >= amax / 448 up to one
+    rounding, so |x / s| <= 448 (1 + 2^-22), which e4m3's round-to-nearest-even maps to ±448 exactly as the
+    clamped value (tests/test_export.py checks)."""
+    r, c = x.shape[-2:]
+    s_rows = s.repeat_interleave(block, -2)[..., :r, :]  # [..., r, blocks across]: small
     full = c - c % block
     if full:
-        y = x[:, :full].unflatten(1, (full // block, block)) / s_rows[:, : full // block, None]
-        out[:, :full].unflatten(1, (full // block, block)).copy_(y)
+        y = x[..., :full].unflatten(-1, (full // block, block)) / s_rows[..., : full // block, None]
+        out[..., :full].unflatten(-1, (full // block, block)).copy_(y)
     if c > full:
-        out[:, full:].copy_(x[:, full:] / s_rows[:, -1:])
+        out[..., full:].copy_(x[..., full:] / s_rows[..., -1:])
 
 
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, scale_format: str = "fp32",

@@ -16,9 +16,11 @@ import torch
 from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.errors import CheckpointError
 from kconvert.quant.chunks import FP8_MAX, INT8_MAX, TINY, fold_max, quantize_rows
+from kconvert.quant.fp8_block import divide_blocks
 from kconvert.quant.int4_group import dequantize_int4
 from kconvert.quant.packing import unpack_int32_words
 from kconvert.quant.scheme import KCONVERT, Options, Scheme
+
 
 class NotStackable(Exception):
     """A stack with a non-finite value: the caller redoes it weight by weight, which names the bad one."""
@@ -47,13 +49,7 @@ def fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, t
     if not bool(torch.isfinite(s).all()):
         raise NotStackable
     q = torch.empty(n, rows, cols, dtype=torch.float8_e4m3fn)
-    s_rows = s.repeat_interleave(block, 1)[:, :rows]  # [N, R, blocks across]
-    full = cols - cols % block
-    if full:
-        y = x[..., :full].unflatten(2, (full // block, block)) / s_rows[:, :, : full // block, None]
-        q[..., :full].unflatten(2, (full // block, block)).copy_(y)
-    if cols > full:
-        q[..., full:].copy_(x[..., full:] / s_rows[:, :, -1:])
+    divide_blocks(x, s, block, q)
     return q, s
 
 

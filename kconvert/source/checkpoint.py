@@ -14,6 +14,7 @@ import math
 import os
 from functools import partial
 from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 
 from kconvert.source import hub
@@ -33,6 +34,7 @@ from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_FILE, _SHAPE = attrgetter("file"), attrgetter("shape")
 _info_of = partial(tuple.__new__, TensorInfo)  # 70k TensorInfo from (name, rule, layer, expert) at C level
 
 
@@ -193,9 +195,11 @@ class Checkpoint:
         """Identity of the source from what defines it cheaply: config + every header (names, dtypes,
         shapes, offsets) + file sizes. Changes when any tensor is added, moved, resized or retyped."""
         h = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode())
-        for name in sorted(self.stored):
-            e = self.stored[name]
-            h.update(f"{name}|{e.file.name}|{e.dtype}|{e.shape}|{e.begin}|{e.end}\n".encode())
+        entries = list(map(self.stored.__getitem__, sorted(self.stored)))
+        files = {f: f.name for f in set(map(_FILE, entries))}  # a few dozen: Path.name and a shape's repr once each
+        shapes = {s: str(s) for s in set(map(_SHAPE, entries))}
+        h.update("".join([f"{name}|{files[f]}|{dtype}|{shapes[shape]}|{b}|{e}\n"  # one update: the same digest
+                          for name, f, dtype, shape, b, e, _ in entries]).encode())
         for fname, header in sorted(self.files.items()):
             h.update(f"{fname}:{header.size if header else -1}\n".encode())
         return h.hexdigest()[:32]

@@ -63,6 +63,15 @@ class Output:
     def bytes_in(self) -> int:
         return input_bytes(self.shape, self.src_dtype)
 
+    @property
+    def bytes_out(self) -> int:
+        """The tensor bytes it writes (quantized, scales included), worked out once like `specs`."""
+        got = self.__dict__.get("_bytes_out")
+        if got is None:
+            got = specs_bytes(self.specs())
+            object.__setattr__(self, "_bytes_out", got)
+        return got
+
 
 @functools.lru_cache(maxsize=64)
 def _options(scale_format: str, group_size: int, int4_scales: str) -> Options:
@@ -89,7 +98,7 @@ class WorkItem:
     @property
     def bytes_out(self) -> int:
         """The tensor bytes this file will hold (quantized, scales included; header aside)."""
-        return specs_bytes(self.specs())
+        return sum(o.bytes_out for o in self.outputs)
 
 
 def unit_of(info: TensorInfo) -> str:
@@ -181,7 +190,7 @@ def plan_pipeline(items: list[WorkItem], tp: int, pp: int, n_layers: int, *, pp_
         for o in w.outputs:  # globals, vision, MTP layers: by what each tensor is
             to = (LAST,) if L is not None else edges_of(o.info.component, tied_without_head)
             for e in to:
-                edge[e][w.rank] += WorkItem(w.rank, w.unit, [o]).bytes_out
+                edge[e][w.rank] += o.bytes_out
     split = split_layers(layer_bytes, pp, edge[FIRST], edge[LAST], pp_layers)
     units = [[] for _ in range(pp)]
     for u in dict.fromkeys(w.unit for w in items):

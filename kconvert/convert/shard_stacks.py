@@ -84,16 +84,13 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
         specs0 = o0.specs()
         if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
             raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
-        # every weight's specs are specs0 with its own name in front of the same suffixes (src, src_scale_inv ...):
-        # checked below against what its file planned
-        tails = [(name[len(o0.src):], tag, shape) for name, tag, shape in specs0]
-        if any(not name.startswith(o0.src) for name, _, _ in specs0):
-            raise RuntimeError(f"stacked {o0.transform} of {o0.src}: names {specs0} do not start with it")
         rows = [s.reshape(len(srcs), s[0].numel()).view(torch.uint8).numpy() for s in stacks]  # a row a weight
         for n, src in enumerate(srcs):
             writer, o = by_src[src][j]
-            first = writer.index(src)
-            if writer.specs[first:first + len(tails)] != [(src + tail, tag, shape) for tail, tag, shape in tails]:
+            # the stack's tags and shapes are o0's; o's own specs (cached) are what its file planned at `first`
+            specs, first = o.specs(), writer.index(src)
+            if o.shape != o0.shape or o.transform != o0.transform or \
+                    tuple(writer.specs[first:first + len(specs)]) != specs or len(specs) != len(rows):
                 raise RuntimeError(f"{writer.path}: {src} is not planned as a stacked {o0.transform}")
             writer.write_bytes(first, [r[n] for r in rows])
             done += o.bytes_in

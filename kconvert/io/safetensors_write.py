@@ -130,12 +130,11 @@ class SafetensorsWriter:
     def write_bytes(self, first: int, buffers: list) -> None:
         """The bytes of planned tensors first, first + 1, ... (adjacent in the file: one write), each the
         planned size: the caller has checked dtype and shape (shard's batches check them once a batch)."""
-        for k, data in enumerate(buffers):
-            i = first + k
-            if self._crcs[i] is not None or memoryview(data).nbytes != self._size[i]:
+        for i, data in enumerate(buffers, first):
+            n = memoryview(data).nbytes
+            if self._crcs[i] is not None or n != self._size[i]:
                 self.abort()
-                raise RuntimeError(f"writer expected {self._size[i]} bytes of {self.specs[i][0]} once, "
-                                   f"got {memoryview(data).nbytes}")
+                raise RuntimeError(f"writer expected {self._size[i]} bytes of {self.specs[i][0]} once, got {n}")
             self._crcs[i] = zlib.crc32(data)
         self._write(buffers, self._at[first])
         self._next += len(buffers)

@@ -54,6 +54,12 @@ class LogicalTensor(NamedTuple):
         return n
 
 
+def stored_form(t: LogicalTensor) -> tuple:
+    """How a logical tensor is stored: its format and shape, each part's role, dtype and shape. Tensors of one form
+    are checked alike (tensor_groups.py) and read as one stack (stacked.py)."""
+    return t.format, t.shape, tuple([(role, p.dtype, p.shape) for role, p in t.parts.items()])
+
+
 _new = partial(tuple.__new__, LogicalTensor)  # from (name, shape, format, parts), without a Python-level call
 
 

@@ -10,6 +10,7 @@ import torch
 from kconvert.io.stacked_read import read_stacked
 from kconvert.quant.stacked import NotStackable, dequantize_int4_words
 from kconvert.source.formats import LogicalTensor, all_finite, declared_shape
+from kconvert.source.logical import stored_form
 
 FORMATS = ("plain", "int4_packed")
 
@@ -18,12 +19,10 @@ def stack_key(t: LogicalTensor) -> tuple | None:
     """What weights must share to be read as one stack (None: this one is read on its own)."""
     if t.format not in FORMATS or not t.numel:
         return None
-    key = [t.format, t.shape]
-    for role, p in t.parts.items():  # asked once per weight (70k at a release's size): a plain loop
+    for p in t.parts.values():  # asked once per weight (70k at a release's size): plain loops
         if p.compressed is not None:
             return None
-        key += (role, p.dtype, p.shape)
-    return tuple(key)
+    return stored_form(t)
 
 
 def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from kconvert.family.manifest import ModelMap, Rule, TensorInfo
 from kconvert.errors import ManifestError
-from kconvert.source.logical import LogicalTensor
+from kconvert.source.logical import LogicalTensor, stored_form
 from kconvert.source.stored_parts import check_scale_shape
 
 FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
@@ -79,7 +79,7 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
         if _alike(tensors):  # the usual case: every expert of a layer stored alike
             buckets.append(Bucket(rule, layer, [names[i] for i in at] if absent else names, experts, tensors[0]))
             continue
-        forms = [(t.format, t.shape, tuple(map(_DTYPE_SHAPE, t.parts.values()))) for t in tensors]
+        forms = list(map(stored_form, tensors))
         by_form: dict[tuple, Bucket] = {}
         for i, form, t, e in zip(at, forms, tensors, experts):
             b = by_form.get(form)
@@ -99,7 +99,7 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
 
 
 def _alike(tensors: list[LogicalTensor]) -> bool:
-    """Whether every tensor is stored as the first (format, shape, each part's dtype and shape), in C loops: a
+    """Whether every tensor has the first's stored_form (format, shape, each part's dtype and shape), in C loops: a
     group is up to 384 experts, and Python-level tuples per tensor cost more than the rest of validation."""
     if len(tensors) == 1:
         return True

@@ -136,8 +136,12 @@ def test_fsync_failure_journals_none_of_the_unit_and_resumes(checkpoint, tmp_pat
     lines = "".join(p.read_text() for p in (out / ".kconvert").glob("done-*.jsonl"))
     kept = [json.loads(line)["file"] for line in lines.splitlines()]
     assert kept and not any("layer-0001" in rel for rel in kept)
+    stale = [out / "rank-000" / ".layer-0001.safetensors.tmp-4242", out / "rank-001" / ".layer-0001.safetensors.tmp-7"]
+    for f in stale:  # what a killed run would have left of the files still to write
+        f.write_bytes(b"torn")
     again = shard(ShardJob(str(src), str(out), 2, quant="fp8"))
     assert again.files_resumed == len(kept)
+    assert not any(f.exists() for f in stale) and not list(out.rglob(".*.tmp-*"))
     verify_files(out)
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*.safetensors")} == \
         {p.relative_to(ref): p.read_bytes() for p in ref.rglob("*.safetensors")}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,24 @@ from kconvert.converted.journal import JOURNAL_DIR
 
 COPY_PATTERNS = ("config.json", "generation_config.json", "tokenizer_config.json", "tiktoken.model", "*.tiktoken",
                  "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json", "processor_config.json")
+
+
+def remove_stale_temporaries(out: Path, files: list[str]) -> None:
+    """Remove what a killed run left of `files` (`.NAME.tmp-PID`, io/safetensors_write.py), and only theirs (other
+    processes of the same conversion write other files): one listing per directory, not one glob per file (a
+    release's conversion writes thousands)."""
+    by_dir: dict[Path, set[str]] = {}
+    for rel in files:
+        path = out / rel
+        by_dir.setdefault(path.parent, set()).add(path.name)
+    for folder, names in by_dir.items():
+        try:
+            entries = os.listdir(folder)
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            if e.startswith(".") and ".tmp-" in e and any(e.startswith(f".{n}.tmp-") for n in names):
+                (folder / e).unlink(missing_ok=True)
 
 
 def check_paths(ck: Checkpoint, out: Path) -> None:

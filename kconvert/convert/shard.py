@@ -27,7 +27,7 @@ from kconvert.converted.catalog import FORMAT, FORMAT_VERSION, Catalog
 from kconvert.converted.journal import JOURNAL_DIR
 from kconvert.converted.units import GLOBALS, load_order, unit_layer
 from kconvert.convert.layout import Layout
-from kconvert.convert.output_dir import check_paths, copy_side_files
+from kconvert.convert.output_dir import check_paths, copy_side_files, remove_stale_temporaries
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.shard_plan import Pipeline, WorkItem, plan_items, plan_pipeline
 from kconvert.convert.run import Run, RunResult, default_workers
@@ -122,6 +122,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     batches = [todo for b in mine if (todo := [w for w in b if w.file not in done])]
     result.files_resumed = sum(len(b) for b in mine) - sum(len(b) for b in batches)
     todo = [w for b in batches for w in b]
+    remove_stale_temporaries(out, [w.file for w in todo])
     freeze()  # the identity and the batches too (the workers' runtime keeps this freeze)
     run.start(sum(w.bytes_in for w in todo))
     small = _small_tensors(todo)

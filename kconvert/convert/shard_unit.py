@@ -69,12 +69,9 @@ def _open(batch: list[WorkItem], out: Path) -> tuple[list[SafetensorsWriter], di
     file's header was planned in."""
     writers = []
     try:
-        for w in batch:
-            path = out / w.file
-            for stale in path.parent.glob(f".{path.name}.tmp-*"):
-                stale.unlink(missing_ok=True)  # left by a killed run
-            writers.append(SafetensorsWriter(path, w.specs(), {"format": "pt", "kconvert_rank": str(w.rank),
-                                                               "kconvert_unit": w.unit}))
+        for w in batch:  # (what a killed run left of these files is gone: output_dir.remove_stale_temporaries)
+            writers.append(SafetensorsWriter(out / w.file, w.specs(), {"format": "pt", "kconvert_rank": str(w.rank),
+                                                                       "kconvert_unit": w.unit}))
     except BaseException:
         _abort(writers)
         raise

@@ -20,6 +20,8 @@ import math
 import os
 import zlib
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from kconvert.io.crc import crc32_combine
 from kconvert.io.dtypes import ITEMSIZE, TAGS
 
 
+_NAME = itemgetter(0)  # of a planned (name, tag, shape)
 WRITEBACK_STEP = 64 << 20  # start writing a growing file back every this many bytes
 STAGE_BYTES = 4 << 20  # a file up to this size is put together in memory and written at once
 
@@ -153,7 +156,7 @@ class SafetensorsWriter:
             for c, n in zip(self._crcs, self._size):
                 crc = crc32_combine(crc, c, n)
             self._crc = crc
-        self._tensor_crc = {name: f"{c:08x}" for (name, _, _), c in zip(self.specs, self._crcs)}
+        self._tensor_crc = dict(zip(map(_NAME, self.specs), map(format, self._crcs, repeat("08x"))))
         _advise(self._fd, "POSIX_FADV_DONTNEED")  # on dirty pages: starts their writeback, returns at once
         self._finished = True
 

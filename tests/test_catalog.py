@@ -187,16 +187,19 @@ def test_a_record_like_one_checked_already_is_still_checked(out, edit, field):
         Catalog(meta).validate(out)
 
 
-def test_rank_lists_are_the_bytes_json_dumps_writes():
+def test_rank_lists_are_the_bytes_json_dumps_writes(tmp_path):
     """The per-rank lists are encoded fast where that gives json.dumps' exact bytes (kconvert.json's digest and
     every conversion's bytes depend on them), and by json.dumps otherwise."""
-    from kconvert.converted.rank_tensors import COLUMNS, FORMAT, encode
+    from kconvert.converted.rank_tensors import COLUMNS, FORMAT, list_file, write_lists
 
     base = {"name": "m.w", "unit": "layer-0001", "group": "text", "component": "experts", "expert": 3, "rule": "x",
-            "slice": [0, 1, 2], "transform": "fp8", "dtype": "F8_E4M3", "shape": [2, 3], "crc32": "0011aabb"}
+            "slice": [0, 1, 2], "transform": "fp8", "dtype": "F8_E4M3", "shape": [2, 3], "crc32": "0011aabb", "rank": 0}
     for name in ["plain", "é", "a\x7fb", "ctl\x01\n", "\u2028", 'q"\\/']:
         for expert in (None, 3, 2**70):
             recs = [dict(base, name=name, expert=expert), base]
-            want = json.dumps({"format": FORMAT, "rank": 1, "columns": list(COLUMNS),
+            want = json.dumps({"format": FORMAT, "rank": 0, "columns": list(COLUMNS),
                                "tensors": [[t[c] for c in COLUMNS] for t in recs]}, separators=(",", ":")).encode()
-            assert encode(1, recs) == want
+            (tmp_path / "rank-000").mkdir(exist_ok=True)
+            index = write_lists(tmp_path, recs, 1)
+            assert (tmp_path / list_file(0)).read_bytes() == want
+            assert index == [{"file": list_file(0), "tensors": 2, "sha256": hashlib.sha256(want).hexdigest()}]

@@ -231,23 +231,21 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
     """Side files, then kconvert.json (atomically, last) from the journal records of every file."""
     items = pipe.items
     copy_side_files(ck, out)
-    files, tensors = {}, []
+    files, rows = {}, [[] for _ in range(layout.tp * job.pp)]  # each rank's tensor rows (rank_tensors.COLUMNS)
     for w in items:
         file = w.file
         rec = done[file]
-        layer = unit_layer(w.unit)
-        files[file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": layer,
-                         "bytes": rec["bytes"], "crc32": rec["crc32"]}
+        files[file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": unit_layer(w.unit),
+                       "bytes": rec["bytes"], "crc32": rec["crc32"]}
         if rec.get("stored"):
             files[file]["stored"] = rec["stored"]
-        crcs = rec["tensors"]
-        for o in w.outputs:  # what an output's tensors share, worked out once (a weight and its scale: two records)
+        crcs, mine = rec["tensors"], rows[w.rank]
+        for o in w.outputs:  # what an output's tensors share, worked out once (a weight and its scale: two rows)
             info, p = o.info, o.piece
-            common = {"file": file, "rank": w.rank, "layer": layer, "unit": w.unit, "group": info.group,
-                      "component": info.component, "expert": info.expert, "rule": info.split,
-                      "slice": None if p.dim is None else [p.dim, p.start, p.stop], "transform": o.transform}
-            for name, dtype, shape in o.specs():  # RECORD_KEYS' order
-                tensors.append({"name": name, **common, "dtype": dtype, "shape": list(shape), "crc32": crcs[name]})
+            common = (w.unit, info.group, info.component, info.expert, info.split,
+                      None if p.dim is None else (p.dim, p.start, p.stop), o.transform)
+            for name, dtype, shape in o.specs():
+                mine.append((name, *common, dtype, shape, crcs[name]))
     units = load_order({w.unit for w in items} | {GLOBALS})
     doc = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "created_by": f"kconvert {__version__}",
@@ -264,8 +262,7 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
                             if policy.scheme == "int4" else {}),
                          **({"calibration": calibration} if calibration else {})},
         "files": files,
-        "tensors": tensors,
     }
     cat = Catalog(doc)
-    cat.write(out)
+    cat.write(out, rows)
     return cat

@@ -72,10 +72,14 @@ class Catalog:
         return cat
 
     # ------------------------------------------------------------------ writing
-    def write(self, out: str | Path) -> None:
-        """Validate, stamp the digest and replace OUT/kconvert.json atomically (its presence means complete)."""
+    def write(self, out: str | Path, rows: list[list] | None = None) -> None:
+        """Validate, stamp the digest and replace OUT/kconvert.json atomically (its presence means complete).
+        `rows`: every rank's tensor rows (rank_tensors.COLUMNS) as shard makes them, for a doc without `tensors`:
+        written as they are, each checked when its rank's list is read (load, verify-files), as any reader's."""
+        if rows is not None:  # the per-rank lists first: kconvert.json, written last, records them
+            self.doc["tensors_by_rank"] = rank_tensors.write_rows(Path(out), rows)
         self.validate(Path(out))
-        if self.split and "tensors" in self.doc:  # the per-rank lists first: kconvert.json, written last, records them
+        if self.split and "tensors" in self.doc:
             records = self.doc.pop("tensors")
             self.doc["tensors_by_rank"] = rank_tensors.write_lists(Path(out), records, self.world_size)
             self._lists = dict(enumerate(rank_tensors.split_by_rank(records, self.world_size)))

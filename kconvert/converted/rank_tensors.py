@@ -40,9 +40,9 @@ def list_file(rank: int) -> str:
     return f"rank-{rank:03d}/tensors.json"
 
 
-def encode(rank: int, records: list[dict]) -> bytes:
-    return compact_json({"format": FORMAT, "rank": rank, "columns": list(COLUMNS), "tensors": list(map(_ROW, records))},
-                        allow_nan=False)
+def encode(rank: int, rows: list) -> bytes:
+    """Rank `rank`'s list of `rows` (each a COLUMNS tuple or list), compact."""
+    return compact_json({"format": FORMAT, "rank": rank, "columns": list(COLUMNS), "tensors": rows}, allow_nan=False)
 
 
 def split_by_rank(records: list[dict], world_size: int) -> list[list[dict]]:
@@ -53,12 +53,17 @@ def split_by_rank(records: list[dict], world_size: int) -> list[list[dict]]:
 
 
 def write_lists(out: Path, records: list[dict], world_size: int) -> list[dict]:
-    """Write every rank's list (atomically each); return the `tensors_by_rank` records for kconvert.json."""
+    """Every rank's list from full records (kconvert.json version 3's form)."""
+    return write_rows(out, [list(map(_ROW, mine)) for mine in split_by_rank(records, world_size)])
+
+
+def write_rows(out: Path, rows_by_rank: list[list]) -> list[dict]:
+    """Write every rank's list of rows (atomically each); return the `tensors_by_rank` records for kconvert.json."""
     index = []
-    for rank, mine in enumerate(split_by_rank(records, world_size)):
-        raw = encode(rank, mine)
+    for rank, rows in enumerate(rows_by_rank):
+        raw = encode(rank, rows)
         write_atomic(out / list_file(rank), raw)
-        index.append({"file": list_file(rank), "tensors": len(mine), "sha256": hashlib.sha256(raw).hexdigest()})
+        index.append({"file": list_file(rank), "tensors": len(rows), "sha256": hashlib.sha256(raw).hexdigest()})
     return index
 
 

@@ -121,7 +121,8 @@ def test_pp1_is_todays_layout(checkpoint, converted):
     and the rank files of a tp 2 x pp 2 run's first stage byte-identical to the pp = 1 run's."""
     from kconvert.convert.layout import Layout
     from kconvert.convert.quant_policy import QuantPolicy
-    from kconvert.convert.shard_plan import plan_items, plan_pipeline
+    from kconvert.convert.shard_pipeline import plan_pipeline
+    from kconvert.convert.shard_plan import plan_items
     from kconvert.source.checkpoint import Checkpoint
 
     src = checkpoint("tiny-k3")

@@ -10,15 +10,14 @@ What each stores (names, dtypes, shapes) is the scheme's `specs`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.converted.units import GLOBALS, VISION, layer_unit, unit_file, unit_layer
+from kconvert.converted.units import GLOBALS, layer_unit, unit_file
 from kconvert.errors import UsageError
 from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy, source_quant
-from kconvert.convert.stages import FIRST, LAST, StageSplit, edges_of, split_layers
 from kconvert.io.dtypes import specs_bytes
 from kconvert.quant.registry import scheme_of_transform
 from kconvert.quant.scheme import LosslessCopy, Options, Scheme, input_bytes
@@ -61,16 +60,23 @@ class Output:
 
     @property
     def bytes_in(self) -> int:
-        return input_bytes(self.shape, self.src_dtype)
+        return _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
+                      self.int4_scales)[0]
 
     @property
     def bytes_out(self) -> int:
-        """The tensor bytes it writes (quantized, scales included), worked out once like `specs`."""
-        got = self.__dict__.get("_bytes_out")
-        if got is None:
-            got = specs_bytes(self.specs())
-            object.__setattr__(self, "_bytes_out", got)
-        return got
+        """The tensor bytes it writes (quantized, scales included)."""
+        return _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
+                      self.int4_scales)[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _bytes(shape: tuple[int, ...], src_dtype: str, transform: str, scale_format: str, group_size: int,
+           int4_scales: str) -> tuple[int, int]:
+    """(bytes read, bytes written) of an output: names aside, its fields decide them, and 150k outputs of a
+    release share a few hundred such keys."""
+    o = Output("w", None, None, transform, shape, src_dtype, scale_format, group_size, int4_scales)
+    return input_bytes(shape, src_dtype), specs_bytes(o.specs())
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,48 +113,127 @@ def unit_of(info: TensorInfo) -> str:
     return GLOBALS if info.layer is None else layer_unit(info.layer)
 
 
-def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,
-               keep_mtp: bool = False) -> list[WorkItem]:
-    """All work items in load order (globals, vision, layer 0, 1, ...; rank-major within a unit)."""
-    ck.validate()
-    check(ck.model, layout)
-    n_experts = ck.model.text.expert_count
-    items: dict[tuple[str, int], WorkItem] = {}
-    misaligned: list[str] = []
-    whole_copies: set[str] = set()
-    scheme, opts = policy.quant, policy.options
-    copies: dict[str, LosslessCopy | None] = {}  # by source format: the same answer for 70k tensors
-    for name, t in ck.logical.items():
-        info = ck.info(name)
-        if info.component == "mtp" and not keep_mtp:
-            continue
-        quant = policy.quantizes(info, t.shape)
-        copy = None
-        if quant:
-            if t.format not in copies:
-                copies[t.format] = scheme.lossless_copy(source_quant(ck, t), opts)
-            copy = copies[t.format]
-        for p in pieces(info, t.shape, layout, n_experts):
+_info_of = functools.partial(tuple.__new__, TensorInfo)  # a named tuple from its fields, without a Python-level call
+_OUTPUT_FIELDS = tuple(f.name for f in fields(Output))
+
+
+def _output(values: tuple) -> Output:
+    """Output(*values) for every field, as fast as a plain object (a frozen dataclass's __init__ sets each of its 10
+    fields through object.__setattr__: most of planning 150k outputs)."""
+    o = object.__new__(Output)
+    o.__dict__.update(zip(_OUTPUT_FIELDS, values))
+    return o
+
+
+class _PerName(Exception):
+    """A bucket whose members the bucket-at-a-time plan cannot decide alike (a cut inside a scale block, a shape the
+    scheme cannot store, a dim that does not divide): the name-by-name plan decides, and names the tensor a walk
+    in stored order meets first, as it always has."""
+
+
+class _Plan:
+    """Every logical tensor's outputs: a validation bucket at a time (source/tensor_groups.py: one rule and layer,
+    stored alike, so one decision for up to 384 experts, per expert group), or name by name."""
+
+    def __init__(self, ck: Checkpoint, layout: Layout, policy: QuantPolicy, requantize: bool, keep_mtp: bool):
+        self.ck, self.layout, self.policy, self.requantize, self.keep_mtp = ck, layout, policy, requantize, keep_mtp
+        self.n_experts = ck.model.text.expert_count
+        self.copies: dict[str, LosslessCopy | None] = {}  # by source format: the same answer for 70k tensors
+
+    def by_bucket(self) -> dict[tuple[str, int], WorkItem]:
+        items: dict[tuple[str, int], WorkItem] = {}
+        group_size = self.n_experts // self.layout.ep if self.n_experts else 1
+        for b in self.ck.grouped.buckets:
+            info0, t = b.info, b.sample
+            if info0.component == "mtp" and not self.keep_mtp:
+                continue
+            quant, copy = self._quant(info0, t)
+            unit, plans = unit_of(info0), {}  # expert group (None: not an expert) -> the pieces' plan
+            for name, e in zip(b.names, b.experts):
+                info = _info_of((name, b.rule, b.layer, e))
+                key = e // group_size if info0.split == "expert" else None
+                plan = plans.get(key)
+                if plan is None:
+                    try:
+                        plan = plans[key] = self._pieces(info, t, quant, copy)
+                    except UsageError:
+                        raise _PerName from None
+                    if plan is None:
+                        raise _PerName
+                self._add(items, name, info, t, unit, plan)
+        return items
+
+    def by_name(self) -> tuple[dict[tuple[str, int], WorkItem], list[str], set[str]]:
+        items: dict[tuple[str, int], WorkItem] = {}
+        misaligned: list[str] = []
+        whole_copies: set[str] = set()
+        for name, t in self.ck.logical.items():
+            info = self.ck.info(name)
+            if info.component == "mtp" and not self.keep_mtp:
+                continue
+            quant, copy = self._quant(info, t)
+            plan = self._pieces(info, t, quant, copy)
+            if plan is None:
+                misaligned.append(name)
+                if copy.whole:
+                    whole_copies.add(name)
+                continue
+            self._add(items, name, info, t, unit_of(info), plan)
+        return items, misaligned, whole_copies
+
+    def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
+        quant = self.policy.quantizes(info, t.shape)
+        if quant and t.format not in self.copies:
+            self.copies[t.format] = self.policy.quant.lossless_copy(source_quant(self.ck, t), self.policy.options)
+        return quant, self.copies[t.format] if quant else None
+
+    def _pieces(self, info: TensorInfo, t, quant: bool, copy: LosslessCopy | None) -> list[tuple] | None:
+        """(piece, its shape, transform, the lossless copy it takes) per rank; None: a piece cuts inside a scale
+        block and --requantize was not given. UsageError: a dim that does not divide, a shape the scheme refuses."""
+        scheme, opts, out = self.policy.quant, self.policy.options, []
+        for p in pieces(info, t.shape, self.layout, self.n_experts):
             shape = list(t.shape)
             if p.dim is not None:
                 shape[p.dim] = p.stop - p.start
             transform = scheme.name if quant else "copy" if t.format == "plain" else "bf16"
             piece_copy = copy
             if copy is not None and not _aligned(p, t.shape, copy.block, copy.whole):
-                if not requantize:
-                    misaligned.append(name)
-                    if copy.whole:
-                        whole_copies.add(name)
-                    break
+                if not self.requantize:
+                    return None
                 piece_copy = None
             if piece_copy is not None:
                 transform = piece_copy.transform
             if quant and piece_copy is None and (why := scheme.misfit(tuple(shape), opts)):
-                raise UsageError(f"--quant {scheme.name}: {why}", tensor=name)
-            unit = unit_of(info)
-            item = items.setdefault((unit, p.rank), WorkItem(p.rank, unit))
-            item.outputs.append(Output(name, info, p, transform, tuple(shape), t.stored_dtype, policy.scale_format,
-                                       policy.group_size, policy.int4_scales, piece_copy))
+                raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
+            out.append((p, tuple(shape), transform, piece_copy))
+        return out
+
+    def _add(self, items: dict, name: str, info: TensorInfo, t, unit: str, plan: list[tuple]) -> None:
+        pol, dtype = self.policy, t.stored_dtype
+        for p, shape, transform, piece_copy in plan:
+            item = items.get((unit, p.rank))
+            if item is None:
+                item = items[(unit, p.rank)] = WorkItem(p.rank, unit)
+            item.outputs.append(_output((name, info, p, transform, shape, dtype, pol.scale_format, pol.group_size,
+                                         pol.int4_scales, piece_copy)))
+
+
+def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,
+               keep_mtp: bool = False) -> list[WorkItem]:
+    """All work items in load order (globals, vision, layer 0, 1, ...; rank-major within a unit)."""
+    ck.validate()
+    check(ck.model, layout)
+    plan = _Plan(ck, layout, policy, requantize, keep_mtp)
+    items = None
+    if not (policy.keep or policy.force):  # --keep / --quantize patterns decide name by name
+        try:
+            items = plan.by_bucket()
+        except _PerName:
+            items = None
+    if items is None:
+        items, misaligned, whole_copies = plan.by_name()
+    else:
+        misaligned = []
     if misaligned:
         works = [tp for tp in TP_DEGREES if _copies_aligned(ck, tp, layout, policy)]
         where = ("a packed FP4 tensor (copied whole only)" if misaligned[0] in whole_copies
@@ -160,59 +245,6 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
     for item in items.values():
         item.outputs.sort(key=lambda o: o.src)
     return sorted(items.values(), key=lambda w: (order.get(w.unit, 0), w.unit, w.rank))
-
-
-@dataclass
-class Pipeline:
-    """A conversion's pipeline stages: the work items with global ranks (stage * tp + tp rank), the layer
-    split and every stage's units (the catalog's layout.stages)."""
-
-    items: list[WorkItem]
-    split: StageSplit
-    stage_units: list[list[str]]
-
-
-def plan_pipeline(items: list[WorkItem], tp: int, pp: int, n_layers: int, *, pp_layers: str | None = None,
-                  tied: bool = False) -> Pipeline:
-    """Place the tp-rank work items of `plan_items` on `pp` stages. The split balances the bytes each
-    rank will write (convert.stages); `globals` is cut in two with pp > 1: embeddings on the first stage,
-    final norm and head on the last (the embeddings too when `tied` and there is no head); vision and
-    the first layers on the first stage, MTP layers (n_layers and up) on the last. pp = 1: the items
-    are returned unchanged."""
-    tied_without_head = tied and not any(o.info.component == "head" for w in items for o in w.outputs)
-    layer_bytes = [[0] * tp for _ in range(n_layers)]
-    edge = {FIRST: [0] * tp, LAST: [0] * tp}
-    for w in items:
-        L = unit_layer(w.unit)
-        if L is not None and L < n_layers:
-            layer_bytes[L][w.rank] += w.bytes_out
-            continue
-        for o in w.outputs:  # globals, vision, MTP layers: by what each tensor is
-            to = (LAST,) if L is not None else edges_of(o.info.component, tied_without_head)
-            for e in to:
-                edge[e][w.rank] += o.bytes_out
-    split = split_layers(layer_bytes, pp, edge[FIRST], edge[LAST], pp_layers)
-    units = [[] for _ in range(pp)]
-    for u in dict.fromkeys(w.unit for w in items):
-        L = unit_layer(u)
-        stages = {0, pp - 1} if u == GLOBALS else {0} if u == VISION else {split.stage_of_layer(L)}
-        for s in sorted(stages):
-            units[s].append(u)
-    if pp == 1:
-        return Pipeline(items, split, units)
-    placed: list[WorkItem] = []
-    for w in items:
-        L = unit_layer(w.unit)
-        if w.unit != GLOBALS:
-            s = 0 if L is None else split.stage_of_layer(L)
-            placed.append(WorkItem(s * tp + w.rank, w.unit, w.outputs))
-            continue
-        for s, e in ((0, FIRST), (pp - 1, LAST)):
-            outs = [o for o in w.outputs if e in edges_of(o.info.component, tied_without_head)]
-            placed.append(WorkItem(s * tp + w.rank, w.unit, outs))
-    order = {GLOBALS: -2, VISION: -1}
-    placed.sort(key=lambda w: (order.get(w.unit, 0), w.unit, w.rank))
-    return Pipeline(placed, split, units)
 
 
 def _aligned(p: Piece, shape, block: int, copy_whole: bool = False) -> bool:

@@ -129,3 +129,12 @@ def test_compact_json_is_what_json_dumps_writes(doc):
     """Headers and rank lists are encoded fast only where that is json.dumps' exact text: every conversion's
     bytes and kconvert.json's digest depend on it."""
     assert compact_json(doc) == json.dumps(doc, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("name", ["a.w", "é", "ctl\x01"])
+def test_header_entries_encode_as_the_dicts_they_replace(name):
+    from kconvert.io.compact_json import HeaderEntry
+
+    doc = {"__metadata__": {"format": "pt"}, name: {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
+    assert compact_json({"__metadata__": {"format": "pt"}, name: HeaderEntry("F32", (2, 3), (0, 24))}) == \
+        json.dumps(doc, separators=(",", ":")).encode()

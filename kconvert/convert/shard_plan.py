@@ -10,6 +10,7 @@ What each stores (names, dtypes, shapes) is the scheme's `specs`.
 from __future__ import annotations
 
 import functools
+from itertools import chain
 from dataclasses import dataclass, field, fields
 
 from kconvert.source.checkpoint import Checkpoint
@@ -95,7 +96,7 @@ class WorkItem:
         return unit_file(self.rank, self.unit)
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [s for o in self.outputs for s in o.specs()]
+        return list(chain.from_iterable(map(Output.specs, self.outputs)))
 
     @property
     def bytes_in(self) -> int:

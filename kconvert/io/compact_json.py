@@ -15,6 +15,15 @@ import json
 import msgspec
 
 
+class HeaderEntry(msgspec.Struct, gc=False):
+    """A safetensors header entry as the writer plans it: encoded as the object {"dtype", "shape", "data_offsets"}
+    in that order (built in C, not as a dict a tensor)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+
+
 def compact_json(obj, *, allow_nan: bool = True) -> bytes:
     try:
         raw = msgspec.json.encode(obj)
@@ -22,4 +31,4 @@ def compact_json(obj, *, allow_nan: bool = True) -> bytes:
             return raw
     except (TypeError, ValueError, OverflowError, msgspec.EncodeError):  # an int past 64 bits, a lone surrogate
         pass
-    return json.dumps(obj, separators=(",", ":"), allow_nan=allow_nan).encode()
+    return json.dumps(obj, separators=(",", ":"), allow_nan=allow_nan, default=msgspec.structs.asdict).encode()

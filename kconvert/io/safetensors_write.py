@@ -20,19 +20,19 @@ import math
 import os
 import zlib
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import itemgetter
+from itertools import accumulate, repeat
+from operator import add, itemgetter, mul
 from pathlib import Path
 
 import torch
 
 from kconvert.io.atomic import fsync_dir, write_error
-from kconvert.io.compact_json import compact_json
+from kconvert.io.compact_json import HeaderEntry, compact_json
 from kconvert.io.crc import crc32_combine
 from kconvert.io.dtypes import ITEMSIZE, TAGS
 
 
-_NAME = itemgetter(0)  # of a planned (name, tag, shape)
+_NAME, _TAG, _SHAPE = itemgetter(0), itemgetter(1), itemgetter(2)  # of a planned (name, tag, shape)
 WRITEBACK_STEP = 64 << 20  # start writing a growing file back every this many bytes
 STAGE_BYTES = 4 << 20  # a file up to this size is put together in memory and written at once
 
@@ -55,22 +55,21 @@ class SafetensorsWriter:
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
         self.path = Path(path)
         self.specs = list(specs)
+        # the header built a column at a time (a release's unit plans thousands of tensors a file)
+        names, tags, shapes = (list(map(f, self.specs)) for f in (_NAME, _TAG, _SHAPE))
+        self._size = list(map(mul, map(math.prod, shapes), map(ITEMSIZE.__getitem__, tags)))  # bytes of each
+        ends = list(accumulate(self._size))
+        starts = [0, *ends[:-1]] if ends else []  # of each tensor in the data region
+        offset = ends[-1] if ends else 0
         header: dict = {"__metadata__": metadata} if metadata else {}
-        offset = 0
-        starts, self._size = [], []  # of each tensor in the data region, and its bytes
-        for name, tag, shape in self.specs:
-            n = math.prod(shape) * ITEMSIZE[tag]
-            header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            starts.append(offset)
-            self._size.append(n)
-            offset += n
+        header.update(zip(names, map(HeaderEntry, tags, shapes, zip(starts, ends))))
         raw = compact_json(header)
         raw += b" " * (-len(raw) % 8)  # data region 8-byte aligned, as safetensors writes it
         self._head = len(raw).to_bytes(8, "little") + raw
         self.total = len(self._head) + offset
         # each tensor lands at its planned offset, in any order (shard writes same-shape batches): by index
-        self._index = {name: i for i, (name, _, _) in enumerate(self.specs)}
-        self._at = [len(self._head) + b for b in starts]
+        self._index = dict(zip(names, range(len(names))))
+        self._at = list(map(add, repeat(len(self._head)), starts))
         self._crcs: list[int | None] = [None] * len(self.specs)
         self._next = 0  # tensors written
         self._tensor_crc: dict[str, str] = {}

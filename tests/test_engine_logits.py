@@ -31,12 +31,22 @@ def fresh_seed() -> int:
 
 @contextlib.contextmanager
 def indexer_ties_by_position():
+    """Yields the (batch, query) positions whose top-k boundary is a *near* tie: the k-th and the next key's
+    scores within fp32 rounding (1e-5 relative), where the reference and the engine, summing in different orders,
+    may each rightly pick either key (seen: scores 1.076507 and 1.076506). `_compare` leaves those positions,
+    and the later ones of that prompt (whose attention reads them), out."""
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as mod
 
     forward, tensor_topk = mod.DeepseekV32Indexer.forward, torch.Tensor.topk
+    near: set[tuple[int, int]] = set()
 
     def topk(self, k, dim=-1, largest=True, sorted=True):
         assert largest and dim in (-1, self.dim() - 1)
+        if self.shape[-1] > k:
+            v = tensor_topk(self, k + 1, dim=-1).values
+            a, b = v[..., k - 1], v[..., k]
+            hit = (a - b <= 1e-5 * a.abs().clamp_min(1)) & ~((a == 0) & (b == 0))  # ReLU's exact zeros: by position
+            near.update((i[0], i[1]) if len(i) > 1 else (0, i[0]) for i in hit.nonzero().tolist())
         idx = top_keys(self, k)
         return torch.return_types.topk((self.gather(-1, idx), idx))
 
@@ -49,7 +59,7 @@ def indexer_ties_by_position():
 
     mod.DeepseekV32Indexer.forward = patched
     try:
-        yield
+        yield near
     finally:
         mod.DeepseekV32Indexer.forward = forward
 
@@ -101,10 +111,14 @@ def engine(converted):
     return get
 
 
-def _compare(ref_logits, eng_logits, seed, what):
+def _compare(ref_logits, eng_logits, seed, what, near=()):
+    keep = torch.ones(ref_logits.shape[:2], dtype=torch.bool)
+    for b, q in near:  # a near tie in the indexer (indexer_ties_by_position): from there on either choice is right
+        keep[b, q:] = False
+    assert keep.float().mean() >= 0.5, f"{what}: near ties at {sorted(near)} leave too little to compare (seed {seed})"
     scale = ref_logits.abs().max().item()
-    err = (ref_logits - eng_logits).abs().max().item()
-    assert err <= TOL * scale, f"{what}: max |Δ| {err:.3g} > {TOL} x {scale:.3g} (seed {seed})"
+    err = (ref_logits - eng_logits)[keep].abs().max().item()
+    assert err <= TOL * scale, f"{what}: max |Δ| {err:.3g} > {TOL} x {scale:.3g} (seed {seed}, near ties {sorted(near)})"
 
 
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-dsv32"])
@@ -113,9 +127,9 @@ def test_text_logits_match_transformers(preset, length, reference, engine):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 768, (2, length), generator=g)  # batch of 2 prompts
-    with torch.no_grad(), indexer_ties_by_position():
+    with torch.no_grad(), indexer_ties_by_position() as near:
         ref = reference(preset)(input_ids=ids).logits
-    _compare(ref, engine(preset).forward(ids), seed, f"{preset} length {length}")
+    _compare(ref, engine(preset).forward(ids), seed, f"{preset} length {length}", near)
 
 
 def test_image_prompt_logits_match_transformers(reference, engine):
@@ -133,11 +147,11 @@ def test_image_prompt_logits_match_transformers(reference, engine):
     n = model.tokens_per_image(grid)
     ids = torch.cat([torch.randint(0, 768, (5,), generator=g), torch.tensor([786]), torch.full((n,), vc.image_token_id),
                      torch.tensor([788]), torch.randint(0, 768, (40,), generator=g)])[None]
-    with torch.no_grad(), indexer_ties_by_position():
+    with torch.no_grad(), indexer_ties_by_position() as near:
         ref = reference("tiny-k3")(input_ids=ids, pixel_values=patches,
                                    image_grid_thw=torch.tensor([[1, *grid]])).logits
     out = model.forward(ids, image_embeds=model.vision(patches, [grid]))
-    _compare(ref, out, seed, "text+image")
+    _compare(ref, out, seed, "text+image", near)
 
 
 def test_decode_steps_equal_full_forward(engine):

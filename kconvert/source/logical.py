@@ -10,6 +10,7 @@ per-name path, which names what is wrong. Both give the same tensors in the same
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from itertools import repeat
 from operator import add, attrgetter
@@ -48,10 +49,7 @@ class LogicalTensor(NamedTuple):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def stored_form(t: LogicalTensor) -> tuple:

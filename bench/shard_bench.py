@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _cli import cli  # noqa: E402
 from cli.units import fmt_bytes, parse_size  # noqa: E402
 
 
@@ -31,8 +32,7 @@ def du(path: Path) -> int:
 def shard(src: Path, out: Path, quant: str, workers: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "cli.main", "shard", str(src), str(out), "--tp", "8", "--quant", quant,
-                        "--workers", str(workers), "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
+    r = cli("shard", src, out, "--tp", 8, "--quant", quant, "--workers", workers, "--json", check=True)
     res = json.loads(r.stdout)
     res["wall"] = time.perf_counter() - t
     return res

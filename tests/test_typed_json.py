@@ -133,8 +133,6 @@ def test_compact_json_is_what_json_dumps_writes(doc):
 
 @pytest.mark.parametrize("name", ["a.w", "é", "ctl\x01"])
 def test_header_entries_encode_as_the_dicts_they_replace(name):
-    from kconvert.io.compact_json import HeaderEntry
-
     doc = {"__metadata__": {"format": "pt"}, name: {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
-    assert compact_json({"__metadata__": {"format": "pt"}, name: HeaderEntry("F32", (2, 3), (0, 24))}) == \
+    assert compact_json({"__metadata__": {"format": "pt"}, name: typed_json.HeaderSpec("F32", (2, 3), (0, 24))}) == \
         json.dumps(doc, separators=(",", ":")).encode()

@@ -220,7 +220,7 @@ def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy, 
     """From the memory budget; one worker when the tensors are small on average: their work holds the GIL
     (torch releases it only for large ops), so more threads only contend for it (measured on topo-k25
     at 11 layers: 3 workers took 1.5x the CPU time of 1, and no less wall time)."""
-    if small:  # _small_tensors(todo)
+    if small:
         return 1
     outputs = [o for w in todo for o in w.outputs]
     largest = max((ck.logical[o.src].stored_bytes for o in outputs), default=1)

@@ -53,9 +53,7 @@ class Output:
         stacks and the catalog."""
         got = self.__dict__.get("_specs")
         if got is None:
-            scheme = self.scheme
-            got = tuple(scheme.specs(self.src, self.shape, self.options)) if scheme is not None else \
-                ((self.src, self.src_dtype if self.transform == "copy" else "BF16", self.shape),)
+            got = _specs(self.src, self.transform, self.shape, self.src_dtype, self.options)
             object.__setattr__(self, "_specs", got)  # a cache beside the frozen fields
         return got
 
@@ -71,13 +69,20 @@ class Output:
                       self.int4_scales)[1]
 
 
+def _specs(src: str, transform: str, shape: tuple[int, ...], src_dtype: str, opts: Options) -> tuple:
+    scheme = scheme_of_transform(transform)
+    if scheme is not None:
+        return tuple(scheme.specs(src, shape, opts))
+    return ((src, src_dtype if transform == "copy" else "BF16", shape),)
+
+
 @functools.lru_cache(maxsize=4096)
 def _bytes(shape: tuple[int, ...], src_dtype: str, transform: str, scale_format: str, group_size: int,
            int4_scales: str) -> tuple[int, int]:
     """(bytes read, bytes written) of an output: names aside, its fields decide them, and 150k outputs of a
     release share a few hundred such keys."""
-    o = Output("w", None, None, transform, shape, src_dtype, scale_format, group_size, int4_scales)
-    return input_bytes(shape, src_dtype), specs_bytes(o.specs())
+    specs = _specs("w", transform, shape, src_dtype, _options(scale_format, group_size, int4_scales))
+    return input_bytes(shape, src_dtype), specs_bytes(specs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -225,16 +230,12 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
     ck.validate()
     check(ck.model, layout)
     plan = _Plan(ck, layout, policy, requantize, keep_mtp)
-    items = None
-    if not (policy.keep or policy.force):  # --keep / --quantize patterns decide name by name
-        try:
-            items = plan.by_bucket()
-        except _PerName:
-            items = None
-    if items is None:
+    try:
+        if policy.keep or policy.force:  # --keep / --quantize patterns decide name by name
+            raise _PerName
+        items, misaligned, whole_copies = plan.by_bucket(), [], set()
+    except _PerName:
         items, misaligned, whole_copies = plan.by_name()
-    else:
-        misaligned = []
     if misaligned:
         works = [tp for tp in TP_DEGREES if _copies_aligned(ck, tp, layout, policy)]
         where = ("a packed FP4 tensor (copied whole only)" if misaligned[0] in whole_copies

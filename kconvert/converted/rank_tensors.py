@@ -18,7 +18,6 @@ import re
 from operator import itemgetter
 from pathlib import Path
 
-
 from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
 from kconvert.io.compact_json import compact_json

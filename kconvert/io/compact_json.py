@@ -15,15 +15,6 @@ import json
 import msgspec
 
 
-class HeaderEntry(msgspec.Struct, gc=False):
-    """A safetensors header entry as the writer plans it: encoded as the object {"dtype", "shape", "data_offsets"}
-    in that order (built in C, not as a dict a tensor)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data_offsets: tuple[int, int]
-
-
 def compact_json(obj, *, allow_nan: bool = True) -> bytes:
     try:
         raw = msgspec.json.encode(obj)

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from kconvert.io.atomic import fsync_dir, write_error
-from kconvert.io.compact_json import HeaderEntry, compact_json
+from kconvert.io.compact_json import compact_json
 from kconvert.io.crc import crc32_combine
 from kconvert.io.dtypes import ITEMSIZE, TAGS
+from kconvert.io.typed_json import HeaderSpec
 
 
 _NAME, _TAG, _SHAPE = itemgetter(0), itemgetter(1), itemgetter(2)  # of a planned (name, tag, shape)
@@ -62,7 +63,7 @@ class SafetensorsWriter:
         starts = [0, *ends[:-1]] if ends else []  # of each tensor in the data region
         offset = ends[-1] if ends else 0
         header: dict = {"__metadata__": metadata} if metadata else {}
-        header.update(zip(names, map(HeaderEntry, tags, shapes, zip(starts, ends))))
+        header.update(zip(names, map(HeaderSpec, tags, shapes, zip(starts, ends))))
         raw = compact_json(header)
         raw += b" " * (-len(raw) % 8)  # data region 8-byte aligned, as safetensors writes it
         self._head = len(raw).to_bytes(8, "little") + raw

@@ -16,8 +16,10 @@ import msgspec
 
 
 class HeaderSpec(msgspec.Struct, gc=False):
-    """One header entry. A missing field is None (the caller refuses it); unknown fields are ignored, as the
-    json path ignores them. `__metadata__` decodes as an entry with every field None."""
+    """One header entry, read or written. Read: a missing field is None (the caller refuses it); unknown fields
+    are ignored, as the json path ignores them; `__metadata__` decodes as an entry with every field None.
+    Written (io/safetensors_write.py, through io/compact_json.py): the object {"dtype", "shape", "data_offsets"}
+    in that order, built in C, not as a dict a tensor."""
 
     dtype: str | None = None
     shape: tuple[int, ...] | None = None

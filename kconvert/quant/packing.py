@@ -9,9 +9,8 @@ Codes are int8 values -8..7.
 
 from __future__ import annotations
 
-import sys
-
 import functools
+import sys
 
 _ROWS_PER_STEP = 256  # int64 temporaries of a few rows at a time
 

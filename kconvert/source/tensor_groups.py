@@ -11,7 +11,6 @@ not tensors.
 
 from __future__ import annotations
 
-from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from kconvert.family.manifest import ModelMap, Rule, TensorInfo
@@ -21,8 +20,6 @@ from kconvert.source.stored_parts import check_scale_shape
 
 FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
 TABLE_TAGS = ("I64", "I32")  # integer lookup tables the manifest names (`values_below`: V4's tid2eid)
-_DTYPE_SHAPE = itemgetter(2, 3)  # of a TensorEntry: (dtype, shape)
-_FORMAT, _SHAPE, _PARTS = attrgetter("format"), attrgetter("shape"), attrgetter("parts")
 
 
 class Bucket(NamedTuple):
@@ -76,10 +73,10 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
         at = [i for i, t in enumerate(found) if t is not None] if absent else range(len(names))
         tensors = [found[i] for i in at] if absent else found
         experts = ([i if index is None else index[i] for i in at] if "{E}" in rule.pattern else [None] * len(at))
-        if _alike(tensors):  # the usual case: every expert of a layer stored alike
+        forms = list(map(stored_form, tensors))
+        if forms.count(forms[0]) == len(forms):  # the usual case: every expert of a layer stored alike
             buckets.append(Bucket(rule, layer, [names[i] for i in at] if absent else names, experts, tensors[0]))
             continue
-        forms = list(map(stored_form, tensors))
         by_form: dict[tuple, Bucket] = {}
         for i, form, t, e in zip(at, forms, tensors, experts):
             b = by_form.get(form)
@@ -96,22 +93,6 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
         else:
             buckets.append(Bucket(info.rule, info.layer, [name], [info.expert], logical[name]))
     return Grouped(buckets, rest, missing)
-
-
-def _alike(tensors: list[LogicalTensor]) -> bool:
-    """Whether every tensor has the first's stored_form (format, shape, each part's dtype and shape), in C loops: a
-    group is up to 384 experts, and Python-level tuples per tensor cost more than the rest of validation."""
-    if len(tensors) == 1:
-        return True
-    if len(set(map(_FORMAT, tensors))) != 1 or len(set(map(_SHAPE, tensors))) != 1:
-        return False
-    parts = list(map(_PARTS, tensors))
-    if set(map(len, parts)) != {len(parts[0])}:
-        return False
-    try:
-        return all(len(set(map(_DTYPE_SHAPE, map(itemgetter(role), parts)))) == 1 for role in parts[0])
-    except KeyError:  # the same number of parts, not the same roles
-        return False
 
 
 def check_tensor(t: LogicalTensor, info: TensorInfo, block: tuple[int, int], group: int) -> None:

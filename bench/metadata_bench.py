@@ -8,9 +8,12 @@ widths) it times, each as its own `kconvert` process as a user runs it:
   safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
   inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files, load --rank 1 (time to ready)
 and prints wall seconds, seconds beyond start-up, microseconds per tensor and peak RSS, plus the size of
-kconvert.json and of the per-rank tensor lists. Shard's data time is measured on the same bytes in a few
-large tensors (a `scale` checkpoint of the same size, or its smallest, scaled by bytes; same command): the
-per-tensor overhead is what the topology costs beyond it.
+kconvert.json and of the per-rank tensor lists. Shard's data time is measured on the same stored formats in a
+few large tensors (the preset at 16x its widths, 3 layers x 96 experts: INT4 experts and BF16 rest for topo-k25,
+~1,800 tensors of up to 4 MiB; same command), scaled to this checkpoint's tensor bytes: the per-tensor overhead
+is what the topology costs beyond it. Shard's fixed cost (torch's import, the run's set-up: a 2-layer, 8-expert
+copy of the preset, a few hundred tiny tensors) is not scaled. (A BF16 baseline would leave INT4's 4x more values per byte to dequantize
+and re-quantize, and 4x more bytes to write for --quant none, inside the "overhead".)
 
     .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta                     # 61 x 384 (~6 minutes)
     .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta --layers 11 --json  # a smaller run
@@ -30,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SCALE_MIN = 64 << 20  # the `scale` preset from 53 MB on has 16+ heads (tp 8 needs 8)
+WIDE = {"widen": 16, "layers": 3, "experts": 96}  # the data-time checkpoint: same formats, large tensors
+FIXED = {"widen": 1, "layers": 2, "experts": 8}  # shard's fixed cost: the same formats, hardly any tensors
 
 
 def kconvert(*args, root: Path = ROOT) -> dict:
@@ -47,6 +51,29 @@ def kconvert(*args, root: Path = ROOT) -> dict:
         raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     _, rss, cpu = next(ln.split() for ln in proc.stderr.splitlines() if ln.startswith("RSS "))
     return {"wall": wall, "rss": int(rss), "cpu": float(cpu), "stdout": proc.stdout}
+
+
+def tensor_bytes(src: Path) -> int:
+    """Bytes of tensor data in a checkpoint's files (headers aside: 208k entries make ~20 MB of them)."""
+    total = 0
+    for f in src.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            total += f.stat().st_size - 8 - struct.unpack("<Q", fh.read(8))[0]
+    return total
+
+
+def variant(preset: str, work: Path, v: dict) -> Path:
+    """`preset` at v's widths and counts, in `work` (written whole, then renamed; reused)."""
+    from kconvert.fixtures.topology import write_topology
+
+    out = work / f"{preset}-x{v['widen']}-{v['layers']}-{v['experts']}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_topology(preset, tmp, 0, v["layers"], v["experts"], v["widen"])
+        tmp.rename(out)
+    return out
 
 
 def json_floor(src: Path) -> tuple[float, int]:
@@ -88,12 +115,9 @@ def main(argv=None) -> int:
     if not (src / "config.json").exists():
         extra = [*(["--layers", a.layers] if a.layers else []), *(["--experts", a.experts] if a.experts else [])]
         kconvert("fixture", a.preset, src, *extra)
-    source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    big_size = max(source_bytes, SCALE_MIN)
-    big = a.work / f"scale-{big_size}"
-    if not (big / "config.json").exists():
-        kconvert("fixture", "scale", big, "--size", str(big_size))
-    big_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
+    source_bytes = tensor_bytes(src)
+    big, fixed_src = variant(a.preset, a.work, WIDE), variant(a.preset, a.work, FIXED)
+    big_bytes = tensor_bytes(big)
 
     rows: list[dict] = []
 
@@ -132,14 +156,16 @@ def main(argv=None) -> int:
         shutil.rmtree(out[quant], ignore_errors=True)
         r = kconvert("shard", src, out[quant], "--tp", a.tp, "--quant", quant)
         n_out = sum(e["tensors"] for e in json.loads((out[quant] / "kconvert.json").read_text())["tensors_by_rank"])
-        big_out = a.work / f"scale-tp{a.tp}-{quant}"
-        shutil.rmtree(big_out, ignore_errors=True)
-        data = (kconvert("shard", big, big_out, "--tp", a.tp, "--quant", quant)["cpu"] - startup["cpu"]) \
-            * source_bytes / big_bytes  # scaled to this checkpoint's bytes
+        cpu = {}
+        for name, ck in (("fixed", fixed_src), ("big", big)):
+            cpu_out = a.work / f"{ck.name}-tp{a.tp}-{quant}"
+            shutil.rmtree(cpu_out, ignore_errors=True)
+            cpu[name] = kconvert("shard", ck, cpu_out, "--tp", a.tp, "--quant", quant)["cpu"] - startup["cpu"]
+            shutil.rmtree(cpu_out, ignore_errors=True)
+        data = cpu["fixed"] + (cpu["big"] - cpu["fixed"]) * source_bytes / big_bytes  # scaled to these bytes
         row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],
-            f"same bytes in large tensors: {data:.1f} s CPU; beyond that: "
-            f"{1e6 * (r['cpu'] - startup['cpu'] - data) / n_out:.0f} us/tensor")
-        shutil.rmtree(big_out, ignore_errors=True)
+            f"same formats and bytes in large tensors: {data:.1f} s CPU; beyond that: "
+            f"{1e6 * (r['cpu'] - startup['cpu'] - data) / n_out:.0f} us/tensor (fixed cost {cpu['fixed']:.1f} s)")
     fp8 = out["fp8"]
     files = json.loads((fp8 / "kconvert.json").read_text())["files"]
     r = kconvert("verify-files", fp8)
@@ -156,7 +182,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps({"source": str(src), "stored_tensors": stored, "sizes": sizes, "rows": rows}, indent=1))
         return 0
-    print(f"{src}: {stored} stored tensors, {source_bytes / 2**20:.0f} MiB; converted tp {a.tp}: {n_out} tensors, "
+    print(f"{src}: {stored} stored tensors, {source_bytes / 2**20:.0f} MiB of tensor data; converted tp {a.tp}: {n_out} tensors, "
           f"{sizes['files']} files")
     print("| step | wall s | wall − start-up | CPU s | CPU − start-up | tensors | CPU µs / tensor | peak RSS MB | note |")
     print("|---|---|---|---|---|---|---|---|---|")

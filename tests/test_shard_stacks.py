@@ -13,6 +13,7 @@ from kconvert.convert.shard import ShardJob, shard
 from kconvert.errors import KConvertError
 from kconvert.io.safetensors_read import read_header, read_tensor
 from kconvert.io.safetensors_write import SafetensorsWriter
+from kconvert.io import stacked_read
 from kconvert.io.stacked_read import read_stacked
 from kconvert.quant import stacked
 from kconvert.quant.fp8_block import quantize_fp8_block
@@ -68,8 +69,13 @@ def test_stacked_int4_dequantize_matches_each_weight_alone(rows, cols, group):
         assert _same(got[i], dequant_int4_packed(packed[i], scale[i], (rows, cols), group))
 
 
-def test_read_stacked_matches_each_read(tmp_path):
-    """Two files; equally spaced runs, uneven gaps, and an order that is not the files' order."""
+@pytest.mark.parametrize("gap,run_tensors", [(256 << 10, None), (0, 3), (40, 2)])
+def test_read_stacked_matches_each_read(tmp_path, monkeypatch, gap, run_tensors):
+    """Two files; equally spaced runs, uneven gaps, and an order that is not the files' order; runs cut by the
+    gap they may read past and by the most one read takes."""
+    monkeypatch.setattr(stacked_read, "GAP", gap)
+    if run_tensors:
+        monkeypatch.setattr(stacked_read, "RUN_BYTES", run_tensors * 48 + 20)
     gen = torch.Generator().manual_seed(3)
     entries = []
     for f in range(2):
@@ -216,7 +222,8 @@ def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(check
     opened = []  # each unit's files: opened again only by a redo
     real_open = shard_unit._open
     monkeypatch.setattr(shard_unit, "_open", lambda batch, out: opened.append(batch[0].unit) or real_open(batch, out))
-    monkeypatch.setattr(SafetensorsWriter, "write_bytes", lambda *a: (_ for _ in ()).throw(DiskFullError("disk full")))
+    for method in ("write_bytes", "write_stacked"):  # lone weights and stacks
+        monkeypatch.setattr(SafetensorsWriter, method, lambda *a: (_ for _ in ()).throw(DiskFullError("disk full")))
     with pytest.raises(DiskFullError):
         shard(ShardJob(str(src), str(tmp_path / "full"), tp=2, quant="fp8"))
     assert opened and len(opened) == len(set(opened))

@@ -46,7 +46,7 @@ class Output:
 
     @property
     def options(self) -> Options:
-        return _options(self.scale_format, self.group_size, self.int4_scales)
+        return options_of(self.scale_format, self.group_size, self.int4_scales)
 
     def specs(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """The tensors this output writes (name, dtype tag, shape): worked out once, asked by the writer, the
@@ -57,16 +57,36 @@ class Output:
             object.__setattr__(self, "_specs", got)  # a cache beside the frozen fields
         return got
 
+    @functools.cached_property
+    def stack_part(self) -> tuple | None:
+        """What this output puts in its weight's stack key (convert/shard_stacks.py): where it cuts and how it is
+        stored; None when it is never stacked (a lossless copy; a table checked by value). The plan sets it once
+        per bucket (_Plan._pieces); computed here for an output made otherwise."""
+        return _stack_part(self.piece, self.transform, self.copy, self.info,
+                           (self.transform, self.scale_format, self.group_size, self.int4_scales))
+
     @property
     def bytes_in(self) -> int:
-        return _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
-                      self.int4_scales)[0]
+        """The source bytes it reads (asked by planning, progress and the stacks: cached as specs are)."""
+        got = self.__dict__.get("_bytes_in")
+        if got is None:
+            got = _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
+                         self.int4_scales)[0]
+            object.__setattr__(self, "_bytes_in", got)
+        return got
 
     @property
     def bytes_out(self) -> int:
         """The tensor bytes it writes (quantized, scales included)."""
         return _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
                       self.int4_scales)[1]
+
+
+def _stack_part(p: Piece, transform: str, copy, info: TensorInfo, how: tuple) -> tuple | None:
+    """how: (transform, scale_format, group_size, int4_scales): plain values, quick to hash (70k keys a run)."""
+    if copy is not None or info.rule.values_below is not None:
+        return None
+    return p.dim, p.start, p.stop, how
 
 
 def _specs(src: str, transform: str, shape: tuple[int, ...], src_dtype: str, opts: Options) -> tuple:
@@ -81,12 +101,12 @@ def _bytes(shape: tuple[int, ...], src_dtype: str, transform: str, scale_format:
            int4_scales: str) -> tuple[int, int]:
     """(bytes read, bytes written) of an output: names aside, its fields decide them, and 150k outputs of a
     release share a few hundred such keys."""
-    specs = _specs("w", transform, shape, src_dtype, _options(scale_format, group_size, int4_scales))
+    specs = _specs("w", transform, shape, src_dtype, options_of(scale_format, group_size, int4_scales))
     return input_bytes(shape, src_dtype), specs_bytes(specs)
 
 
 @functools.lru_cache(maxsize=64)
-def _options(scale_format: str, group_size: int, int4_scales: str) -> Options:
+def options_of(scale_format: str, group_size: int, int4_scales: str) -> Options:
     return Options(scale_format, group_size, int4_scales)  # one object per run, not one per output tensor
 
 
@@ -120,11 +140,11 @@ def unit_of(info: TensorInfo) -> str:
 
 
 _info_of = functools.partial(tuple.__new__, TensorInfo)  # a named tuple from its fields, without a Python-level call
-_OUTPUT_FIELDS = tuple(f.name for f in fields(Output))
+_OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part")
 
 
 def _output(values: tuple) -> Output:
-    """Output(*values) for every field, as fast as a plain object (a frozen dataclass's __init__ sets each of its 10
+    """Output(*values) for every field and its stack_part, as fast as a plain object (a frozen dataclass's __init__ sets each of its 10
     fields through object.__setattr__: most of planning 150k outputs)."""
     o = object.__new__(Output)
     o.__dict__.update(zip(_OUTPUT_FIELDS, values))
@@ -211,17 +231,18 @@ class _Plan:
                 transform = piece_copy.transform
             if quant and piece_copy is None and (why := scheme.misfit(tuple(shape), opts)):
                 raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
-            out.append((p, tuple(shape), transform, piece_copy))
+            how = (transform, self.policy.scale_format, self.policy.group_size, self.policy.int4_scales)
+            out.append((p, tuple(shape), transform, piece_copy, _stack_part(p, transform, piece_copy, info, how)))
         return out
 
     def _add(self, items: dict, name: str, info: TensorInfo, t, unit: str, plan: list[tuple]) -> None:
         pol, dtype = self.policy, t.stored_dtype
-        for p, shape, transform, piece_copy in plan:
+        for p, shape, transform, piece_copy, stack_part in plan:
             item = items.get((unit, p.rank))
             if item is None:
                 item = items[(unit, p.rank)] = WorkItem(p.rank, unit)
             item.outputs.append(_output((name, info, p, transform, shape, dtype, pol.scale_format, pol.group_size,
-                                         pol.int4_scales, piece_copy)))
+                                         pol.int4_scales, piece_copy, stack_part)))
 
 
 def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,

@@ -13,12 +13,15 @@ tensor exactly as it always has.
 
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
+
 import torch
 
-from kconvert.convert.shard_plan import Output
+from kconvert.convert.shard_plan import Output, options_of
 from kconvert.io.dtypes import TAGS
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.quant import stacked
+from kconvert.quant.registry import scheme_of_transform
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
 from kconvert.source.stacked import read_stack, stack_key
@@ -54,19 +57,17 @@ def _key(t: LogicalTensor, pairs: Pairs, codes: dict | None, stackable: dict[tup
     form = stack_key(t)
     if form is None:
         return None
-    outs = [form]
-    for _, o in pairs:
-        if o.copy is not None or o.info.rule.values_below is not None:
-            return None
-        how = (o.transform, o.scale_format, o.group_size, o.int4_scales)
+    parts = list(map(_STACK_PART, map(_OUTPUT, pairs)))  # each output's cut and storage (set by the plan)
+    if None in parts:
+        return None
+    for how in {part[3] for part in parts}:
         ok = stackable.get(how)
         if ok is None:
-            scheme = o.scheme
-            ok = stackable[how] = scheme is None or stacked.supports(scheme, o.options)
+            scheme = scheme_of_transform(how[0])
+            ok = stackable[how] = scheme is None or stacked.supports(scheme, options_of(*how[1:]))
         if not ok:
             return None
-        outs.append((o.piece.dim, o.piece.start, o.piece.stop, how))
-    return tuple(outs)
+    return form, *parts
 
 
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
@@ -74,7 +75,6 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
     bytes done (for progress)."""
     x = read_stack([ck.logical[s] for s in srcs], ck.int4_group())
     made: dict = {}  # a replicated output (whole on every rank) is made once
-    done = 0
     for j, (_, o0) in enumerate(by_src[srcs[0]]):
         p = o0.piece
         key = (o0.transform, o0.options) if p.dim is None else j
@@ -84,17 +84,28 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
         specs0 = o0.specs()
         if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
             raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
-        rows = [s.reshape(len(srcs), s[0].numel()).view(torch.uint8).numpy() for s in stacks]  # a row a weight
-        for n, src in enumerate(srcs):
-            writer, o = by_src[src][j]
-            # the stack's tags and shapes are o0's; o's own specs (cached) are what its file planned at `first`
-            specs, first = o.specs(), writer.index(src)
-            if o.shape != o0.shape or o.transform != o0.transform or \
-                    tuple(writer.specs[first:first + len(specs)]) != specs or len(specs) != len(rows):
-                raise RuntimeError(f"{writer.path}: {src} is not planned as a stacked {o0.transform}")
-            writer.write_bytes(first, [r[n] for r in rows])
-            done += o.bytes_in
-    return done
+        rows = [s.view(torch.uint8).numpy().reshape(len(srcs), -1) for s in stacks]  # a row a weight
+        pairs = [by_src[src][j] for src in srcs]
+        # every output of the stack planned alike (then its specs are o0's, names aside), each file's at once
+        if set(map(_SHAPE_HOW, map(_OUTPUT, pairs))) != {_SHAPE_HOW(o0)}:
+            raise RuntimeError(f"{srcs}: not every weight is planned as a stacked {o0.transform} of {o0.shape}")
+        by_writer: dict[SafetensorsWriter, list[int]] = {}
+        for n, (writer, _) in enumerate(pairs):
+            by_writer.setdefault(writer, []).append(n)
+        for writer, ns in by_writer.items():
+            mine = srcs if len(ns) == len(srcs) else [srcs[n] for n in ns]
+            firsts = [writer.index(src) for src in mine]
+            planned = set(map(_TAG_SHAPE, map(writer.specs.__getitem__, firsts)))
+            if planned != {(specs0[0][1], specs0[0][2])}:
+                raise RuntimeError(f"{writer.path}: {mine[0]} is not planned as a stacked {o0.transform}")
+            writer.write_stacked(firsts, rows if len(ns) == len(srcs) else [r[ns] for r in rows])
+    return sum(o.bytes_in for o in (o for src in srcs for _, o in by_src[src]))
+
+
+_OUTPUT = itemgetter(1)  # of a (writer, output) pair
+_STACK_PART = attrgetter("stack_part")
+_SHAPE_HOW = attrgetter("shape", "transform")
+_TAG_SHAPE = itemgetter(1, 2)  # of a planned (name, tag, shape)
 
 
 def _produce(o: Output, x: torch.Tensor) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ from itertools import accumulate, repeat
 from operator import add, itemgetter, mul
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kconvert.io.atomic import fsync_dir, write_error
@@ -36,6 +37,7 @@ from kconvert.io.typed_json import HeaderSpec
 _NAME, _TAG, _SHAPE = itemgetter(0), itemgetter(1), itemgetter(2)  # of a planned (name, tag, shape)
 WRITEBACK_STEP = 64 << 20  # start writing a growing file back every this many bytes
 STAGE_BYTES = 4 << 20  # a file up to this size is put together in memory and written at once
+PERIODS = (1, 2, 3)  # interleavings of like tensors write_stacked copies whole (gate/up of each expert: 2)
 
 
 @dataclass
@@ -141,6 +143,44 @@ class SafetensorsWriter:
             self._crcs[i] = zlib.crc32(data)
         self._write(buffers, self._at[first])
         self._next += len(buffers)
+
+    def write_stacked(self, firsts: list[int], rows: list[np.ndarray]) -> None:
+        """Many outputs alike at once (shard's stacks: a layer's experts): output n's k-th tensor is planned tensor
+        firsts[n] + k and its bytes are rows[k][n] (rows[k]: uint8 [N, bytes]). Each checked as write_bytes
+        checks it; into a staged file with one copy per k when the outputs lie equally spaced (the usual: the
+        same tensors repeated expert after expert), else tensor by tensor."""
+        n = len(firsts)
+        for k, r in enumerate(rows):
+            idx = list(map(add, firsts, repeat(k)))
+            if list(map(self._crcs.__getitem__, idx)).count(None) != n or \
+                    set(map(self._size.__getitem__, idx)) != {r.shape[1]} or r.shape[0] != n:
+                self.abort()
+                raise RuntimeError(f"writer expected {n} planned tensors of {r.shape[1]} bytes once at {firsts[:3]}...")
+            list(map(self._crcs.__setitem__, idx, map(zlib.crc32, r)))
+            if self._stage is None:
+                continue
+            at = np.fromiter(map(self._at.__getitem__, idx), dtype=np.int64, count=n)
+            if not self._stage_strided(at, r):
+                for i, row in zip(idx, r):
+                    self._write([row], self._at[i])
+        if self._stage is None:  # each output's tensors are adjacent: one positioned write each
+            for i, first in enumerate(firsts):
+                self._write([r[i] for r in rows], self._at[first])
+        self._next += n * len(rows)
+
+    def _stage_strided(self, at: np.ndarray, r: np.ndarray) -> bool:
+        """rows r to staged offsets `at` with a strided copy per interleaved run, when every p-th offset is equally
+        spaced (p = 1: one kind of tensor, expert after expert; 2: gate and up, alike in shape, alternating)."""
+        n, width = r.shape
+        for period in PERIODS:
+            if n < 2 * period:
+                return False
+            steps = [at[q + period::period] - at[q:-period:period] for q in range(period)]
+            if all(int(d[0]) >= width and bool((d == d[0]).all()) for d in steps):
+                for q, d in enumerate(steps):  # (ndarray over the buffer: as_strided costs ~20 us a call)
+                    np.ndarray((len(d) + 1, width), np.uint8, self._stage, int(at[q]), (int(d[0]), 1))[:] = r[q::period]
+                return True
+        return False
 
     def finish(self) -> None:
         """Every planned tensor is written: start writing the file back, do not wait for it."""

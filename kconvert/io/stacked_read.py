@@ -9,6 +9,7 @@ Plain (uncompressed) files only: the caller reads anything else one tensor at a 
 from __future__ import annotations
 
 import os
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -16,44 +17,56 @@ import torch
 from kconvert.io.pread import pread_fd
 from kconvert.io.safetensors_read import TensorEntry
 
+_FILE, _BEGIN = itemgetter(1), itemgetter(4)  # of a TensorEntry
+
 GAP = 256 << 10  # bytes of other tensors a run may read past, rather than start another read
 RUN_BYTES = 16 << 20  # the most one read takes
 
 
 def read_stacked(entries: list[TensorEntry]) -> torch.Tensor:
     """entries (same dtype and shape, uncompressed files) -> [N, *shape] in their order. FormatError on a
-    file shorter than its header says (as read_tensor)."""
-    first = entries[0]
+    file shorter than its header says (as read_tensor). The runs are found with whole-array operations: a
+    release's layer stacks hundreds of experts' parts, and a Python step per tensor was most of the read."""
+    first, n = entries[0], len(entries)
     size = first.nbytes
-    out = np.empty((len(entries), size), dtype=np.uint8)
-    by_file: dict = {}
-    for i, e in enumerate(entries):
-        by_file.setdefault(e.file, []).append((e.begin, i))
-    for path, places in by_file.items():
-        places.sort()
+    out = np.empty((n, size), dtype=np.uint8)
+    begins = np.fromiter(map(_BEGIN, entries), dtype=np.int64, count=n)
+    files = list(map(_FILE, entries))
+    if files.count(files[0]) == n:  # the usual case: one file
+        by_file = {files[0]: np.arange(n)}
+    else:
+        where: dict = {}
+        for i, f in enumerate(files):
+            where.setdefault(f, []).append(i)
+        by_file = {f: np.array(rows) for f, rows in where.items()}
+    for path, rows in by_file.items():
+        rows = rows[np.argsort(begins[rows], kind="stable")]  # file order; equal offsets in entry order
+        at = begins[rows]
+        # a run ends where the next tensor lies more than GAP past this one, or would take it past RUN_BYTES
+        breaks = [*(np.flatnonzero(np.diff(at) - size > GAP) + 1).tolist(), len(at)]
         fd = os.open(path, os.O_RDONLY)
         try:
             start = 0
-            while start < len(places):
-                stop = start + 1  # the run: places[start:stop]
-                while (stop < len(places) and places[stop][0] - places[stop - 1][0] - size <= GAP
-                       and places[stop][0] + size - places[start][0] <= RUN_BYTES):
-                    stop += 1
-                _copy_run(fd, path, places[start:stop], size, out, first.name)
-                start = stop
+            for end in breaks:
+                while start < end:
+                    stop = min(end, max(start + 1, int(np.searchsorted(at, at[start] + RUN_BYTES - size, "right"))))
+                    _copy_run(fd, path, at[start:stop], rows[start:stop], size, out, first.name)
+                    start = stop
         finally:
             os.close(fd)
-    return torch.from_numpy(out).view(first.torch_dtype).reshape(len(entries), *first.shape)
+    return torch.from_numpy(out).view(first.torch_dtype).reshape(n, *first.shape)
 
 
-def _copy_run(fd: int, path, run: list[tuple[int, int]], size: int, out: np.ndarray, name: str) -> None:
-    base = run[0][0]
-    buf = np.frombuffer(pread_fd(fd, base, run[-1][0] + size - base, path, name), dtype=np.uint8)
-    begins = np.fromiter((b for b, _ in run), dtype=np.int64, count=len(run)) - base
-    rows = np.fromiter((i for _, i in run), dtype=np.int64, count=len(run))
-    step = int(begins[1] - begins[0]) if len(run) > 1 else size
-    if step > 0 and bool((np.diff(begins) == step).all()):  # equally spaced: one strided copy
-        out[rows] = np.lib.stride_tricks.as_strided(buf, (len(run), size), (step, 1), writeable=False)
+def _copy_run(fd: int, path, at: np.ndarray, rows: np.ndarray, size: int, out: np.ndarray, name: str) -> None:
+    """Tensors at file offsets `at` (ascending) into out[rows]: one read of the span, one strided copy when
+    they are equally spaced (the same parts repeated expert after expert)."""
+    base = int(at[0])
+    buf = pread_fd(fd, base, int(at[-1]) + size - base, path, name)
+    offsets = at - base
+    step = int(offsets[1]) if len(at) > 1 else size
+    if step > 0 and bool((np.diff(offsets) == step).all()):  # (ndarray over the buffer: as_strided costs ~20 us)
+        out[rows] = np.ndarray((len(at), size), np.uint8, buf, 0, (step, 1))
         return
-    for b, i in run:
-        out[i] = buf[b - base:b - base + size]
+    data = np.frombuffer(buf, dtype=np.uint8)
+    for b, i in zip(offsets.tolist(), rows.tolist()):
+        out[i] = data[b:b + size]

@@ -227,3 +227,42 @@ def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(check
     with pytest.raises(DiskFullError):
         shard(ShardJob(str(src), str(tmp_path / "full"), tp=2, quant="fp8"))
     assert opened and len(opened) == len(set(opened))
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_writer_takes_a_stack_of_outputs_as_one_at_a_time(tmp_path, monkeypatch, staged):
+    """write_stacked: interleaved like outputs (gate/up of each expert: every 2nd equally spaced), a weight and its
+    scale per output, and an order that is not the file's: the same file and CRCs as tensor by tensor."""
+    import numpy as np
+
+    from kconvert.io import safetensors_write
+
+    monkeypatch.setattr(safetensors_write, "STAGE_BYTES", 1 << 20 if staged else 0)
+    gen = torch.Generator().manual_seed(11)
+    tensors, specs = {}, []
+    for e in range(7):
+        for name, shape in ((f"e{e}.gate", (3, 4)), (f"e{e}.gate_scale", (1,)), (f"e{e}.up", (3, 4)),
+                            (f"e{e}.up_scale", (1,)), (f"e{e}.down", (5,))):
+            tensors[name] = torch.randn(*shape, generator=gen)
+            specs.append((name, "F32", shape))
+    ref = SafetensorsWriter(tmp_path / "ref.safetensors", specs)
+    for name, t in tensors.items():
+        ref.write(name, t)
+    want = ref.commit()
+
+    def rows(names):
+        return np.stack([tensors[n].view(torch.uint8).reshape(-1).numpy() for n in names])
+
+    w = SafetensorsWriter(tmp_path / "stacked.safetensors", specs)
+    pairs = [f"e{e}.{p}" for e in range(7) for p in ("gate", "up")]  # file order, two kinds alternating
+    w.write_stacked([w.index(n) for n in pairs], [rows(pairs), rows([n + "_scale" for n in pairs])])
+    downs = [f"e{e}.down" for e in (3, 0, 6, 1, 5, 2, 4)]  # not the file's order
+    w.write_stacked([w.index(n) for n in downs], [rows(downs)])
+    with pytest.raises(RuntimeError, match="once"):
+        w.write_stacked([w.index("e0.down")], [rows(["e0.down"])])
+    w = SafetensorsWriter(tmp_path / "stacked.safetensors", specs)
+    w.write_stacked([w.index(n) for n in pairs], [rows(pairs), rows([n + "_scale" for n in pairs])])
+    w.write_stacked([w.index(n) for n in downs], [rows(downs)])
+    got = w.commit()
+    assert (tmp_path / "stacked.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert (got.crc32, got.tensor_crc32) == (want.crc32, want.tensor_crc32)

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from kconvert.convert import shard_stacks, shard_unit
+from kconvert.convert import shard_plan, shard_unit
 from kconvert.convert.shard import ShardJob, shard
 from kconvert.errors import KConvertError
 from kconvert.io.safetensors_read import read_header, read_tensor
@@ -114,7 +114,7 @@ def test_stacked_shard_writes_the_same_bytes(checkpoint, tmp_path, monkeypatch, 
     shard(ShardJob(str(src), str(tmp_path / "stacked"), tp=tp, ep=ep, quant=quant))
     experts = sum(".experts." in name for name in stacks)  # int4 quantizes experts alone (its clip search)
     assert experts == (0 if quant == "int4" else 2 * 3 * 8) and len(stacks) > experts
-    monkeypatch.setattr(shard_stacks, "STACK_ELEMS", 0)  # every weight alone: the path before stacks
+    monkeypatch.setattr(shard_plan, "STACK_ELEMS", 0)  # every weight alone: the path before stacks
     shard(ShardJob(str(src), str(tmp_path / "alone"), tp=tp, ep=ep, quant=quant))
     stacked_files = _digest(tmp_path / "stacked")
     assert len(stacked_files) > 4 and stacked_files == _digest(tmp_path / "alone")
@@ -132,8 +132,8 @@ def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpo
     errors, stacked = [], []
     real = shard_unit.write_stack
     monkeypatch.setattr(shard_unit, "write_stack", lambda ck, srcs, by_src: stacked.extend(srcs) or real(ck, srcs, by_src))
-    for tag, elems in (("stacked", shard_stacks.STACK_ELEMS), ("alone", 0)):
-        monkeypatch.setattr(shard_stacks, "STACK_ELEMS", elems)
+    for tag, elems in (("stacked", shard_plan.STACK_ELEMS), ("alone", 0)):
+        monkeypatch.setattr(shard_plan, "STACK_ELEMS", elems)
         with pytest.raises(KConvertError) as e:
             shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant="fp8"))
         errors.append(e.value.one_line())

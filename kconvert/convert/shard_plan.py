@@ -22,6 +22,7 @@ from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy, source_quant
 from kconvert.io.dtypes import specs_bytes
 from kconvert.quant.registry import scheme_of_transform
 from kconvert.quant.scheme import LosslessCopy, Options, Scheme, input_bytes
+from kconvert.source.logical import stack_form
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class Output:
     group_size: int = 32  # int4
     int4_scales: str = "mse"  # int4
     copy: LosslessCopy | None = None  # the source parts a lossless copy writes unchanged
+    # what it puts in its weight's stack key (convert/shard_stacks.py): the source's stored form (an id), where
+    # it cuts and how it is stored; None: never stacked. Set by the plan once per bucket (not a field).
+    stack_part = None
 
     @property
     def scheme(self) -> Scheme | None:
@@ -57,14 +61,6 @@ class Output:
             object.__setattr__(self, "_specs", got)  # a cache beside the frozen fields
         return got
 
-    @functools.cached_property
-    def stack_part(self) -> tuple | None:
-        """What this output puts in its weight's stack key (convert/shard_stacks.py): where it cuts and how it is
-        stored; None when it is never stacked (a lossless copy; a table checked by value). The plan sets it once
-        per bucket (_Plan._pieces); computed here for an output made otherwise."""
-        return _stack_part(self.piece, self.transform, self.copy, self.info,
-                           (self.transform, self.scale_format, self.group_size, self.int4_scales))
-
     @property
     def bytes_in(self) -> int:
         """The source bytes it reads (asked by planning, progress and the stacks: cached as specs are)."""
@@ -82,11 +78,14 @@ class Output:
                       self.int4_scales)[1]
 
 
-def _stack_part(p: Piece, transform: str, copy, info: TensorInfo, how: tuple) -> tuple | None:
+STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized alone (their data sets the pace)
+
+
+def _stack_part(form: int | None, p: Piece, copy, info: TensorInfo, how: tuple) -> tuple | None:
     """how: (transform, scale_format, group_size, int4_scales): plain values, quick to hash (70k keys a run)."""
-    if copy is not None or info.rule.values_below is not None:
-        return None
-    return p.dim, p.start, p.stop, how
+    if form is None or copy is not None or info.rule.values_below is not None:
+        return None  # read alone, a lossless copy, a table checked by value
+    return form, p.dim, p.start, p.stop, how
 
 
 def _specs(src: str, transform: str, shape: tuple[int, ...], src_dtype: str, opts: Options) -> tuple:
@@ -140,11 +139,11 @@ def unit_of(info: TensorInfo) -> str:
 
 
 _info_of = functools.partial(tuple.__new__, TensorInfo)  # a named tuple from its fields, without a Python-level call
-_OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part")
+_OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "_bytes_in")
 
 
 def _output(values: tuple) -> Output:
-    """Output(*values) for every field and its stack_part, as fast as a plain object (a frozen dataclass's __init__ sets each of its 10
+    """Output(*values) for every field, its stack_part and bytes_in, as fast as a plain object (a frozen dataclass's __init__ sets each of its 10
     fields through object.__setattr__: most of planning 150k outputs)."""
     o = object.__new__(Output)
     o.__dict__.update(zip(_OUTPUT_FIELDS, values))
@@ -165,6 +164,7 @@ class _Plan:
         self.ck, self.layout, self.policy, self.requantize, self.keep_mtp = ck, layout, policy, requantize, keep_mtp
         self.n_experts = ck.model.text.expert_count
         self.copies: dict[str, LosslessCopy | None] = {}  # by source format: the same answer for 70k tensors
+        self.forms: dict[tuple, int] = {}  # stored form -> a small id (a stack key hashed per weight stays cheap)
 
     def by_bucket(self) -> dict[tuple[str, int], WorkItem]:
         items: dict[tuple[str, int], WorkItem] = {}
@@ -216,7 +216,9 @@ class _Plan:
     def _pieces(self, info: TensorInfo, t, quant: bool, copy: LosslessCopy | None) -> list[tuple] | None:
         """(piece, its shape, transform, the lossless copy it takes) per rank; None: a piece cuts inside a scale
         block and --requantize was not given. UsageError: a dim that does not divide, a shape the scheme refuses."""
-        scheme, opts, out = self.policy.quant, self.policy.options, []
+        scheme, opts, pol, out = self.policy.quant, self.policy.options, self.policy, []
+        form = stack_form(t) if t.numel <= STACK_ELEMS else None
+        form = None if form is None else self.forms.setdefault(form, len(self.forms))
         for p in pieces(info, t.shape, self.layout, self.n_experts):
             shape = list(t.shape)
             if p.dim is not None:
@@ -231,18 +233,19 @@ class _Plan:
                 transform = piece_copy.transform
             if quant and piece_copy is None and (why := scheme.misfit(tuple(shape), opts)):
                 raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
-            how = (transform, self.policy.scale_format, self.policy.group_size, self.policy.int4_scales)
-            out.append((p, tuple(shape), transform, piece_copy, _stack_part(p, transform, piece_copy, info, how)))
+            how = (transform, pol.scale_format, pol.group_size, pol.int4_scales)
+            out.append((p, tuple(shape), transform, piece_copy, _stack_part(form, p, piece_copy, info, how),
+                        _bytes(tuple(shape), t.stored_dtype, *how)[0]))
         return out
 
     def _add(self, items: dict, name: str, info: TensorInfo, t, unit: str, plan: list[tuple]) -> None:
         pol, dtype = self.policy, t.stored_dtype
-        for p, shape, transform, piece_copy, stack_part in plan:
+        for p, shape, transform, piece_copy, stack_part, bytes_in in plan:
             item = items.get((unit, p.rank))
             if item is None:
                 item = items[(unit, p.rank)] = WorkItem(p.rank, unit)
             item.outputs.append(_output((name, info, p, transform, shape, dtype, pol.scale_format, pol.group_size,
-                                         pol.int4_scales, piece_copy, stack_part)))
+                                         pol.int4_scales, piece_copy, stack_part, bytes_in)))
 
 
 def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,

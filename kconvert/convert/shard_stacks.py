@@ -4,7 +4,7 @@ to their ranks' files at their planned offsets. At 100k+ small tensors the ~25 t
 reads each tensor cost one at a time were nearly all of shard's time (issue 25); a stack pays them once.
 
 A stack holds one unit's weights of one shape, stored form and output layout (the same slices, the same
-transforms on every rank), at most STACK_BYTES of float32; a weight of more than STACK_ELEMS values is
+transforms on every rank), at most STACK_BYTES of float32; a weight of more than shard_plan.STACK_ELEMS values is
 done alone as before (its data, not the calls, sets the pace). Every result is bit-identical to the
 one-at-a-time path (quant/stacked.py). A stack that fails a check raises NotStackable or the source's
 CheckpointError: shard_unit then writes the whole unit one weight at a time, which names the bad
@@ -23,10 +23,8 @@ from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.quant import stacked
 from kconvert.quant.registry import scheme_of_transform
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.formats import LogicalTensor
-from kconvert.source.stacked import read_stack, stack_key
+from kconvert.source.stacked import read_stack
 
-STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized alone
 STACK_BYTES = 64 << 20  # float32 bytes of one stack at most (a real model's large experts are not stacked)
 
 Pairs = list[tuple[SafetensorsWriter, Output]]  # one source weight's outputs: the file and what goes in it
@@ -39,7 +37,7 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
     open_stack: dict[tuple, list[str]] = {}
     stackable: dict[tuple, bool] = {}  # (transform, options) -> whether quant/stacked.py does it
     for src in order:
-        key = _key(ck.logical[src], by_src[src], codes, stackable)
+        key = _key(src, by_src[src], codes, stackable)
         if key is None:
             jobs.append([src])
             continue
@@ -51,23 +49,19 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
     return jobs
 
 
-def _key(t: LogicalTensor, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool]) -> tuple | None:
-    if t.numel > STACK_ELEMS or (codes and t.name in codes):
+def _key(src: str, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool]) -> tuple | None:
+    """Every output's stack_part (the plan's: the source's stored form, the cut, the storage), or None: alone."""
+    parts = tuple(map(_STACK_PART, map(_OUTPUT, pairs)))
+    if None in parts or (codes and src in codes):
         return None
-    form = stack_key(t)
-    if form is None:
-        return None
-    parts = list(map(_STACK_PART, map(_OUTPUT, pairs)))  # each output's cut and storage (set by the plan)
-    if None in parts:
-        return None
-    for how in {part[3] for part in parts}:
+    for how in {part[-1] for part in parts}:
         ok = stackable.get(how)
         if ok is None:
             scheme = scheme_of_transform(how[0])
             ok = stackable[how] = scheme is None or stacked.supports(scheme, options_of(*how[1:]))
         if not ok:
             return None
-    return form, *parts
+    return parts
 
 
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
@@ -99,7 +93,7 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             if planned != {(specs0[0][1], specs0[0][2])}:
                 raise RuntimeError(f"{writer.path}: {mine[0]} is not planned as a stacked {o0.transform}")
             writer.write_stacked(firsts, rows if len(ns) == len(srcs) else [r[ns] for r in rows])
-    return sum(o.bytes_in for o in (o for src in srcs for _, o in by_src[src]))
+    return len(srcs) * sum(o.bytes_in for _, o in by_src[srcs[0]])  # every weight's outputs alike (checked)
 
 
 _OUTPUT = itemgetter(1)  # of a (writer, output) pair

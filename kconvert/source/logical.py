@@ -58,6 +58,20 @@ def stored_form(t: LogicalTensor) -> tuple:
     return t.format, t.shape, tuple([(role, p.dtype, p.shape) for role, p in t.parts.items()])
 
 
+STACKED_FORMATS = ("plain", "int4_packed")  # what source/stacked.py reads many of as one stack
+
+
+def stack_form(t: LogicalTensor) -> tuple | None:
+    """What weights must share to be read as one stack (source/stacked.py): their stored form; None: this one is
+    read on its own (another format, a compressed part, no values)."""
+    if t.format not in STACKED_FORMATS or not t.numel:
+        return None
+    for p in t.parts.values():
+        if p.compressed is not None:
+            return None
+    return stored_form(t)
+
+
 _new = partial(tuple.__new__, LogicalTensor)  # from (name, shape, format, parts), without a Python-level call
 
 

@@ -10,23 +10,9 @@ import torch
 from kconvert.io.stacked_read import read_stacked
 from kconvert.quant.stacked import NotStackable, dequantize_int4_words
 from kconvert.source.formats import LogicalTensor, all_finite, declared_shape
-from kconvert.source.logical import stored_form
-
-FORMATS = ("plain", "int4_packed")
-
-
-def stack_key(t: LogicalTensor) -> tuple | None:
-    """What weights must share to be read as one stack (None: this one is read on its own)."""
-    if t.format not in FORMATS or not t.numel:
-        return None
-    for p in t.parts.values():  # asked once per weight (70k at a release's size): plain loops
-        if p.compressed is not None:
-            return None
-    return stored_form(t)
-
 
 def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
-    """Logical weights sharing a stack_key -> [N, *shape]."""
+    """Logical weights sharing a logical.stack_form -> [N, *shape]."""
     t0 = ts[0]
     if t0.format == "plain":
         x = read_stacked([t.parts["weight"] for t in ts])

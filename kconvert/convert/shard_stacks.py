@@ -68,7 +68,7 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
     """Read, transform and write the stack `srcs` (weights sharing a plan_jobs key); returns the source
     bytes done (for progress)."""
     x = read_stack([ck.logical[s] for s in srcs], ck.int4_group())
-    made: dict = {}  # a replicated output (whole on every rank) is made once
+    made: dict = _even_split(x, [o for _, o in by_src[srcs[0]]])  # a replicated output is made once, too
     for j, (_, o0) in enumerate(by_src[srcs[0]]):
         p = o0.piece
         key = (o0.transform, o0.options) if p.dim is None else j
@@ -100,6 +100,24 @@ _OUTPUT = itemgetter(1)  # of a (writer, output) pair
 _STACK_PART = attrgetter("stack_part")
 _SHAPE_HOW = attrgetter("shape", "transform")
 _TAG_SHAPE = itemgetter(1, 2)  # of a planned (name, tag, shape)
+
+
+def _even_split(x: torch.Tensor, outs: list[Output]) -> dict[int, list[torch.Tensor]]:
+    """Rank j's produced stack for every j, when the weights are cut into equal pieces stored alike (tensor
+    parallelism's usual cut): made in one call over the [N * k, ...] pieces, each still its own weight (its own
+    scales: the same bits), then split; one call, not k. {} otherwise."""
+    k, o0 = len(outs), outs[0]
+    d = o0.piece.dim
+    if k < 2 or d is None or x.shape[d + 1] % k:
+        return {}
+    size = x.shape[d + 1] // k
+    for j, o in enumerate(outs):
+        if o.piece.dim != d or o.piece.start != j * size or o.piece.stop != (j + 1) * size or \
+                o.transform != o0.transform or o.shape != o0.shape:
+            return {}
+    n = x.shape[0]
+    pieces = x.unflatten(d + 1, (k, size)).movedim(d + 1, 1).reshape(n * k, *o0.shape)  # [N * k, piece]
+    return dict(enumerate(zip(*(s.unflatten(0, (n, k)).unbind(1) for s in _produce(o0, pieces)))))
 
 
 def _produce(o: Output, x: torch.Tensor) -> list[torch.Tensor]:

@@ -30,19 +30,23 @@ STACK_BYTES = 64 << 20  # float32 bytes of one stack at most (a real model's lar
 Pairs = list[tuple[SafetensorsWriter, Output]]  # one source weight's outputs: the file and what goes in it
 
 
-def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes: dict | None) -> list[list[str]]:
-    """The unit's source weights as jobs, in the order of each job's first weight: one weight alone, or
-    a stack of weights that share a key (at most STACK_BYTES of float32 each)."""
-    jobs: list[list[str]] = []
+def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes: dict | None) -> list[str | list[str]]:
+    """The unit's source weights as jobs, in the order of each job's first weight: a weight alone (its name), or
+    a stack (a list) of the weights that share a key, at most STACK_BYTES of float32; a stack of one too (a weight
+    cut for every rank is still made in one call: _even_split)."""
+    jobs: list[str | list[str]] = []
     open_stack: dict[tuple, list[str]] = {}
+    most: dict[tuple, int] = {}  # key -> weights a stack of it holds at most
     stackable: dict[tuple, bool] = {}  # (transform, options) -> whether quant/stacked.py does it
     for src in order:
         key = _key(src, by_src[src], codes, stackable)
         if key is None:
-            jobs.append([src])
+            jobs.append(src)  # alone
             continue
         stack = open_stack.get(key)
-        if stack is None or len(stack) * ck.logical[src].numel * 4 >= STACK_BYTES:
+        if stack is None:
+            most[key] = max(1, -(-STACK_BYTES // (ck.logical[src].numel * 4)))
+        if stack is None or len(stack) >= most[key]:
             stack = open_stack[key] = []
             jobs.append(stack)
         stack.append(src)

@@ -48,7 +48,7 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
     try:
         order = sorted(by_src)
         jobs = plan_jobs(ck, order, by_src, codes)
-        if len(jobs) < len(order):
+        if not all(isinstance(job, str) for job in jobs):  # any stack
             try:
                 _write_jobs(ck, jobs, by_src, progress, codes)
                 return _finish(writers)
@@ -93,12 +93,12 @@ def _abort(writers: list[SafetensorsWriter]) -> None:
         wr.abort()
 
 
-def _write_jobs(ck: Checkpoint, jobs: list[list[str]], by_src: dict[str, Pairs], progress, codes) -> None:
+def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, Pairs], progress, codes) -> None:
     """plan_jobs' jobs: stacks as stacks, each run of lone weights between them one at a time."""
     alone: list[str] = []
     for job in [*jobs, []]:
-        if len(job) == 1:
-            alone.append(job[0])
+        if isinstance(job, str):
+            alone.append(job)
             continue
         if alone:
             _write_each(ck, alone, by_src, progress, codes)

@@ -14,7 +14,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from kconvert.io.pread import pread_fd
+from kconvert.io.pread import pread_into
 from kconvert.io.safetensors_read import TensorEntry
 
 _FILE, _BEGIN = itemgetter(1), itemgetter(4)  # of a TensorEntry
@@ -61,12 +61,12 @@ def _copy_run(fd: int, path, at: np.ndarray, rows: np.ndarray, size: int, out: n
     """Tensors at file offsets `at` (ascending) into out[rows]: one read of the span, one strided copy when
     they are equally spaced (the same parts repeated expert after expert)."""
     base = int(at[0])
-    buf = pread_fd(fd, base, int(at[-1]) + size - base, path, name)
+    buf = np.empty(int(at[-1]) + size - base, dtype=np.uint8)  # not zero-filled first, as a bytearray is
+    pread_into(fd, memoryview(buf), base, path, name)
     offsets = at - base
     step = int(offsets[1]) if len(at) > 1 else size
     if step > 0 and bool((np.diff(offsets) == step).all()):  # (ndarray over the buffer: as_strided costs ~20 us)
         out[rows] = np.ndarray((len(at), size), np.uint8, buf, 0, (step, 1))
         return
-    data = np.frombuffer(buf, dtype=np.uint8)
     for b, i in zip(offsets.tolist(), rows.tolist()):
-        out[i] = data[b:b + size]
+        out[i] = buf[b:b + size]

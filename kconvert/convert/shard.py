@@ -33,7 +33,7 @@ from kconvert.convert.shard_pipeline import Pipeline, plan_pipeline
 from kconvert.convert.shard_plan import WorkItem, plan_items
 from kconvert.convert.run import Run, RunResult, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
-from kconvert.io.gc_pause import frozen_gc
+from kconvert.io.gc_pause import frozen_gc, paused_gc
 from kconvert.io.safetensors_write import commit_all
 from kconvert.io.window import ordered_window
 
@@ -78,8 +78,9 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 job."""
     run = Run(job.out, progress, per_rank_bytes={})
     out = run.out
-    ck = Checkpoint.open(job.src)
-    freeze = after_plan.enter_context(frozen_gc())  # the source's headers
+    with paused_gc():  # the source's headers frozen before the collector resumes (else its next pass walks them all)
+        ck = Checkpoint.open(job.src)
+        freeze = after_plan.enter_context(frozen_gc())
     supported = ck.model.family.get("shard_quant")  # modes not done for this family are refused, never guessed
     if supported is not None and job.quant not in supported:
         ck.validate()  # a damaged source is named as such first
@@ -88,11 +89,12 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
     policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales)
-    pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp),
-                         layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
-                         tied=bool(ck.model.text_config.get("tie_word_embeddings")))
-    items = pipe.items
-    freeze()  # the plan too
+    with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes
+        pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp),
+                             layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
+                             tied=bool(ck.model.text_config.get("tie_word_embeddings")))
+        items = pipe.items
+        freeze()
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
     calibration = None
@@ -153,9 +155,10 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     result.details["processes"] = dist.world
     cat = None
     if dist.rank == 0:
-        cat = run.finish([w.file for w in items], Catalog.stored_bytes,
-                         lambda done: _write_catalog(ck, out, pipe, identity, layout, policy, job, done,
-                                                     calibration.record if calibration else None))
+        with paused_gc():  # the journal's records and every tensor's row: 100k+ each, no cycles
+            cat = run.finish([w.file for w in items], Catalog.stored_bytes,
+                             lambda done: _write_catalog(ck, out, pipe, identity, layout, policy, job, done,
+                                                         calibration.record if calibration else None))
     dist.barrier()
     cat = cat or Catalog.read(out)  # the other ranks read what rank 0 wrote
     for rec in cat.files.values():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from itertools import chain
+from operator import attrgetter
 from dataclasses import dataclass, field, fields
 
 from kconvert.source.checkpoint import Checkpoint
@@ -61,15 +62,11 @@ class Output:
             object.__setattr__(self, "_specs", got)  # a cache beside the frozen fields
         return got
 
-    @property
+    @functools.cached_property  # (the plan sets it with the fields: then reading it is a plain attribute's cost)
     def bytes_in(self) -> int:
-        """The source bytes it reads (asked by planning, progress and the stacks: cached as specs are)."""
-        got = self.__dict__.get("_bytes_in")
-        if got is None:
-            got = _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
-                         self.int4_scales)[0]
-            object.__setattr__(self, "_bytes_in", got)
-        return got
+        """The source bytes it reads (asked by planning, progress and the stacks)."""
+        return _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
+                      self.int4_scales)[0]
 
     @property
     def bytes_out(self) -> int:
@@ -124,7 +121,7 @@ class WorkItem:
 
     @property
     def bytes_in(self) -> int:
-        return sum(o.bytes_in for o in self.outputs)
+        return sum(map(_BYTES_IN, self.outputs))
 
     @property
     def bytes_out(self) -> int:
@@ -139,7 +136,8 @@ def unit_of(info: TensorInfo) -> str:
 
 
 _info_of = functools.partial(tuple.__new__, TensorInfo)  # a named tuple from its fields, without a Python-level call
-_OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "_bytes_in")
+_BYTES_IN = attrgetter("bytes_in")
+_OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "bytes_in")
 
 
 def _output(values: tuple) -> Output:

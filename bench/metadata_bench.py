@@ -38,19 +38,22 @@ FIXED = {"widen": 1, "layers": 2, "experts": 8}  # shard's fixed cost: the same 
 
 
 def kconvert(*args, root: Path = ROOT) -> dict:
-    """Run `kconvert ARGS` in a fresh process, from the tree at `root` (its own kconvert first on sys.path):
-    wall seconds, peak RSS of that process, its stdout."""
-    cmd = [sys.executable, "-c", "import resource, sys; from cli.main import main; rc = main(sys.argv[1:]); "
-           "u = resource.getrusage(resource.RUSAGE_SELF); "
-           "print('RSS', u.ru_maxrss * 1024, u.ru_utime + u.ru_stime, file=sys.stderr); sys.exit(rc)",
-           *map(str, args)]
+    """Run `kconvert ARGS` in a fresh process, from the tree at `root` (its own kconvert first on sys.path), through
+    the console script's entry point: wall seconds, the process's CPU seconds (all threads, its exit included:
+    from this process's children's usage), its peak RSS, its stdout."""
+    cmd = [sys.executable, "-c", "import atexit, resource, sys; atexit.register(lambda: print('RSS', "
+           "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)); "
+           "from cli.main import entry; sys.argv[0] = 'kconvert'; entry()", *map(str, args)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    _, rss, cpu = next(ln.split() for ln in proc.stderr.splitlines() if ln.startswith("RSS "))
-    return {"wall": wall, "rss": int(rss), "cpu": float(cpu), "stdout": proc.stdout}
+    rss = next(int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("RSS "))
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {"wall": wall, "rss": rss, "cpu": cpu, "stdout": proc.stdout}
 
 
 def tensor_bytes(src: Path) -> int:

@@ -7,6 +7,7 @@ unexpected errors.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import click
@@ -68,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    rc = main()
+    # what the command built (a release's 100k+ header entries and plan outputs) is left out of the collector's
+    # last pass at exit, which walked it all for nothing (~0.4 s of CPU after a 200k-tensor shard)
+    gc.freeze()
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -136,16 +136,11 @@ def unit_of(info: TensorInfo) -> str:
 
 
 _info_of = functools.partial(tuple.__new__, TensorInfo)  # a named tuple from its fields, without a Python-level call
-_BYTES_IN = attrgetter("bytes_in")
+_BYTES_IN, _SRC = attrgetter("bytes_in"), attrgetter("src")
 _OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "bytes_in")
 
 
-def _output(values: tuple) -> Output:
-    """Output(*values) for every field, its stack_part and bytes_in, as fast as a plain object (a frozen dataclass's __init__ sets each of its 10
-    fields through object.__setattr__: most of planning 150k outputs)."""
-    o = object.__new__(Output)
-    o.__dict__.update(zip(_OUTPUT_FIELDS, values))
-    return o
+_new_output = object.__new__
 
 
 class _PerName(Exception):
@@ -179,12 +174,13 @@ class _Plan:
                 plan = plans.get(key)
                 if plan is None:
                     try:
-                        plan = plans[key] = self._pieces(info, t, quant, copy)
+                        plan = self._pieces(info, t, quant, copy)
                     except UsageError:
                         raise _PerName from None
                     if plan is None:
                         raise _PerName
-                self._add(items, name, info, t, unit, plan)
+                    plan = plans[key] = self._targets(items, unit, t, plan)
+                _add(name, info, plan)
         return items
 
     def by_name(self) -> tuple[dict[tuple[str, int], WorkItem], list[str], set[str]]:
@@ -202,7 +198,7 @@ class _Plan:
                 if copy.whole:
                     whole_copies.add(name)
                 continue
-            self._add(items, name, info, t, unit_of(info), plan)
+            _add(name, info, self._targets(items, unit_of(info), t, plan))
         return items, misaligned, whole_copies
 
     def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
@@ -236,14 +232,29 @@ class _Plan:
                         _bytes(tuple(shape), t.stored_dtype, *how)[0]))
         return out
 
-    def _add(self, items: dict, name: str, info: TensorInfo, t, unit: str, plan: list[tuple]) -> None:
-        pol, dtype = self.policy, t.stored_dtype
+    def _targets(self, items: dict, unit: str, t, plan: list[tuple]) -> list[tuple[list, dict]]:
+        """A plan's pieces as (the rank's output list, every field of its Output but src and info): what all the
+        tensors a plan serves share, worked out once."""
+        pol, dtype, out = self.policy, t.stored_dtype, []
         for p, shape, transform, piece_copy, stack_part, bytes_in in plan:
             item = items.get((unit, p.rank))
             if item is None:
                 item = items[(unit, p.rank)] = WorkItem(p.rank, unit)
-            item.outputs.append(_output((name, info, p, transform, shape, dtype, pol.scale_format, pol.group_size,
-                                         pol.int4_scales, piece_copy, stack_part, bytes_in)))
+            out.append((item.outputs, dict(zip(_OUTPUT_FIELDS[2:], (
+                p, transform, shape, dtype, pol.scale_format, pol.group_size, pol.int4_scales, piece_copy, stack_part,
+                bytes_in)))))
+        return out
+
+
+def _add(name: str, info: TensorInfo, targets: list[tuple[list, dict]]) -> None:
+    """Tensor `name`'s Outputs, one per target (Output(...) as fast as a plain object: a frozen dataclass's
+    __init__ sets each field through object.__setattr__, which was most of planning 150k outputs)."""
+    for outputs, fields_ in targets:
+        o = _new_output(Output)
+        d = o.__dict__
+        d.update(fields_)
+        d["src"], d["info"] = name, info
+        outputs.append(o)
 
 
 def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,
@@ -267,7 +278,7 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
                          f"{', '.join(map(str, works)) or 'none'}; or pass --requantize to re-quantize those slices")
     order = {"globals": -2, "vision": -1}
     for item in items.values():
-        item.outputs.sort(key=lambda o: o.src)
+        item.outputs.sort(key=_SRC)
     return sorted(items.values(), key=lambda w: (order.get(w.unit, 0), w.unit, w.rank))
 
 

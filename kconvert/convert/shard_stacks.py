@@ -71,36 +71,56 @@ def _key(src: str, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
     """Read, transform and write the stack `srcs` (weights sharing a plan_jobs key); returns the source
     bytes done (for progress)."""
-    x = read_stack([ck.logical[s] for s in srcs], ck.int4_group())
-    made: dict = _even_split(x, [o for _, o in by_src[srcs[0]]])  # a replicated output is made once, too
-    for j, (_, o0) in enumerate(by_src[srcs[0]]):
+    x = read_stack(list(map(ck.logical.__getitem__, srcs)), ck.int4_group())
+    pairs0, n = by_src[srcs[0]], len(srcs)
+    made: dict = _even_split(x, [o for _, o in pairs0])  # a replicated output is made once, too
+    rows_of: dict = {}  # made key -> a byte row a weight, per planned tensor
+    table = list(map(by_src.__getitem__, srcs))
+    for j, (_, o0) in enumerate(pairs0):
         p = o0.piece
         key = (o0.transform, o0.options) if p.dim is None else j
-        if key not in made:
-            made[key] = _produce(o0, x if p.dim is None else x.narrow(p.dim + 1, p.start, p.stop - p.start))
-        stacks = made[key]
-        specs0 = o0.specs()
-        if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
-            raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
-        rows = [s.view(torch.uint8).numpy().reshape(len(srcs), -1) for s in stacks]  # a row a weight
-        pairs = [by_src[src][j] for src in srcs]
+        rows = rows_of.get(key)
+        if rows is None:
+            stacks = made.get(key)
+            if stacks is None:
+                stacks = _produce(o0, x if p.dim is None else x.narrow(p.dim + 1, p.start, p.stop - p.start))
+            specs0 = o0.specs()
+            if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
+                raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
+            rows = rows_of[key] = [s.view(torch.uint8).numpy().reshape(n, -1) for s in stacks]
+        if n == 1:  # a weight alone: its file takes its tensors in one write
+            writer = pairs0[j][0]
+            first = writer.index(o0.src)
+            _check_planned(writer, [first], o0)
+            writer.write_bytes(first, [r[0] for r in rows])
+            continue
+        pairs = list(map(itemgetter(j), table))
         # every output of the stack planned alike (then its specs are o0's, names aside), each file's at once
         if set(map(_SHAPE_HOW, map(_OUTPUT, pairs))) != {_SHAPE_HOW(o0)}:
             raise RuntimeError(f"{srcs}: not every weight is planned as a stacked {o0.transform} of {o0.shape}")
-        by_writer: dict[SafetensorsWriter, list[int]] = {}
-        for n, (writer, _) in enumerate(pairs):
-            by_writer.setdefault(writer, []).append(n)
+        writers = list(map(_WRITER, pairs))
+        if writers.count(writers[0]) == n:  # one file takes them all (the usual under tp)
+            by_writer = {writers[0]: range(n)}
+        else:  # experts spread over the ranks (ep)
+            by_writer = {}
+            for i, writer in enumerate(writers):
+                by_writer.setdefault(writer, []).append(i)
         for writer, ns in by_writer.items():
-            mine = srcs if len(ns) == len(srcs) else [srcs[n] for n in ns]
-            firsts = [writer.index(src) for src in mine]
-            planned = set(map(_TAG_SHAPE, map(writer.specs.__getitem__, firsts)))
-            if planned != {(specs0[0][1], specs0[0][2])}:
-                raise RuntimeError(f"{writer.path}: {mine[0]} is not planned as a stacked {o0.transform}")
-            writer.write_stacked(firsts, rows if len(ns) == len(srcs) else [r[ns] for r in rows])
-    return len(srcs) * sum(o.bytes_in for _, o in by_src[srcs[0]])  # every weight's outputs alike (checked)
+            mine = srcs if len(ns) == n else [srcs[i] for i in ns]
+            firsts = writer.indices(mine)
+            _check_planned(writer, firsts, o0)
+            writer.write_stacked(firsts, rows if len(ns) == n else [r[ns] for r in rows])
+    return n * sum(o.bytes_in for _, o in pairs0)  # every weight's outputs alike (checked)
 
 
-_OUTPUT = itemgetter(1)  # of a (writer, output) pair
+def _check_planned(writer: SafetensorsWriter, firsts: list[int], o0: Output) -> None:
+    """The file planned each of these outputs' first tensor as o0's (the sizes of every tensor: the writer)."""
+    specs0 = o0.specs()
+    if set(map(_TAG_SHAPE, map(writer.specs.__getitem__, firsts))) != {(specs0[0][1], specs0[0][2])}:
+        raise RuntimeError(f"{writer.path}: {o0.src} is not planned as a stacked {o0.transform}")
+
+
+_WRITER, _OUTPUT = itemgetter(0), itemgetter(1)  # of a (writer, output) pair
 _STACK_PART = attrgetter("stack_part")
 _SHAPE_HOW = attrgetter("shape", "transform")
 _TAG_SHAPE = itemgetter(1, 2)  # of a planned (name, tag, shape)

@@ -132,6 +132,10 @@ class SafetensorsWriter:
         """Where tensor `name` is in the planned order (for write_bytes)."""
         return self._index[name]
 
+    def indices(self, names: list[str]) -> list[int]:
+        """index() of each of `names` (for write_stacked)."""
+        return list(map(self._index.__getitem__, names))
+
     def write_bytes(self, first: int, buffers: list) -> None:
         """The bytes of planned tensors first, first + 1, ... (adjacent in the file: one write), each the
         planned size: the caller has checked dtype and shape (shard's batches check them once a batch)."""
@@ -196,7 +200,7 @@ class SafetensorsWriter:
             for c, n in zip(self._crcs, self._size):
                 crc = crc32_combine(crc, c, n)
             self._crc = crc
-        self._tensor_crc = dict(zip(map(_NAME, self.specs), map(format, self._crcs, repeat("08x"))))
+        self._tensor_crc = dict(zip(map(_NAME, self.specs), map("%08x".__mod__, self._crcs)))
         _advise(self._fd, "POSIX_FADV_DONTNEED")  # on dirty pages: starts their writeback, returns at once
         self._finished = True
 

@@ -97,6 +97,8 @@ def test_read_stacked_matches_each_read(tmp_path, monkeypatch, gap, run_tensors)
     assert got.shape == (len(order), 4, 6)
     for i, e in enumerate(order):
         assert _same(got[i], read_tensor(e))
+    for e in order[:2]:  # a stack of one
+        assert _same(read_stacked([e])[0], read_tensor(e))
 
 
 def _digest(folder) -> dict:

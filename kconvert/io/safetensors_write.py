@@ -201,7 +201,8 @@ class SafetensorsWriter:
                 crc = crc32_combine(crc, c, n)
             self._crc = crc
         self._tensor_crc = dict(zip(map(_NAME, self.specs), map("%08x".__mod__, self._crcs)))
-        _advise(self._fd, "POSIX_FADV_DONTNEED")  # on dirty pages: starts their writeback, returns at once
+        if self.total > STAGE_BYTES:  # (a staged file's few MB: its fsync comes with its unit's, moments later)
+            _advise(self._fd, "POSIX_FADV_DONTNEED")  # on dirty pages: starts their writeback, returns at once
         self._finished = True
 
     def commit(self) -> WrittenFile:

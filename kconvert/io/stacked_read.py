@@ -30,6 +30,13 @@ def read_stacked(entries: list[TensorEntry]) -> torch.Tensor:
     first, n = entries[0], len(entries)
     size = first.nbytes
     out = np.empty((n, size), dtype=np.uint8)
+    if n == 1:  # a weight alone: one read, none of the run-finding
+        fd = os.open(first.file, os.O_RDONLY)
+        try:
+            pread_into(fd, memoryview(out[0]), first.begin, first.file, first.name)
+        finally:
+            os.close(fd)
+        return torch.from_numpy(out).view(first.torch_dtype).reshape(1, *first.shape)
     begins = np.fromiter(map(_BEGIN, entries), dtype=np.int64, count=n)
     files = list(map(_FILE, entries))
     if files.count(files[0]) == n:  # the usual case: one file

@@ -8,14 +8,19 @@ widths) it times, each as its own `kconvert` process as a user runs it:
   safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
   inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files, load --rank 1 (time to ready)
 and prints wall seconds, seconds beyond start-up, microseconds per tensor and peak RSS, plus the size of
-kconvert.json and of the per-rank tensor lists. Shard's data time is measured on the same stored formats in a
-few large tensors (the preset at 16x its widths, 3 layers x 96 experts: INT4 experts and BF16 rest for topo-k25,
-~1,800 tensors of up to 4 MiB; same command), scaled to this checkpoint's tensor bytes: the per-tensor overhead
-is what the topology costs beyond it. Shard's fixed cost (torch's import, the run's set-up: a 2-layer, 8-expert
-copy of the preset, a few hundred tiny tensors) is not scaled. (A BF16 baseline would leave INT4's 4x more values per byte to dequantize
-and re-quantize, and 4x more bytes to write for --quant none, inside the "overhead".)
+kconvert.json and of the per-rank tensor lists.
 
-    .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta                     # 61 x 384 (~6 minutes)
+Shard's per-tensor overhead is what the topology costs beyond its data and its fixed cost:
+  data time    the same stored formats in a few large tensors (the preset at 16x its widths, 3 layers x 96
+               experts: INT4 experts and BF16 rest for topo-k25, ~1,800 tensors of up to 4 MiB; same command),
+               scaled to this checkpoint's tensor bytes (a BF16 baseline would leave INT4's 4x more values per
+               byte to dequantize and re-quantize, and 4x more bytes to write for --quant none, in the overhead)
+  fixed cost   torch's import and a run's set-up: the same command on a 2-layer, 8-expert copy of the preset
+               (a few hundred tiny tensors), not scaled
+Each process's CPU time is counted from outside, its exit included. The three shard commands run back to back,
+`--rounds` times, and the median round is reported (a shared machine's speed drifts between minutes).
+
+    .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta                     # 61 x 384 (~2 minutes)
     .venv/bin/python bench/metadata_bench.py --work /tmp/kmeta --layers 11 --json  # a smaller run
 """
 
@@ -110,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int)
     ap.add_argument("--experts", type=int)
     ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="Shard rounds (each: this checkpoint, then the fixed-cost "
+                    "and data-time ones, back to back); the median round is reported.")
     ap.add_argument("--json", action="store_true", help="Print the rows as JSON.")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -156,19 +163,24 @@ def main(argv=None) -> int:
     out = {}
     for quant in ("none", "fp8"):
         out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"
-        shutil.rmtree(out[quant], ignore_errors=True)
-        r = kconvert("shard", src, out[quant], "--tp", a.tp, "--quant", quant)
+        rounds = []  # each round: this checkpoint, then the fixed-cost and data-time ones, back to back
+        for _ in range(a.rounds):
+            cpu = {}
+            for name, ck in (("topo", src), ("fixed", fixed_src), ("big", big)):
+                dest = out[quant] if name == "topo" else a.work / f"{ck.name}-tp{a.tp}-{quant}"
+                shutil.rmtree(dest, ignore_errors=True)
+                cpu[name] = kconvert("shard", ck, dest, "--tp", a.tp, "--quant", quant)
+                if name != "topo":
+                    shutil.rmtree(dest, ignore_errors=True)
+            fixed, big_cpu = (cpu[k]["cpu"] - startup["cpu"] for k in ("fixed", "big"))
+            data = fixed + (big_cpu - fixed) * source_bytes / big_bytes  # scaled to these bytes
+            rounds.append((cpu["topo"]["cpu"] - startup["cpu"] - data, data, fixed, cpu["topo"]))
         n_out = sum(e["tensors"] for e in json.loads((out[quant] / "kconvert.json").read_text())["tensors_by_rank"])
-        cpu = {}
-        for name, ck in (("fixed", fixed_src), ("big", big)):
-            cpu_out = a.work / f"{ck.name}-tp{a.tp}-{quant}"
-            shutil.rmtree(cpu_out, ignore_errors=True)
-            cpu[name] = kconvert("shard", ck, cpu_out, "--tp", a.tp, "--quant", quant)["cpu"] - startup["cpu"]
-            shutil.rmtree(cpu_out, ignore_errors=True)
-        data = cpu["fixed"] + (cpu["big"] - cpu["fixed"]) * source_bytes / big_bytes  # scaled to these bytes
+        beyond, data, fixed, r = sorted(rounds, key=lambda x: x[0])[len(rounds) // 2]  # the median round
         row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],
-            f"same formats and bytes in large tensors: {data:.1f} s CPU; beyond that: "
-            f"{1e6 * (r['cpu'] - startup['cpu'] - data) / n_out:.0f} us/tensor (fixed cost {cpu['fixed']:.1f} s)")
+            f"same formats and bytes in large tensors: {data:.1f} s CPU (fixed cost {fixed:.1f} s); beyond that: "
+            f"{1e6 * beyond / n_out:.1f} us per written tensor, {1e6 * beyond / stored:.1f} per stored source tensor "
+            f"(median of {a.rounds} rounds: {', '.join(f'{1e6 * x[0] / n_out:.1f}' for x in rounds)})")
     fp8 = out["fp8"]
     files = json.loads((fp8 / "kconvert.json").read_text())["files"]
     r = kconvert("verify-files", fp8)

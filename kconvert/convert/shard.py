@@ -30,7 +30,8 @@ from kconvert.convert.layout import Layout
 from kconvert.convert.output_dir import check_paths, copy_side_files, remove_stale_temporaries
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.shard_pipeline import Pipeline, plan_pipeline
-from kconvert.convert.shard_plan import Output, WorkItem, plan_items
+from kconvert.convert.shard_outputs import Output, WorkItem
+from kconvert.convert.shard_plan import plan_items
 from kconvert.convert.run import Run, RunResult, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
 from kconvert.io.gc_pause import frozen_gc, paused_gc

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kconvert.convert.shard_plan import WorkItem
+from kconvert.convert.shard_outputs import WorkItem
 from kconvert.convert.stages import FIRST, LAST, StageSplit, edges_of, split_layers
 from kconvert.converted.units import GLOBALS, VISION, unit_layer
 

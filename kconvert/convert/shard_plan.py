@@ -1,78 +1,22 @@
 """Plan a conversion from headers alone: every (rank, unit) output file and, in order, the tensors
-it will hold, each with the source slice it comes from and how it is transformed.
-
-Transforms: `copy` (plain, kept dtype), `bf16` (dequantized source kept in high precision), a scheme's
-name from kconvert/quant/registry.py (`fp8`, `int8`, `int4`: quantize the slice), or a scheme's lossless
-copy (`fp8_copy`: block-FP8 source resharded on block boundaries, weight and scale bytes unchanged).
-What each stores (names, dtypes, shapes) is the scheme's `specs`.
+it will hold, each with the source slice it comes from and how it is transformed (convert/shard_outputs.py).
+A validation bucket is planned at once (one decision per rule, layer and expert group); name by name only where
+a bucket's members differ, which gives the refusals a walk in stored order meets.
 """
 
 from __future__ import annotations
 
 import functools
-from itertools import chain
-from operator import attrgetter
-from dataclasses import dataclass, field, fields
 
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.converted.units import GLOBALS, layer_unit, unit_file
+from kconvert.converted.units import GLOBALS, layer_unit
 from kconvert.errors import UsageError
 from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
+from kconvert.convert.shard_outputs import OUTPUT_FIELDS, SRC, Output, WorkItem, bytes_of
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy, source_quant
-from kconvert.io.dtypes import specs_bytes
-from kconvert.quant.registry import scheme_of_transform
-from kconvert.quant.scheme import LosslessCopy, Options, Scheme, input_bytes
+from kconvert.quant.scheme import LosslessCopy
 from kconvert.source.logical import stack_form
-
-
-@dataclass(frozen=True)
-class Output:
-    """One source slice and the 1-2 tensors it becomes."""
-
-    src: str
-    info: TensorInfo
-    piece: Piece
-    transform: str  # copy | bf16 | a scheme (fp8 | int8 | int4) | a scheme's lossless copy (fp8_copy)
-    shape: tuple[int, ...]  # of the slice
-    src_dtype: str
-    scale_format: str = "fp32"
-    group_size: int = 32  # int4
-    int4_scales: str = "mse"  # int4
-    copy: LosslessCopy | None = None  # the source parts a lossless copy writes unchanged
-    # what it puts in its weight's stack key (convert/shard_stacks.py): the source's stored form (an id), where
-    # it cuts and how it is stored; None: never stacked. Set by the plan once per bucket (not a field).
-    stack_part = None
-
-    @property
-    def scheme(self) -> Scheme | None:
-        """The scheme this output is stored in (quantized or copied); None when kept unquantized."""
-        return scheme_of_transform(self.transform)
-
-    @property
-    def options(self) -> Options:
-        return options_of(self.scale_format, self.group_size, self.int4_scales)
-
-    def specs(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-        """The tensors this output writes (name, dtype tag, shape): worked out once, asked by the writer, the
-        stacks and the catalog."""
-        got = self.__dict__.get("_specs")
-        if got is None:
-            got = _specs(self.src, self.transform, self.shape, self.src_dtype, self.options)
-            object.__setattr__(self, "_specs", got)  # a cache beside the frozen fields
-        return got
-
-    @functools.cached_property  # (the plan sets it with the fields: then reading it is a plain attribute's cost)
-    def bytes_in(self) -> int:
-        """The source bytes it reads (asked by planning, progress and the stacks)."""
-        return _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
-                      self.int4_scales)[0]
-
-    @property
-    def bytes_out(self) -> int:
-        """The tensor bytes it writes (quantized, scales included)."""
-        return _bytes(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
-                      self.int4_scales)[1]
 
 
 STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized alone (their data sets the pace)
@@ -85,50 +29,6 @@ def _stack_part(form: int | None, p: Piece, copy, info: TensorInfo, how: tuple) 
     return form, p.dim, p.start, p.stop, how
 
 
-def _specs(src: str, transform: str, shape: tuple[int, ...], src_dtype: str, opts: Options) -> tuple:
-    scheme = scheme_of_transform(transform)
-    if scheme is not None:
-        return tuple(scheme.specs(src, shape, opts))
-    return ((src, src_dtype if transform == "copy" else "BF16", shape),)
-
-
-@functools.lru_cache(maxsize=4096)
-def _bytes(shape: tuple[int, ...], src_dtype: str, transform: str, scale_format: str, group_size: int,
-           int4_scales: str) -> tuple[int, int]:
-    """(bytes read, bytes written) of an output: names aside, its fields decide them, and 150k outputs of a
-    release share a few hundred such keys."""
-    specs = _specs("w", transform, shape, src_dtype, options_of(scale_format, group_size, int4_scales))
-    return input_bytes(shape, src_dtype), specs_bytes(specs)
-
-
-@functools.lru_cache(maxsize=64)
-def options_of(scale_format: str, group_size: int, int4_scales: str) -> Options:
-    return Options(scale_format, group_size, int4_scales)  # one object per run, not one per output tensor
-
-
-@dataclass
-class WorkItem:
-    rank: int
-    unit: str
-    outputs: list[Output] = field(default_factory=list)
-
-    @property
-    def file(self) -> str:
-        return unit_file(self.rank, self.unit)
-
-    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        return list(chain.from_iterable(map(Output.specs, self.outputs)))
-
-    @property
-    def bytes_in(self) -> int:
-        return sum(map(_BYTES_IN, self.outputs))
-
-    @property
-    def bytes_out(self) -> int:
-        """The tensor bytes this file will hold (quantized, scales included; header aside)."""
-        return sum(o.bytes_out for o in self.outputs)
-
-
 def unit_of(info: TensorInfo) -> str:
     if info.group in ("vision", "projector"):
         return "vision"
@@ -136,10 +36,6 @@ def unit_of(info: TensorInfo) -> str:
 
 
 _info_of = functools.partial(tuple.__new__, TensorInfo)  # a named tuple from its fields, without a Python-level call
-_BYTES_IN, _SRC = attrgetter("bytes_in"), attrgetter("src")
-_OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "bytes_in")
-
-
 _new_output = object.__new__
 
 
@@ -229,7 +125,7 @@ class _Plan:
                 raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
             how = (transform, pol.scale_format, pol.group_size, pol.int4_scales)
             out.append((p, tuple(shape), transform, piece_copy, _stack_part(form, p, piece_copy, info, how),
-                        _bytes(tuple(shape), t.stored_dtype, *how)[0]))
+                        bytes_of(tuple(shape), t.stored_dtype, *how)[0]))
         return out
 
     def _targets(self, items: dict, unit: str, t, plan: list[tuple]) -> list[tuple[list, dict]]:
@@ -240,7 +136,7 @@ class _Plan:
             item = items.get((unit, p.rank))
             if item is None:
                 item = items[(unit, p.rank)] = WorkItem(p.rank, unit)
-            out.append((item.outputs, dict(zip(_OUTPUT_FIELDS[2:], (
+            out.append((item.outputs, dict(zip(OUTPUT_FIELDS[2:], (
                 p, transform, shape, dtype, pol.scale_format, pol.group_size, pol.int4_scales, piece_copy, stack_part,
                 bytes_in)))))
         return out
@@ -278,7 +174,7 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
                          f"{', '.join(map(str, works)) or 'none'}; or pass --requantize to re-quantize those slices")
     order = {"globals": -2, "vision": -1}
     for item in items.values():
-        item.outputs.sort(key=_SRC)
+        item.outputs.sort(key=SRC)
     return sorted(items.values(), key=lambda w: (order.get(w.unit, 0), w.unit, w.rank))
 
 

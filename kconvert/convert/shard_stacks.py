@@ -17,7 +17,7 @@ from operator import attrgetter, itemgetter
 
 import torch
 
-from kconvert.convert.shard_plan import Output, options_of
+from kconvert.convert.shard_outputs import Output, options_of
 from kconvert.io.dtypes import TAGS
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.quant import stacked

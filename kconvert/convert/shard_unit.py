@@ -16,7 +16,7 @@ from kconvert.errors import CheckpointError, KConvertError, WriteError
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.stored_parts import read_parts
-from kconvert.convert.shard_plan import Output, WorkItem
+from kconvert.convert.shard_outputs import Output, WorkItem
 from kconvert.convert.shard_stacks import Pairs, plan_jobs, write_stack
 from kconvert.quant.scheme import copied_parts
 from kconvert.quant.stacked import NotStackable

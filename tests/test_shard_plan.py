@@ -8,6 +8,7 @@ import pytest
 
 from kconvert.convert.layout import Layout
 from kconvert.convert.quant_policy import QuantPolicy
+from kconvert.convert.shard_outputs import _specs
 from kconvert.convert.shard_plan import _PerName, _Plan, plan_items
 from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
@@ -38,7 +39,12 @@ def test_bucket_plan_is_the_name_plan(checkpoint, preset, kw, tp, ep, quant, req
     plan = _Plan(ck, Layout.make(tp, ep), QuantPolicy(quant), requantize, keep_mtp)
     by_name, misaligned, _ = plan.by_name()
     assert not misaligned
-    assert _outputs(plan.by_bucket()) == _outputs(by_name)
+    by_bucket = plan.by_bucket()
+    assert _outputs(by_bucket) == _outputs(by_name)
+    # the specs the plan made by suffix (where names are the source's + a suffix) are the scheme's own
+    outputs = [o for w in by_bucket.values() for o in w.outputs]
+    made = [o for o in outputs if "_specs" in o.__dict__]
+    assert made and all(o.specs() == _specs(o.src, o.transform, o.shape, o.src_dtype, o.options) for o in outputs)
 
 
 @pytest.mark.parametrize("preset,tp,ep", [("tiny-k3-fp8", 4, None), ("tiny-dsv4-flash", 2, 1)])

@@ -78,6 +78,24 @@ def _specs(src: str, transform: str, shape: tuple[int, ...], src_dtype: str, opt
     return ((src, src_dtype if transform == "copy" else "BF16", shape),)
 
 
+_PROBES = ("a.weight", "bb.weight")  # two source names: a spec name that is not name + suffix differs between them
+
+
+@functools.lru_cache(maxsize=4096)
+def spec_suffixes(transform: str, shape: tuple[int, ...], src_dtype: str, scale_format: str, group_size: int,
+                  int4_scales: str) -> tuple | None:
+    """An output's specs as (suffix, tag, shape), each name being the source's name + suffix (every scheme's but
+    DeepSeek-V4's `.scale` sidecars): the plan makes 100k+ outputs' specs by concatenation. None: not so."""
+    opts = options_of(scale_format, group_size, int4_scales)
+    out = []
+    for (a, tag, shp), (b, tag_b, shp_b) in zip(*(_specs(p, transform, shape, src_dtype, opts) for p in _PROBES)):
+        suffix = a[len(_PROBES[0]):]
+        if not a.startswith(_PROBES[0]) or b != _PROBES[1] + suffix or (tag, shp) != (tag_b, shp_b):
+            return None
+        out.append((suffix, tag, shp))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=4096)
 def bytes_of(shape: tuple[int, ...], src_dtype: str, transform: str, scale_format: str, group_size: int,
            int4_scales: str) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.units import GLOBALS, layer_unit
 from kconvert.errors import UsageError
 from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
-from kconvert.convert.shard_outputs import OUTPUT_FIELDS, SRC, Output, WorkItem, bytes_of
+from kconvert.convert.shard_outputs import OUTPUT_FIELDS, SRC, Output, WorkItem, bytes_of, spec_suffixes
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy, source_quant
 from kconvert.quant.scheme import LosslessCopy
@@ -128,28 +128,32 @@ class _Plan:
                         bytes_of(tuple(shape), t.stored_dtype, *how)[0]))
         return out
 
-    def _targets(self, items: dict, unit: str, t, plan: list[tuple]) -> list[tuple[list, dict]]:
-        """A plan's pieces as (the rank's output list, every field of its Output but src and info): what all the
-        tensors a plan serves share, worked out once."""
+    def _targets(self, items: dict, unit: str, t, plan: list[tuple]) -> list[tuple[list, dict, tuple | None]]:
+        """A plan's pieces as (the rank's output list, every field of its Output but src and info, its specs'
+        suffixes): what all the tensors a plan serves share, worked out once."""
         pol, dtype, out = self.policy, t.stored_dtype, []
         for p, shape, transform, piece_copy, stack_part, bytes_in in plan:
             item = items.get((unit, p.rank))
             if item is None:
                 item = items[(unit, p.rank)] = WorkItem(p.rank, unit)
+            how = (pol.scale_format, pol.group_size, pol.int4_scales)
             out.append((item.outputs, dict(zip(OUTPUT_FIELDS[2:], (
-                p, transform, shape, dtype, pol.scale_format, pol.group_size, pol.int4_scales, piece_copy, stack_part,
-                bytes_in)))))
+                p, transform, shape, dtype, *how, piece_copy, stack_part, bytes_in))),
+                spec_suffixes(transform, shape, dtype, *how)))
         return out
 
 
-def _add(name: str, info: TensorInfo, targets: list[tuple[list, dict]]) -> None:
-    """Tensor `name`'s Outputs, one per target (Output(...) as fast as a plain object: a frozen dataclass's
-    __init__ sets each field through object.__setattr__, which was most of planning 150k outputs)."""
-    for outputs, fields_ in targets:
+def _add(name: str, info: TensorInfo, targets: list[tuple[list, dict, tuple | None]]) -> None:
+    """Tensor `name`'s Outputs, one per target, with their specs where their names are `name` + suffixes
+    (Output(...) as fast as a plain object: a frozen dataclass's __init__ sets each field through
+    object.__setattr__, which was most of planning 150k outputs)."""
+    for outputs, fields_, suffixes in targets:
         o = _new_output(Output)
         d = o.__dict__
         d.update(fields_)
         d["src"], d["info"] = name, info
+        if suffixes is not None:
+            d["_specs"] = tuple([(name + suffix, tag, shape) for suffix, tag, shape in suffixes])
         outputs.append(o)
 
 

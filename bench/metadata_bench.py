@@ -61,6 +61,23 @@ def kconvert(*args, root: Path = ROOT) -> dict:
     return {"wall": wall, "rss": rss, "cpu": cpu, "stdout": proc.stdout}
 
 
+def shard_round(root: Path, quant: str, tp: int, checkpoints: tuple[Path, Path, Path], out: Path, startup: float,
+                scale: float) -> tuple[float, float, float, dict]:
+    """One round of shard from the tree at `root`: this checkpoint (into `out`, kept), then the fixed-cost and the
+    data-time ones, back to back. (CPU s beyond start-up, data and fixed cost, data time scaled by `scale`, this
+    checkpoint's run)."""
+    cpu = {}
+    for name, ck in zip(("topo", "fixed", "big"), checkpoints):
+        dest = out if name == "topo" else ck.with_name(f"{ck.name}-tp{tp}-{quant}")
+        shutil.rmtree(dest, ignore_errors=True)
+        cpu[name] = kconvert("shard", ck, dest, "--tp", tp, "--quant", quant, root=root)
+        if name != "topo":
+            shutil.rmtree(dest, ignore_errors=True)
+    fixed, big = (cpu[k]["cpu"] - startup for k in ("fixed", "big"))
+    data = fixed + (big - fixed) * scale  # scaled to this checkpoint's tensor bytes
+    return cpu["topo"]["cpu"] - startup - data, data, fixed, cpu["topo"]
+
+
 def tensor_bytes(src: Path) -> int:
     """Bytes of tensor data in a checkpoint's files (headers aside: 208k entries make ~20 MB of them)."""
     total = 0
@@ -172,18 +189,8 @@ def main(argv=None) -> int:
     out = {}
     for quant in ("none", "fp8"):
         out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"
-        rounds = []  # each round: this checkpoint, then the fixed-cost and data-time ones, back to back
-        for _ in range(a.rounds):
-            cpu = {}
-            for name, ck in (("topo", src), ("fixed", fixed_src), ("big", big)):
-                dest = out[quant] if name == "topo" else a.work / f"{ck.name}-tp{a.tp}-{quant}"
-                shutil.rmtree(dest, ignore_errors=True)
-                cpu[name] = kconvert("shard", ck, dest, "--tp", a.tp, "--quant", quant)
-                if name != "topo":
-                    shutil.rmtree(dest, ignore_errors=True)
-            fixed, big_cpu = (cpu[k]["cpu"] - startup["cpu"] for k in ("fixed", "big"))
-            data = fixed + (big_cpu - fixed) * source_bytes / big_bytes  # scaled to these bytes
-            rounds.append((cpu["topo"]["cpu"] - startup["cpu"] - data, data, fixed, cpu["topo"]))
+        rounds = [shard_round(ROOT, quant, a.tp, (src, fixed_src, big), out[quant], startup["cpu"], source_bytes / big_bytes)
+                  for _ in range(a.rounds)]
         n_out = sum(e["tensors"] for e in json.loads((out[quant] / "kconvert.json").read_text())["tensors_by_rank"])
         beyond, data, fixed, r = sorted(rounds, key=lambda x: x[0])[len(rounds) // 2]  # the median round
         row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],

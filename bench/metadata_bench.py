@@ -88,16 +88,12 @@ def tensor_bytes(src: Path) -> int:
 
 
 def variant(preset: str, work: Path, v: dict) -> Path:
-    """`preset` at v's widths and counts, in `work` (written whole, then renamed; reused)."""
-    from kconvert.fixtures.topology import write_topology
+    """`preset` at v's widths and counts, in `work` (reused)."""
+    from kconvert.fixtures import build_fixture
 
     out = work / f"{preset}-x{v['widen']}-{v['layers']}-{v['experts']}"
     if not (out / "config.json").exists():
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        write_topology(preset, tmp, 0, v["layers"], v["experts"], v["widen"])
-        tmp.rename(out)
+        build_fixture(preset, out, layers=v["layers"], experts=v["experts"], widen=v["widen"])
     return out
 
 

@@ -58,6 +58,18 @@ def test_topology_overrides_build_valid_checkpoints(checkpoint):
     assert formats["block_fp8"] > 0
     with pytest.raises(UsageError, match="topology presets"):
         build_fixture("tiny-k3", "/nonexistent/x", layers=3)
+    with pytest.raises(UsageError, match="topology presets"):  # widen: the same formats, larger tensors
+        build_fixture("tiny-k3", "/nonexistent/x", widen=2)
+
+
+def test_widened_topology_keeps_its_formats(tmp_path):
+    """bench/metadata_bench.py's data-time checkpoint: the preset's stored formats at `widen` x its widths."""
+    from kconvert.fixtures import build_fixture
+
+    base, wide = (summarize(Checkpoint.open(build_fixture("topo-k25", tmp_path / f"w{w}", layers=2, experts=2,
+                                                          widen=w))) for w in (1, 4))
+    assert wide.model["hidden_size"] == 4 * base.model["hidden_size"]
+    assert [(r["format"], r["tensors"]) for r in wide.formats] == [(r["format"], r["tensors"]) for r in base.formats]
 
 
 def test_a_rank_reads_only_its_own_tensor_list(checkpoint, tmp_path):

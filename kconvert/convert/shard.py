@@ -30,7 +30,7 @@ from kconvert.convert.layout import Layout
 from kconvert.convert.output_dir import check_paths, copy_side_files, remove_stale_temporaries
 from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.shard_pipeline import Pipeline, plan_pipeline
-from kconvert.convert.shard_outputs import Output, WorkItem
+from kconvert.convert.shard_outputs import WorkItem
 from kconvert.convert.shard_plan import plan_items
 from kconvert.convert.run import Run, RunResult, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
@@ -95,9 +95,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
                              layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
                              tied=bool(ck.model.text_config.get("tie_word_embeddings")))
         items = pipe.items
-        for w in items:  # every output's tensor specs (the writers' headers, the stacks, the catalog ask them) made
-            list(map(Output.specs, w.outputs))  # now, to be frozen with the plan: 100k+ tuples the collector skips
-        freeze()
+        freeze()  # every output's specs included (plan_items makes them): 100k+ tuples the collector skips
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
     calibration = None

@@ -75,7 +75,7 @@ class _Plan:
                         raise _PerName from None
                     if plan is None:
                         raise _PerName
-                    plan = plans[key] = self._targets(items, unit, t, plan)
+                    plan = plans[key] = _targets(items, unit, plan)
                 _add(name, info, plan)
         return items
 
@@ -94,7 +94,7 @@ class _Plan:
                 if copy.whole:
                     whole_copies.add(name)
                 continue
-            _add(name, info, self._targets(items, unit_of(info), t, plan))
+            _add(name, info, _targets(items, unit_of(info), plan))
         return items, misaligned, whole_copies
 
     def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
@@ -104,9 +104,11 @@ class _Plan:
         return quant, self.copies[t.format] if quant else None
 
     def _pieces(self, info: TensorInfo, t, quant: bool, copy: LosslessCopy | None) -> list[tuple] | None:
-        """(piece, its shape, transform, the lossless copy it takes) per rank; None: a piece cuts inside a scale
-        block and --requantize was not given. UsageError: a dim that does not divide, a shape the scheme refuses."""
+        """(rank, every field of its Output but src and info, its specs' suffixes or None) per rank; None: a piece
+        cuts inside a scale block and --requantize was not given. UsageError: a dim that does not divide, a shape
+        the scheme refuses. What all the tensors of a bucket's expert group share, worked out once."""
         scheme, opts, pol, out = self.policy.quant, self.policy.options, self.policy, []
+        dtype, options = t.stored_dtype, (pol.scale_format, pol.group_size, pol.int4_scales)
         form = stack_form(t) if t.numel <= STACK_ELEMS else None
         form = None if form is None else self.forms.setdefault(form, len(self.forms))
         for p in pieces(info, t.shape, self.layout, self.n_experts):
@@ -123,36 +125,36 @@ class _Plan:
                 transform = piece_copy.transform
             if quant and piece_copy is None and (why := scheme.misfit(tuple(shape), opts)):
                 raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
-            how = (transform, pol.scale_format, pol.group_size, pol.int4_scales)
-            out.append((p, tuple(shape), transform, piece_copy, _stack_part(form, p, piece_copy, info, how),
-                        bytes_of(tuple(shape), t.stored_dtype, *how)[0]))
+            shape, how = tuple(shape), (transform, *options)
+            out.append((p.rank, dict(zip(OUTPUT_FIELDS[2:], (
+                p, transform, shape, dtype, *options, piece_copy, _stack_part(form, p, piece_copy, info, how),
+                bytes_of(shape, dtype, *how)[0]))), spec_suffixes(transform, shape, dtype, *options)))
         return out
 
-    def _targets(self, items: dict, unit: str, t, plan: list[tuple]) -> list[tuple[list, dict, tuple | None]]:
-        """A plan's pieces as (the rank's output list, every field of its Output but src and info, its specs'
-        suffixes): what all the tensors a plan serves share, worked out once."""
-        pol, dtype, out = self.policy, t.stored_dtype, []
-        for p, shape, transform, piece_copy, stack_part, bytes_in in plan:
-            item = items.get((unit, p.rank))
-            if item is None:
-                item = items[(unit, p.rank)] = WorkItem(p.rank, unit)
-            how = (pol.scale_format, pol.group_size, pol.int4_scales)
-            out.append((item.outputs, dict(zip(OUTPUT_FIELDS[2:], (
-                p, transform, shape, dtype, *how, piece_copy, stack_part, bytes_in))),
-                spec_suffixes(transform, shape, dtype, *how)))
-        return out
+
+def _targets(items: dict, unit: str, plan: list[tuple]) -> list[tuple[list, dict, tuple | None]]:
+    """A plan's pieces with their rank's output list (in `unit`'s file) in place of the rank."""
+    out = []
+    for rank, fields_, suffixes in plan:
+        item = items.get((unit, rank))
+        if item is None:
+            item = items[(unit, rank)] = WorkItem(rank, unit)
+        out.append((item.outputs, fields_, suffixes))
+    return out
 
 
 def _add(name: str, info: TensorInfo, targets: list[tuple[list, dict, tuple | None]]) -> None:
-    """Tensor `name`'s Outputs, one per target, with their specs where their names are `name` + suffixes
-    (Output(...) as fast as a plain object: a frozen dataclass's __init__ sets each field through
-    object.__setattr__, which was most of planning 150k outputs)."""
+    """Tensor `name`'s Outputs, one per target, their specs included: `name` + the suffixes, or the scheme's own
+    where spec names are not the source's name + a suffix (Output(...) as fast as a plain object: a frozen
+    dataclass's __init__ sets each field through object.__setattr__, which was most of planning 150k outputs)."""
     for outputs, fields_, suffixes in targets:
         o = _new_output(Output)
         d = o.__dict__
         d.update(fields_)
         d["src"], d["info"] = name, info
-        if suffixes is not None:
+        if suffixes is None:
+            o.specs()  # (cached beside the fields)
+        else:
             d["_specs"] = tuple([(name + suffix, tag, shape) for suffix, tag, shape in suffixes])
         outputs.append(o)
 

@@ -204,6 +204,27 @@ def test_frozen_gc_unfreezes_what_it_froze_and_leaves_a_callers_freeze():
         gc.unfreeze()
 
 
+def test_a_library_shard_keeps_nothing_alive_after_it_returns(checkpoint, tmp_path, monkeypatch):
+    """Only a process that ends with os._exit (cli.main.entry) keeps a conversion's source and plan to the end;
+    a library caller gets them freed when shard returns."""
+    import weakref
+
+    from kconvert.io import gc_pause
+    from kconvert.source.checkpoint import Checkpoint
+
+    opened = []
+    real_open = Checkpoint.open.__func__
+    monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, *a, **k: opened.append(real_open(cls, *a, **k))
+                                                        or opened[-1]))
+    src = checkpoint("topo-k25", layers=2, experts=4)
+    shard(ShardJob(str(src), str(tmp_path / "lib"), tp=2))
+    ck = weakref.ref(opened.pop())
+    assert gc_pause._kept is None and ck() is None
+    monkeypatch.setattr(gc_pause, "_kept", None)
+    gc_pause.end_without_teardown()
+    shard(ShardJob(str(src), str(tmp_path / "cli"), tp=2))
+    assert opened[-1] in gc_pause._kept
+
 def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(checkpoint, tmp_path, monkeypatch):
     """A source read error in a stack: the unit again, weight by weight (same bytes); a write error: raised."""
     from kconvert.errors import DiskFullError

@@ -34,7 +34,7 @@ from kconvert.convert.shard_outputs import WorkItem
 from kconvert.convert.shard_plan import plan_items
 from kconvert.convert.run import Run, RunResult, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
-from kconvert.io.gc_pause import frozen_gc, paused_gc
+from kconvert.io.gc_pause import frozen_gc, keep_to_exit, paused_gc
 from kconvert.io.safetensors_write import commit_all
 from kconvert.io.window import ordered_window
 
@@ -167,6 +167,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     result.bytes_out = sum(result.per_rank_bytes.values())
     if calibration is not None:
         result.details["calibration"] = {**calibration.record, "layers": calibration.figures}
+    keep_to_exit(ck, pipe, cat)
     return run.done()
 
 

@@ -64,7 +64,7 @@ class Output:
         return bytes_of(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
                       self.int4_scales)[0]
 
-    @property
+    @functools.cached_property  # (set by the plan too, as bytes_in is)
     def bytes_out(self) -> int:
         """The tensor bytes it writes (quantized, scales included)."""
         return bytes_of(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
@@ -135,4 +135,4 @@ class WorkItem:
 
 _BYTES_IN, SRC = attrgetter("bytes_in"), attrgetter("src")
 # an Output's fields, then what the plan sets beside them (shard_plan._add: one dict update an output)
-OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "bytes_in")
+OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "bytes_in", "bytes_out")

@@ -128,7 +128,7 @@ class _Plan:
             shape, how = tuple(shape), (transform, *options)
             out.append((p.rank, dict(zip(OUTPUT_FIELDS[2:], (
                 p, transform, shape, dtype, *options, piece_copy, _stack_part(form, p, piece_copy, info, how),
-                bytes_of(shape, dtype, *how)[0]))), spec_suffixes(transform, shape, dtype, *options)))
+                *bytes_of(shape, dtype, *how)))), spec_suffixes(transform, shape, dtype, *options)))
         return out
 
 

@@ -14,17 +14,21 @@ import msgspec
 from kconvert.errors import CheckpointError, KConvertError
 from kconvert.io.atomic import write_error
 from kconvert.io.compact_json import compact_json
-from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_bytes, read_json
 
 JOURNAL_DIR = ".kconvert"
 PACK_STATE = "pack.json"  # in JOURNAL_DIR while `kconvert pack` / `unpack` is converting the directory
 
 
-def _decode(line: str):
+def _decode(line: bytes, log: Path):
     try:
-        return msgspec.json.decode(line)
+        return msgspec.json.decode(line)  # (it checks the UTF-8 of what it decodes)
     except msgspec.DecodeError:  # anything it refuses (a torn line, NaN): json.loads decides, as it always has
-        return json.loads(line)
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError("not UTF-8 text", file=str(log)) from None
+        return json.loads(text)
 
 
 def read_done(logs: Iterable[Path], out: Path, size_of: Callable[[dict], int | None]) -> dict[str, dict]:
@@ -34,9 +38,9 @@ def read_done(logs: Iterable[Path], out: Path, size_of: Callable[[dict], int | N
     for log in logs:
         if not log.exists():
             continue
-        for line in read_text(log, limit=MAX_TEXT).splitlines():
+        for line in read_bytes(log, limit=MAX_TEXT).splitlines():  # (not decoded as a whole: msgspec checks each line)
             try:  # msgspec first (a line a file: 150k tensor CRCs in all at a release's size), json.loads for the rest
-                rec = _decode(line)
+                rec = _decode(line, log)
                 rel = rec["file"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue

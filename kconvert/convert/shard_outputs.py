@@ -36,8 +36,8 @@ class Output:
     group_size: int = 32  # int4
     int4_scales: str = "mse"  # int4
     copy: LosslessCopy | None = None  # the source parts a lossless copy writes unchanged
-    # what it puts in its weight's stack key (convert/shard_stacks.py): the source's stored form (an id), where
-    # it cuts and how it is stored; None: never stacked. Set by the plan once per bucket (not a field).
+    # what it puts in its weight's stack key (convert/shard_stacks.py): the plan's id of (the source's stored form,
+    # where it cuts, how it is stored); None: never stacked. Set by the plan once per bucket (not a field).
     stack_part = None
 
     @property

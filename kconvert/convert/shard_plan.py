@@ -22,11 +22,12 @@ from kconvert.source.logical import stack_form
 STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized alone (their data sets the pace)
 
 
-def _stack_part(form: int | None, p: Piece, copy, info: TensorInfo, how: tuple) -> tuple | None:
-    """how: (transform, scale_format, group_size, int4_scales): plain values, quick to hash (70k keys a run)."""
+def _stack_part(parts: dict[tuple, int], form: int | None, p: Piece, copy, info: TensorInfo, how: tuple) -> int | None:
+    """A small id per distinct (stored form, cut, how it is stored): a stack key, hashed per weight, stays cheap.
+    how: (transform, scale_format, group_size, int4_scales)."""
     if form is None or copy is not None or info.rule.values_below is not None:
         return None  # read alone, a lossless copy, a table checked by value
-    return form, p.dim, p.start, p.stop, how
+    return parts.setdefault((form, p.dim, p.start, p.stop, how), len(parts))
 
 
 def unit_of(info: TensorInfo) -> str:
@@ -53,7 +54,8 @@ class _Plan:
         self.ck, self.layout, self.policy, self.requantize, self.keep_mtp = ck, layout, policy, requantize, keep_mtp
         self.n_experts = ck.model.text.expert_count
         self.copies: dict[str, LosslessCopy | None] = {}  # by source format: the same answer for 70k tensors
-        self.forms: dict[tuple, int] = {}  # stored form -> a small id (a stack key hashed per weight stays cheap)
+        self.forms: dict[tuple, int] = {}  # stored form -> a small id
+        self.stack_parts: dict[tuple, int] = {}  # (form id, cut, how) -> a small id (_stack_part)
 
     def by_bucket(self) -> dict[tuple[str, int], WorkItem]:
         items: dict[tuple[str, int], WorkItem] = {}
@@ -127,7 +129,7 @@ class _Plan:
                 raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
             shape, how = tuple(shape), (transform, *options)
             out.append((p.rank, dict(zip(OUTPUT_FIELDS[2:], (
-                p, transform, shape, dtype, *options, piece_copy, _stack_part(form, p, piece_copy, info, how),
+                p, transform, shape, dtype, *options, piece_copy, _stack_part(self.stack_parts, form, p, piece_copy, info, how),
                 *bytes_of(shape, dtype, *how)))), spec_suffixes(transform, shape, dtype, *options)))
         return out
 

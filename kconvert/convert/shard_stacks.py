@@ -17,11 +17,10 @@ from operator import attrgetter, itemgetter
 
 import torch
 
-from kconvert.convert.shard_outputs import Output, options_of
+from kconvert.convert.shard_outputs import Output
 from kconvert.io.dtypes import TAGS
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.quant import stacked
-from kconvert.quant.registry import scheme_of_transform
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.stacked import read_stack
 
@@ -37,7 +36,7 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
     jobs: list[str | list[str]] = []
     open_stack: dict[tuple, list[str]] = {}
     most: dict[tuple, int] = {}  # key -> weights a stack of it holds at most
-    stackable: dict[tuple, bool] = {}  # (transform, options) -> whether quant/stacked.py does it
+    stackable: dict[tuple, bool] = {}  # key -> whether every output of it is one quant/stacked.py does
     for src in order:
         key = _key(src, by_src[src], codes, stackable)
         if key is None:
@@ -54,18 +53,13 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
 
 
 def _key(src: str, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool]) -> tuple | None:
-    """Every output's stack_part (the plan's: the source's stored form, the cut, the storage), or None: alone."""
+    """Every output's stack_part (the plan's id of the source's stored form, the cut, the storage), or None: alone."""
     parts = tuple(map(_STACK_PART, map(_OUTPUT, pairs)))
-    if None in parts or (codes and src in codes):
-        return None
-    for how in {part[-1] for part in parts}:
-        ok = stackable.get(how)
-        if ok is None:
-            scheme = scheme_of_transform(how[0])
-            ok = stackable[how] = scheme is None or stacked.supports(scheme, options_of(*how[1:]))
-        if not ok:
-            return None
-    return parts
+    ok = stackable.get(parts)
+    if ok is None:  # once per distinct key: every output stackable, and stored in a way quant/stacked.py does
+        ok = stackable[parts] = None not in parts and all(
+            o.scheme is None or stacked.supports(o.scheme, o.options) for _, o in pairs)
+    return parts if ok and not (codes and src in codes) else None
 
 
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:

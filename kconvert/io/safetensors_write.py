@@ -54,6 +54,9 @@ def tensor_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+
+
 class SafetensorsWriter:
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
         self.path = Path(path)
@@ -81,9 +84,11 @@ class SafetensorsWriter:
         self._stage = bytearray(self.total) if self.total <= STAGE_BYTES else None
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
-                                           0o644)
+            try:
+                self._fd: int | None = os.open(self.tmp, _CREATE, 0o644)
+            except FileNotFoundError:  # its folder is not there yet (made here, not asked about for every file)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.tmp, _CREATE, 0o644)
         except OSError as e:
             raise write_error(e, self.path) from None
         self._finished = False

@@ -180,6 +180,7 @@ def main(argv=None) -> int:
     row("safetensors safe_open + keys + shapes", {"wall": listing, "cpu": listing}, stored, base=in_process)
     r = kconvert("inspect", src, "--json")
     row("inspect", r, stored, r["rss"])
+    weights = json.loads(r["stdout"])["tensors"]  # logical source tensors: a weight and its scales are one
     r = kconvert("plan", src, "--tp", a.tp, "--quant", "fp8", "--json")
     row(f"plan --tp {a.tp} --quant fp8", r, stored, r["rss"])
     out = {}
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
         beyond, data, fixed, r = sorted(rounds, key=lambda x: x[0])[len(rounds) // 2]  # the median round
         row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],
             f"same formats and bytes in large tensors: {data:.1f} s CPU (fixed cost {fixed:.1f} s); beyond that: "
-            f"{1e6 * beyond / n_out:.1f} us per written tensor, {1e6 * beyond / stored:.1f} per stored source tensor "
+            f"{1e6 * beyond / n_out:.1f} us per written tensor, {1e6 * beyond / stored:.1f} per stored source tensor, "
+            f"{1e6 * beyond / weights:.1f} per source weight "
             f"(median of {a.rounds} rounds: {', '.join(f'{1e6 * x[0] / n_out:.1f}' for x in rounds)})")
     fp8 = out["fp8"]
     files = json.loads((fp8 / "kconvert.json").read_text())["files"]

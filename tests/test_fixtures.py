@@ -25,7 +25,7 @@ def build(checkpoint, preset: str) -> Path:
 def test_presets_listed():
     assert set(PRESETS) == {"tiny-k3", "tiny-dsv32", "tiny-k3-fp8", "tiny-k3-int4", "small-k3", "scale",
                             "tiny-k3-4l", "tiny-dsv32-4l", "tiny-dsv4", "tiny-dsv4-flash",
-                            "tiny-k3-trained", "tiny-dsv32-trained", "tiny-k3-trained-wide", "topo-k25",
+                            "tiny-k3-trained", "tiny-dsv32-trained", "tiny-k3-trained-wide", "topo-k25", "topo-k25-bf16",
                             "topo-dsv4-pro", "tiny-dsv4-trained", "tiny-k3v4", "tiny-k3v4-trained"}
     assert all(isinstance(v, str) and v and "\n" not in v for v in PRESETS.values())
 

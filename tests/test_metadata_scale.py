@@ -52,6 +52,9 @@ def test_topology_overrides_build_valid_checkpoints(checkpoint):
     k25 = summarize(Checkpoint.open(checkpoint("topo-k25", layers=3, experts=8)))
     assert (k25.model["layers"], k25.model["routed_experts"]) == (3, 8)
     assert {r["format"]: r["tensors"] for r in k25.formats}["int4_packed"] == 2 * 8 * 3  # 2 MoE layers
+    bf16 = summarize(Checkpoint.open(checkpoint("topo-k25-bf16", layers=3, experts=8)))  # the same weights, as is
+    assert {r["format"] for r in bf16.formats} == {"plain"} and bf16.tensors == k25.tensors
+    assert bf16.quantization is None and k25.quantization is not None
     v4 = summarize(Checkpoint.open(checkpoint("topo-dsv4-pro", layers=3, experts=8)))
     formats = {r["format"]: r["tensors"] for r in v4.formats}
     assert (v4.model["layers"], v4.model["mtp_layers"]) == (3, 1) and formats["fp4_packed"] == 4 * 8 * 3

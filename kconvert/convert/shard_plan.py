@@ -128,9 +128,10 @@ class _Plan:
             if quant and piece_copy is None and (why := scheme.misfit(tuple(shape), opts)):
                 raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
             shape, how = tuple(shape), (transform, *options)
+            part = _stack_part(self.stack_parts, form, p, piece_copy, info, how)
             out.append((p.rank, dict(zip(OUTPUT_FIELDS[2:], (
-                p, transform, shape, dtype, *options, piece_copy, _stack_part(self.stack_parts, form, p, piece_copy, info, how),
-                *bytes_of(shape, dtype, *how)))), spec_suffixes(transform, shape, dtype, *options)))
+                p, transform, shape, dtype, *options, piece_copy, part, *bytes_of(shape, dtype, *how)))),
+                        spec_suffixes(transform, shape, dtype, *options)))
         return out
 
 

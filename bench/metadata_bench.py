@@ -78,6 +78,11 @@ def shard_round(root: Path, quant: str, tp: int, checkpoints: tuple[Path, Path, 
     return cpu["topo"]["cpu"] - startup - data, data, fixed, cpu["topo"]
 
 
+def written_tensors(out: Path) -> int:
+    """Tensors a conversion wrote, every rank's (its kconvert.json)."""
+    return sum(e["tensors"] for e in json.loads((out / "kconvert.json").read_text())["tensors_by_rank"])
+
+
 def tensor_bytes(src: Path) -> int:
     """Bytes of tensor data in a checkpoint's files (headers aside: 208k entries make ~20 MB of them)."""
     total = 0
@@ -188,7 +193,7 @@ def main(argv=None) -> int:
         out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"
         rounds = [shard_round(ROOT, quant, a.tp, (src, fixed_src, big), out[quant], startup["cpu"], source_bytes / big_bytes)
                   for _ in range(a.rounds)]
-        n_out = sum(e["tensors"] for e in json.loads((out[quant] / "kconvert.json").read_text())["tensors_by_rank"])
+        n_out = written_tensors(out[quant])
         beyond, data, fixed, r = sorted(rounds, key=lambda x: x[0])[len(rounds) // 2]  # the median round
         row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],
             f"same formats and bytes in large tensors: {data:.1f} s CPU (fixed cost {fixed:.1f} s); beyond that: "

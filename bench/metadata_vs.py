@@ -15,11 +15,11 @@ seconds of each process; shard: microseconds per written tensor beyond its data)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
-from metadata_bench import FIXED, ROOT, WIDE, json_floor, kconvert, shard_round, tensor_bytes, variant
+from metadata_bench import (FIXED, ROOT, WIDE, json_floor, kconvert, shard_round, tensor_bytes, variant,
+                             written_tensors)
 
 
 def main(argv=None) -> int:
@@ -51,8 +51,7 @@ def main(argv=None) -> int:
             for quant in quants:
                 out = a.work / f"vs-{tree}-{quant}"
                 beyond = shard_round(root, quant, a.tp, checkpoints, out, cpu[(tree, "start-up")][-1], scale)[0]
-                written = sum(e["tensors"] for e in json.loads((out / "kconvert.json").read_text())["tensors_by_rank"])
-                per_tensor.setdefault((tree, quant), []).append(1e6 * beyond / written)
+                per_tensor.setdefault((tree, quant), []).append(1e6 * beyond / written_tensors(out))
         floor.append(json_floor(src)[0])
     f = statistics.median(floor)
     print(f"{src}: medians of {a.rounds} interleaved rounds, CPU s; json.loads of the headers {f:.2f} s")

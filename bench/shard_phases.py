@@ -3,7 +3,8 @@
 Runs `shard` on SRC with its unit pool replaced by a synchronous one (every phase on this thread, so CPU
 time is attributed exactly) and prints CPU seconds of: opening the source (headers, canonical names,
 folding), planning (validation included), writing the units (read, transform, write), committing them,
-kconvert.json and the rank lists, and the rest (fingerprint, journal, output checks). Per written tensor
+kconvert.json and the rank lists, and the rest (fingerprint, journal, output checks); writing the units also
+by part (its stacks by size, opening and finishing the files, planning the stacks). Per written tensor
 the figures say what metadata_bench.py's "beyond data" is made of.
 
     .venv/bin/python bench/shard_phases.py /tmp/kmeta/topo-k25-L-E --quant fp8 --tp 8
@@ -22,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from metadata_bench import written_tensors  # noqa: E402 (a sibling script: bench/ is this script's folder)
 
 
 class SyncPool:
@@ -54,15 +57,18 @@ def main(argv=None) -> int:
     import kconvert.convert.shard as sh
     from kconvert.source.checkpoint import Checkpoint
 
-    cpu: collections.Counter = collections.Counter()
+    import kconvert.convert.shard_unit as su
 
-    def timed(name, fn):
+    cpu: collections.Counter = collections.Counter()
+    units: collections.Counter = collections.Counter()  # parts of "write units" (not added to the phases)
+
+    def timed(name, fn, into=cpu):
         def run(*args, **kw):
             t = time.process_time()
             try:
                 return fn(*args, **kw)
             finally:
-                cpu[name] += time.process_time() - t
+                into[name(*args) if callable(name) else name] += time.process_time() - t
         return run
 
     sh.ThreadPoolExecutor = SyncPool
@@ -71,19 +77,26 @@ def main(argv=None) -> int:
     for fn, name in (("plan_items", "plan"), ("write_unit", "write units"), ("commit_all", "commit"),
                      ("_write_catalog", "kconvert.json + rank lists")):
         setattr(sh, fn, timed(name, getattr(sh, fn)))
+    for fn, name in (("_open", "opening each unit's files"), ("plan_jobs", "stack planning"),
+                     ("_finish", "finishing files (CRC, one write)"),
+                     ("write_stack", lambda ck, srcs, by_src: "stacks of %s weights" % ("> 16" if len(srcs) > 16
+                                                                                     else "1-16"))):
+        setattr(su, fn, timed(name, getattr(su, fn), units))
     out = Path(tempfile.mkdtemp(prefix="shard-phases-"))
     try:
         t = time.process_time()
         sh.shard(sh.ShardJob(str(a.src), str(out / "out"), tp=a.tp, quant=a.quant, workers=1))
         total = time.process_time() - t
-        written = sum(e["tensors"] for e in __import__("json").loads((out / "out" / "kconvert.json").read_text())
-                      ["tensors_by_rank"])
+        written = written_tensors(out / "out")
     finally:
         shutil.rmtree(out, ignore_errors=True)
     cpu["rest (fingerprint, journal, checks)"] = total - sum(cpu.values())
     print(f"shard --tp {a.tp} --quant {a.quant}: {total:.2f} s CPU, {written} tensors written")
     for name, s in cpu.items():
         print(f"  {name:36s} {s:6.2f} s  {1e6 * s / written:6.1f} us/tensor")
+        if name == "write units":
+            for part, s in sorted(units.items(), key=lambda kv: -kv[1]):  # (their data included)
+                print(f"    {part:34s} {s:6.2f} s")
     return 0
 
 

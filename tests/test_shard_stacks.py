@@ -225,6 +225,7 @@ def test_a_library_shard_keeps_nothing_alive_after_it_returns(checkpoint, tmp_pa
     shard(ShardJob(str(src), str(tmp_path / "cli"), tp=2))
     assert opened[-1] in gc_pause._kept
 
+
 def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(checkpoint, tmp_path, monkeypatch):
     """A source read error in a stack: the unit again, weight by weight (same bytes); a write error: raised."""
     from kconvert.errors import DiskFullError

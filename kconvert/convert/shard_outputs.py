@@ -121,10 +121,7 @@ class WorkItem:
         return unit_file(self.rank, self.unit)
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        try:  # the plan made every output's specs (shard_plan._add): read at C speed
-            return list(chain.from_iterable(map(_SPECS, self.outputs)))
-        except AttributeError:  # an output made elsewhere: its specs are worked out on first ask
-            return list(chain.from_iterable(map(Output.specs, self.outputs)))
+        return list(chain.from_iterable(map(_SPECS, self.outputs)))  # the plan made each output's (shard_plan._add)
 
     @property
     def bytes_in(self) -> int:
@@ -133,9 +130,10 @@ class WorkItem:
     @property
     def bytes_out(self) -> int:
         """The tensor bytes this file will hold (quantized, scales included; header aside)."""
-        return sum(o.bytes_out for o in self.outputs)
+        return sum(map(_BYTES_OUT, self.outputs))
 
 
-_BYTES_IN, SRC, _SPECS = attrgetter("bytes_in"), attrgetter("src"), attrgetter("_specs")
+_BYTES_IN, _BYTES_OUT, _SPECS = attrgetter("bytes_in"), attrgetter("bytes_out"), attrgetter("_specs")
+SRC = attrgetter("src")
 # an Output's fields, then what the plan sets beside them (shard_plan._add: one dict update an output)
 OUTPUT_FIELDS = (*(f.name for f in fields(Output)), "stack_part", "bytes_in", "bytes_out")

@@ -22,7 +22,8 @@ from kconvert.source.logical import stack_form
 STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized alone (their data sets the pace)
 
 
-def _stack_part(parts: dict[tuple, int], form: int | None, p: Piece, copy, info: TensorInfo, how: tuple) -> int | None:
+def _stack_part(parts: dict[tuple, int], form: tuple | None, p: Piece, copy, info: TensorInfo,
+                how: tuple) -> int | None:
     """A small id per distinct (stored form, cut, how it is stored): a stack key, hashed per weight, stays cheap.
     how: (transform, scale_format, group_size, int4_scales)."""
     if form is None or copy is not None or info.rule.values_below is not None:
@@ -54,8 +55,7 @@ class _Plan:
         self.ck, self.layout, self.policy, self.requantize, self.keep_mtp = ck, layout, policy, requantize, keep_mtp
         self.n_experts = ck.model.text.expert_count
         self.copies: dict[str, LosslessCopy | None] = {}  # by source format: the same answer for 70k tensors
-        self.forms: dict[tuple, int] = {}  # stored form -> a small id
-        self.stack_parts: dict[tuple, int] = {}  # (form id, cut, how) -> a small id (_stack_part)
+        self.stack_parts: dict[tuple, int] = {}  # (stored form, cut, how) -> a small id (_stack_part)
 
     def by_bucket(self) -> dict[tuple[str, int], WorkItem]:
         items: dict[tuple[str, int], WorkItem] = {}
@@ -112,7 +112,6 @@ class _Plan:
         scheme, opts, pol, out = self.policy.quant, self.policy.options, self.policy, []
         dtype, options = t.stored_dtype, (pol.scale_format, pol.group_size, pol.int4_scales)
         form = stack_form(t) if t.numel <= STACK_ELEMS else None
-        form = None if form is None else self.forms.setdefault(form, len(self.forms))
         for p in pieces(info, t.shape, self.layout, self.n_experts):
             shape = list(t.shape)
             if p.dim is not None:

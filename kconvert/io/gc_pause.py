@@ -56,7 +56,7 @@ def end_without_teardown() -> None:
 
 def keep_to_exit(*objs) -> None:
     """Keep a command's large structures (a conversion's source headers and plan: 1M+ objects) alive in a process
-    that ends without teardown, so they are not freed object by object when the command returns (~0.1 s on
-    topo-k25). Elsewhere (a library caller, the test suite) a no-op: they are freed as usual."""
+    that ends without teardown, so they are not freed object by object when the command returns. Elsewhere (a
+    library caller, the test suite) a no-op: they are freed as usual."""
     if _kept is not None:
         _kept.extend(objs)

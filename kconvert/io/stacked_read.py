@@ -14,7 +14,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from kconvert.io.pread import pread_into
+from kconvert.io.pread import pread_into, read_bytes
 from kconvert.io.safetensors_read import TensorEntry
 
 _FILE, _BEGIN = itemgetter(1), itemgetter(4)  # of a TensorEntry
@@ -29,14 +29,10 @@ def read_stacked(entries: list[TensorEntry]) -> torch.Tensor:
     release's layer stacks hundreds of experts' parts, and a Python step per tensor was most of the read."""
     first, n = entries[0], len(entries)
     size = first.nbytes
-    out = np.empty((n, size), dtype=np.uint8)
     if n == 1:  # a weight alone: one read, none of the run-finding
-        fd = os.open(first.file, os.O_RDONLY)
-        try:
-            pread_into(fd, memoryview(out[0]), first.begin, first.file, first.name)
-        finally:
-            os.close(fd)
+        out = np.frombuffer(read_bytes(first.file, first.begin, size, tensor=first.name), np.uint8)
         return torch.from_numpy(out).view(first.torch_dtype).reshape(1, *first.shape)
+    out = np.empty((n, size), dtype=np.uint8)
     begins = np.fromiter(map(_BEGIN, entries), dtype=np.int64, count=n)
     files = list(map(_FILE, entries))
     if files.count(files[0]) == n:  # the usual case: one file

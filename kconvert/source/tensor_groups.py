@@ -11,12 +11,11 @@ not tensors.
 
 from __future__ import annotations
 
-from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from kconvert.family.manifest import ModelMap, Rule, TensorInfo
 from kconvert.errors import ManifestError
-from kconvert.source.logical import LogicalTensor, stored_form
+from kconvert.source.logical import LogicalTensor, stored_alike, stored_form
 from kconvert.source.stored_parts import check_scale_shape
 
 FLOAT_TAGS = ("F16", "BF16", "F32", "F64")
@@ -74,7 +73,7 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
         at = [i for i, t in enumerate(found) if t is not None] if absent else range(len(names))
         tensors = [found[i] for i in at] if absent else found
         experts = ([i if index is None else index[i] for i in at] if "{E}" in rule.pattern else [None] * len(at))
-        if _alike(tensors):  # the usual case: every expert of a layer stored alike
+        if stored_alike(tensors):  # the usual case: every expert of a layer stored alike
             buckets.append(Bucket(rule, layer, [names[i] for i in at] if absent else names, experts, tensors[0]))
             continue
         by_form: dict[tuple, Bucket] = {}
@@ -93,26 +92,6 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
         else:
             buckets.append(Bucket(info.rule, info.layer, [name], [info.expert], logical[name]))
     return Grouped(buckets, rest, missing)
-
-
-def _alike(tensors: list[LogicalTensor]) -> bool:
-    """Whether every tensor's stored_form is the first one's (format, shape, each part's role, dtype and shape, in
-    order), in a few whole-list passes rather than a form built per tensor (70k of them at a release's size)."""
-    t0 = tensors[0]
-    if len(tensors) == 1:
-        return True
-    parts = list(map(_PARTS, tensors))
-    if set(map(_FORMAT, tensors)) != {t0.format} or set(map(_SHAPE, tensors)) != {t0.shape} \
-            or set(map(tuple, parts)) != {tuple(t0.parts)}:
-        return False
-    for role, p0 in t0.parts.items():
-        entries = list(map(itemgetter(role), parts))
-        if set(map(_DTYPE, entries)) != {p0.dtype} or set(map(_SHAPE, entries)) != {p0.shape}:
-            return False
-    return True
-
-
-_PARTS, _FORMAT, _SHAPE, _DTYPE = attrgetter("parts"), attrgetter("format"), attrgetter("shape"), attrgetter("dtype")
 
 
 def check_tensor(t: LogicalTensor, info: TensorInfo, block: tuple[int, int], group: int) -> None:

@@ -3,8 +3,8 @@
 Runs `shard` on SRC with its unit pool replaced by a synchronous one (every phase on this thread, so CPU
 time is attributed exactly) and prints CPU seconds of: opening the source (headers, canonical names,
 folding), planning (validation included), writing the units (read, transform, write), committing them,
-kconvert.json and the rank lists, and the rest (fingerprint, journal, output checks); writing the units also
-by part (its stacks by size, opening and finishing the files, planning the stacks). Per written tensor
+kconvert.json and the rank lists, the source's fingerprint, and the rest (journal, output checks); writing
+the units also by part (its stacks by size, opening and finishing the files, planning the stacks). Per written tensor
 the figures say what metadata_bench.py's "beyond data" is made of.
 
     .venv/bin/python bench/shard_phases.py /tmp/kmeta/topo-k25-L-E --quant fp8 --tp 8
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     sh.ThreadPoolExecutor = SyncPool
     opener = Checkpoint.open.__func__
     Checkpoint.open = classmethod(lambda cls, *args, **kw: timed("open source", opener)(cls, *args, **kw))
+    Checkpoint.fingerprint = timed("source fingerprint", Checkpoint.fingerprint)
     for fn, name in (("plan_items", "plan"), ("write_unit", "write units"), ("commit_all", "commit"),
                      ("_write_catalog", "kconvert.json + rank lists")):
         setattr(sh, fn, timed(name, getattr(sh, fn)))
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
         written = written_tensors(out / "out")
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    cpu["rest (fingerprint, journal, checks)"] = total - sum(cpu.values())
+    cpu["rest (journal, checks)"] = total - sum(cpu.values())
     print(f"shard --tp {a.tp} --quant {a.quant}: {total:.2f} s CPU, {written} tensors written")
     for name, s in cpu.items():
         print(f"  {name:36s} {s:6.2f} s  {1e6 * s / written:6.1f} us/tensor")

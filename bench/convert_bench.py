@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _cli import measured  # noqa: E402
 from cli.units import fmt_bytes, parse_size  # noqa: E402
 
 
@@ -37,15 +38,14 @@ def timed(cmd: list[str], out: Path) -> dict:
     subprocess.run(["sync"], check=True)
     load = os.getloadavg()[0]
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-2000:]}")
+    r = measured(cmd, stdout=subprocess.DEVNULL)  # the command's own peak RSS, not this process's (bench/_cli.py)
+    if r["returncode"] != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{r['stderr'][-2000:]}")
     subprocess.run(["sync"], check=True)
     wall = time.perf_counter() - t
     written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.exists() else 0
     shutil.rmtree(out, ignore_errors=True)
-    return {"seconds": wall, "cpu": usage.ru_utime + usage.ru_stime, "peak_rss": usage.ru_maxrss * 1024,
+    return {"seconds": wall, "cpu": r["cpu"], "peak_rss": r["peak_rss"],
             "written": written, "load": load}
 
 

@@ -23,14 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _cli import measured  # noqa: E402
+
 KCONVERT = """
-import json, resource, sys, time
+import json, sys, time
 from kconvert.load.loader import open_converted
 t = time.perf_counter(); conv = open_converted(sys.argv[1]); held = dict(conv.stream("cpu", prefetch=2))
-print(json.dumps({"s": time.perf_counter() - t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"s": time.perf_counter() - t}))
 """
 ST_COPY = """
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -44,22 +46,24 @@ t = time.perf_counter()
 for f in files:
     for k, v in load_file(f).items():
         params[k].copy_(v)
-print(json.dumps({"s": time.perf_counter() - t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"s": time.perf_counter() - t}))
 """
 HF = """
-import json, resource, sys, time, torch, transformers
+import json, sys, time, torch, transformers
 cfg = json.load(open(sys.argv[1] + "/config.json"))
 cls = getattr(transformers, cfg["architectures"][0])
 t = time.perf_counter(); m = cls.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
-print(json.dumps({"s": time.perf_counter() - t, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"s": time.perf_counter() - t}))
 """
 
 
 def run(code: str, arg: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", code, arg], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(r.stderr[-2000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """One contender in its own process: its timed seconds, and its own peak RSS (bench/_cli.measured: not this
+    process's, which built the fixtures)."""
+    r = measured([sys.executable, "-c", code, arg])
+    if r["returncode"]:
+        raise RuntimeError(r["stderr"][-2000:])
+    return {**json.loads(r["stdout"].strip().splitlines()[-1]), "rss": r["peak_rss"]}
 
 
 def main() -> None:

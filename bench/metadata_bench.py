@@ -38,27 +38,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _cli import measured  # noqa: E402
 WIDE = {"widen": 16, "layers": 3, "experts": 96}  # the data-time checkpoint: same formats, large tensors
 FIXED = {"widen": 1, "layers": 2, "experts": 8}  # shard's fixed cost: the same formats, hardly any tensors
 
 
 def kconvert(*args, root: Path = ROOT) -> dict:
     """Run `kconvert ARGS` in a fresh process, from the tree at `root` (its own kconvert first on sys.path), through
-    the console script's entry point: wall seconds, the process's CPU seconds (all threads, its exit included:
-    from this process's children's usage), its peak RSS, its stdout."""
-    cmd = [sys.executable, "-c", "import atexit, resource, sys; atexit.register(lambda: print('RSS', "
-           "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)); "
-           "from cli.main import entry; sys.argv[0] = 'kconvert'; entry()", *map(str, args)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    rss = next(int(ln.split()[1]) for ln in proc.stderr.splitlines() if ln.startswith("RSS "))
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return {"wall": wall, "rss": rss, "cpu": cpu, "stdout": proc.stdout}
+    the console script's entry point: wall seconds, the process's own CPU seconds (all threads, its exit included)
+    and peak RSS (bench/_cli.measured), its stdout."""
+    r = measured([sys.executable, "-c", "import sys; from cli.main import entry; sys.argv[0] = 'kconvert'; entry()",
+                  *args], cwd=root)
+    if r["returncode"]:
+        raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({r['returncode']}): {r['stderr'][-2000:]}")
+    return {"wall": r["wall"], "rss": r["peak_rss"], "cpu": r["cpu"], "stdout": r["stdout"]}
 
 
 def shard_round(root: Path, quant: str, tp: int, checkpoints: tuple[Path, Path, Path], out: Path, startup: float,

@@ -8,7 +8,6 @@ engine would hold them, so the peak memory is a real one."""
 from __future__ import annotations
 
 import os
-import resource
 import time
 from typing import Callable
 
@@ -16,6 +15,7 @@ import torch
 
 from kconvert import devices
 from kconvert.distributed import Group
+from kconvert.host_memory import peak_rss_bytes
 from kconvert.load.loader import open_converted
 
 Progress = Callable[..., None]  # progress("phase", name=) / ("start", total=bytes) / ("advance", n=bytes) / ("file", path=unit)
@@ -86,7 +86,7 @@ def load_rank(out, *, rank: int | None = None, stage: int | None = None, tp_rank
                     "verify": s.verify_seconds, "copy": s.copy_seconds, "warmup": t_warm,
                     "ready": t_ranks + t_open + t_load + t_warm},
         "GBps": s.bytes / t_load / 1e9 if t_load else 0.0,
-        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_host_rss_bytes": peak_rss_bytes(),
         "peak_device_bytes": devices.memory_allocated_peak(dev),
         "verified": verify,
         "kv": {"dtype": kv_dtype, "budget": kv_budget, "device_budget": kv_device_budget} if warmup else None,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from pathlib import Path
 from kconvert.arguments import path_name
 from kconvert import distributed
 from kconvert.errors import KConvertError
+from kconvert.host_memory import available_memory, peak_rss_bytes
 from kconvert.converted.journal import JOURNAL_DIR, JournalLog, read_done
 from kconvert.convert.output_dir import prepare_out
 from kconvert.io.gc_pause import frozen_gc
@@ -128,7 +128,7 @@ class Run:
 
     def done(self) -> RunResult:
         self.result.seconds = time.perf_counter() - self.t0
-        self.result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.result.peak_rss_bytes = peak_rss_bytes()
         return self.result
 
 
@@ -145,17 +145,6 @@ def default_workers(largest_tensor_bytes: int, quantized: bool) -> int:
     per_worker = max(1, largest_tensor_bytes) * WORKER_BYTES_PER_SOURCE_BYTE[quantized]
     by_memory = int(available_memory() * MEMORY_SHARE) // per_worker
     return max(1, min(cores() + 1, MAX_WORKERS, by_memory))
-
-
-def available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def cores() -> int:

@@ -134,3 +134,27 @@ def test_damaged_checkpoints_get_the_error_a_walk_meets_first(checkpoint, preset
             assert got == want
         seen += want is not None
     assert seen >= 8  # enough draws damage something the manifest sees (folding refuses others first)
+
+
+
+def test_rules_outside_may_overlap_generate_names_no_other_group_does():
+    """group_tensors keeps no record of the names of rules with a name key of their own. That rests on every name
+    a rule generates having the rule's key (so two rules can share a name only if they share a key), checked on
+    every group of every example config; and on no name there coming from two groups unless both rules overlap."""
+    import json
+
+    from kconvert.family.families import manifests_dir
+    from kconvert.family.manifest import bind, name_key
+    from kconvert.source.tensor_groups import may_overlap
+
+    for config in sorted((manifests_dir() / "examples").glob("*/config.json")):
+        model = bind(json.loads(config.read_text()))
+        overlapping, seen = may_overlap(model), {}
+        for rule, layer, _, names in model.expected_groups():
+            ends = {name_key(names[0]), name_key(names[-1])}  # the names differ only in their numbers
+            assert ends == {name_key(rule.pattern)}, (config.parent.name, rule.pattern, layer)
+            for n in names:
+                seen.setdefault(n, []).append(rule)
+        shared = [rules for rules in seen.values() if len(rules) > 1]
+        assert all(id(r) in overlapping for rules in shared for r in rules), config.parent.name
+        assert overlapping, config.parent.name  # the examples do share keys (V4's two gates, K3's projector)

@@ -19,7 +19,7 @@ from kconvert.io.atomic import write_atomic
 from kconvert.io.paths import contained
 from kconvert.converted import rank_tensors
 from kconvert.io.side_files import MAX_CATALOG, read_json
-from kconvert.converted.units import GLOBALS, VISION, is_unit, unit_file, unit_layer
+from kconvert.converted.units import GLOBALS, MANIFEST, VISION, is_unit, unit_file, unit_layer
 from kconvert.quant.registry import SHARD_SCHEMES
 
 FORMAT = "kconvert"
@@ -28,7 +28,6 @@ FORMAT = "kconvert"
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (2, 3, 4)  # a version-2 directory reads as pp = 1; version 1 is refused with "convert again"
 SPLIT_VERSION = 4  # from this version on the tensor lists live per rank
-MANIFEST = "kconvert.json"
 SCHEMES = SHARD_SCHEMES  # what `shard` writes: "none" and every scheme in kconvert/quant/registry.py it offers
 _CRC = re.compile(r"[0-9a-f]{8}")
 

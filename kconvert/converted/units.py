@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+MANIFEST = "kconvert.json"  # a converted directory's catalog (converted/catalog.py), written last
 GLOBALS = "globals"
 VISION = "vision"
 _LAYER = re.compile(r"layer-(\d{4,})")

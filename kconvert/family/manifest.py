@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from itertools import repeat
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -200,7 +201,7 @@ class ModelMap:
         for part in parts:
             for rule in part.rules:
                 fields = tuple(sorted(rule.regex.groupindex, key=rule.regex.groupindex.get))
-                self._index.setdefault(_key(rule.pattern), []).append((rule, fields))
+                self._index.setdefault(name_key(rule.pattern), []).append((rule, fields))
 
     def canonical(self, name: str) -> str:
         """A stored name as the manifest names it: the family's [family.aliases] rules, each once at the start."""
@@ -251,6 +252,7 @@ class ModelMap:
         """The tensors the config implies a (rule, layer) at a time, optional ones included: (rule, layer, required,
         names), in expert order for a per-expert rule (384 experts: one group, not 384 infos)."""
         for part in self.parts:
+            numbers = list(map(str, range(part.expert_count)))  # once a part: names are joined from them in C
             for rule in part.rules:
                 layers = [None] if rule.layers is None else [
                     L for L in range(part.layer_count + part.extra_layers) if part.layer_matches(rule, L)]
@@ -261,14 +263,15 @@ class ModelMap:
                         names = [name]
                     elif name.count("{E}") == 1:
                         head, _, tail = name.partition("{E}")
-                        names = [f"{head}{e}{tail}" for e in range(part.expert_count)]
+                        names = list(map("".join, zip(repeat(head), numbers, repeat(tail))))
                     else:
                         names = [name.replace("{E}", str(e)) for e in range(part.expert_count)]
                     yield rule, L, part.is_required(rule, L), names
 
 
-def _key(name: str) -> str:
-    return _NUM.sub("#", name.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
+def name_key(pattern: str) -> str:
+    """A pattern's numbers (dot-delimited) and placeholders as '#': every name the pattern generates has this key."""
+    return _NUM.sub("#", pattern.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
 
 
 def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:

@@ -36,6 +36,8 @@ def specs_bytes(specs) -> int:
 
 # DeepSeek/Kimi block-FP8: one float32 scale per FP8_BLOCK x FP8_BLOCK block of weights (`weight_scale_inv`).
 FP8_BLOCK = 128
+# MXFP4 (OCP MX spec; DeepSeek-V4's FP4 experts): one e8m0 scale per FP4_GROUP inputs.
+FP4_GROUP = 32
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from kconvert.convert.export_table import EXPORT_FORMATS, format_of
 from kconvert.source.checkpoint import Checkpoint
 
 COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
@@ -88,6 +87,10 @@ def summarize(ck: Checkpoint) -> Summary:
 def _quantization(ck: Checkpoint) -> dict | None:
     """The export format its quantization_config declares (a `kconvert export` or a release in one of those
     formats) and the registry scheme behind it; None when unquantized."""
+    if not ck.quantization_config:
+        return None  # without importing the export table (and the scheme modules): most sources are bf16
+    from kconvert.convert.export_table import EXPORT_FORMATS, format_of
+
     fmt = format_of(ck.quantization_config)
     if fmt == "none":
         return None

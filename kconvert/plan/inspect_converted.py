@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kconvert.converted.catalog import MANIFEST, Catalog
+from kconvert.converted.units import MANIFEST
 
 
 @dataclass
@@ -37,6 +37,8 @@ def is_converted(path: str | Path) -> bool:
 
 
 def summarize_converted(out: str | Path) -> ConvertedSummary:
+    from kconvert.converted.catalog import Catalog  # here: `inspect` of a source checkpoint never needs it
+
     cat = Catalog.read(out)
     per_rank = {r: sum(Catalog.stored_bytes(rec) for rec in cat.rank_files(r).values()) for r in range(cat.world_size)}
     packed = sum(1 for rec in cat.files.values() if rec.get("stored"))

@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.tensor_groups import stored_positions
 from kconvert.convert.layout import Layout, pieces
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.quant.policy import QuantPolicy
@@ -83,15 +84,15 @@ def config_groups(config_json: str, config_file: str = "config.json") -> tuple[M
 def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
     """Groups of a checkpoint's tensors (from its validated buckets), in the order their tensors are stored."""
     grouped = ck.grouped
-    pos = dict(zip(ck.logical, range(len(ck.logical))))
+    pos = stored_positions(ck.logical)
 
     def itemsize(t) -> int:
         return ITEMSIZE[t.main.dtype] if t.format == "plain" else 2
 
     items = []
     for b in grouped.buckets:  # a bucket stands where its first stored tensor stands, and by that tensor
-        first = b.earliest(pos)
-        items.append((pos[first.name], first, b.sample.shape, itemsize(b.sample), [e for e in b.experts if e is not None]))
+        at, first = b.earliest(pos)
+        items.append((at, first, b.sample.shape, itemsize(b.sample), b.experts if b.experts[0] is not None else []))
     return _collapse(item[1:] for item in sorted(items, key=lambda item: item[0]))
 
 

@@ -15,11 +15,11 @@ even code (IEEE round-to-nearest-even on the 1-bit mantissa); a value that round
 
 from __future__ import annotations
 
-from kconvert.io.dtypes import e8m0_to_float
+from kconvert.io.dtypes import FP4_GROUP, e8m0_to_float
 from kconvert.quant.chunks import check_scales, row_chunks
 from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, SourceQuant, Spec, sidecar
 
-GROUP = 32  # MXFP4: one scale per 32 inputs (OCP MX spec, DeepSeek-V4)
+GROUP = FP4_GROUP  # MXFP4: one scale per 32 inputs (io/dtypes.py: folding headers needs it without this module)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E8M0_BIAS, E8M0_MIN, E8M0_MAX = 127, -127, 127  # exponents of bytes 0..254; byte 255 is NaN

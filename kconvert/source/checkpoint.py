@@ -29,7 +29,7 @@ from kconvert.io.side_files import (MAX_CONFIG, MAX_DEPTH, MAX_INDEX, openings_o
                                     read_json)
 from kconvert.source.formats import read_logical
 from kconvert.source.logical import LogicalTensor, fold
-from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors
+from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors, stored_positions
 from kconvert.io.dtypes import FP8_BLOCK
 
 INDEX = "model.safetensors.index.json"
@@ -139,9 +139,9 @@ class Checkpoint:
             except KConvertError:
                 bad.append(b)
         if grouped.rest or bad:  # report what a walk in stored order meets first; a bucket's members fail alike
-            pos = {n: i for i, n in enumerate(self.logical)}
-            failed = [b.earliest(pos) for b in bad]
-            first = min([info.name for info in failed] + grouped.rest[:1], key=pos.__getitem__)
+            pos, at = stored_positions(self.logical), {n: i for i, n in enumerate(self.logical)}
+            failed = [b.earliest(pos)[1] for b in bad]
+            first = min([info.name for info in failed] + grouped.rest[:1], key=at.__getitem__)
             info = next((info for info in failed if info.name == first), None)
             check_tensor(self.logical[first], info or self.info(first), block, group)  # self.info: an unknown name
             raise AssertionError(f"unreachable: {first} failed its check once")

@@ -26,13 +26,10 @@ from kconvert.errors import CheckpointError, NonFiniteError
 from kconvert.io.safetensors_read import TensorEntry, read_tensor
 from kconvert.io.dtypes import FP8_BLOCK, e8m0_to_float
 from kconvert.source.logical import LogicalTensor
-from kconvert.quant.fp4_e2m1 import dequantize_fp4
-from kconvert.quant.fp8_block import dequantize_fp8_block
-from kconvert.quant.int4_group import dequantize_int4
-from kconvert.quant.packing import unpack_int32_words
 
 # torch is imported by the functions that read data (the schemes' modules likewise): folding headers into
-# logical tensors (inspect, plan) must not pay torch's ~1.5 s import
+# logical tensors (inspect, plan) must not pay torch's ~1.5 s import. The dequantizers too are imported where
+# data is read: inspect and plan, which read none, do not pay for loading the quant modules (~15 ms).
 
 # 8-bit floats have no aminmax on CPU: their NaN/Inf bit patterns are tested instead (pattern & mask == mask)
 _FP8_NONFINITE = {"torch.float8_e4m3fn": 0x7F, "torch.float8_e5m2": 0x7C, "torch.float8_e8m0fnu": 0xFF}  # str(dtype)
@@ -111,6 +108,9 @@ def dequant_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[
     [R, C/group]."""
     import torch
 
+    from kconvert.quant.int4_group import dequantize_int4
+    from kconvert.quant.packing import unpack_int32_words
+
     return dequantize_int4(unpack_int32_words(packed, shape[1]), scale, group).to(dtype or torch.float32)
 
 
@@ -119,6 +119,8 @@ def dequant_scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     """compressed-tensors fp8/int8: per-tensor (1,) / per-channel (R, 1) / block-grid scale (float32 unless
     `dtype`)."""
     import torch
+
+    from kconvert.quant.fp8_block import dequantize_fp8_block
 
     dtype = dtype or torch.float32
     w = weight.to(torch.float32)
@@ -146,6 +148,9 @@ def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype
 
 def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int, int], group: int) -> torch.Tensor:
     import torch
+
+    from kconvert.quant.fp4_e2m1 import dequantize_fp4
+    from kconvert.quant.fp8_block import dequantize_fp8_block
 
     a = rows[0] if rows else 0
     if t.format == "int4_packed":

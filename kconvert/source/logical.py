@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from itertools import repeat
+from itertools import compress, repeat
 from operator import add, attrgetter, itemgetter
 from typing import NamedTuple
 
 from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import TensorEntry
-from kconvert.quant.fp4_e2m1 import GROUP as FP4_GROUP
+from kconvert.io.dtypes import FP4_GROUP
 
 FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 _PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4"}  # what inspect calls two codes a byte / eight a word
@@ -63,18 +63,22 @@ def stored_alike(ts: list[LogicalTensor]) -> bool:
     """Whether every tensor's stored_form is the first one's: the same fields (format, shape, each part's role, dtype
     and shape, in order), compared in a few whole-list passes rather than a form built per tensor (validation asks
     it of every (rule, layer) group: 70k tensors at a release's size; `bench/open_phases.py` on topo-k25-bf16:
-    0.069 s with forms, 0.059 s so). tests/test_tensor_groups.py checks the buckets against a per-tensor walk."""
+    0.069 s with forms, 0.055 s so). tests/test_tensor_groups.py checks the buckets against a per-tensor walk."""
     t0 = ts[0]
     if len(ts) == 1:
         return True
     parts = list(map(_PARTS, ts))
     if set(map(_FORMAT, ts)) != {t0.format} or set(map(_SHAPE, ts)) != {t0.shape} \
-            or set(map(tuple, parts)) != {tuple(t0.parts)}:
+            or set(map(len, parts)) != {len(t0.parts)}:
         return False
-    for role, p0 in t0.parts.items():
-        entries = list(map(itemgetter(role), parts))
-        if set(map(_DTYPE, entries)) != {p0.dtype} or set(map(_SHAPE, entries)) != {p0.shape}:
-            return False
+    try:  # as many roles as the first and each of its roles: the same roles, in the same order (fold builds one
+        # format's parts in one order, and the formats are equal here)
+        for role, p0 in t0.parts.items():
+            entries = list(map(itemgetter(role), parts))
+            if set(map(_DTYPE, entries)) != {p0.dtype} or set(map(_SHAPE, entries)) != {p0.shape}:
+                return False
+    except KeyError:
+        return False
     return True
 
 
@@ -95,19 +99,24 @@ def stack_form(t: LogicalTensor) -> tuple | None:
 _new = partial(tuple.__new__, LogicalTensor)  # from (name, shape, format, parts), without a Python-level call
 
 
+def _bulk(rows):
+    """LogicalTensors from (name, shape, format, parts) rows, lazily, each built by tuple.__new__ from C."""
+    return map(tuple.__new__, repeat(LogicalTensor), rows)
+
+
 def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
     """Group stored tensors into logical ones. Raises CheckpointError on orphans or missing companions.
     Order: the weights that companions name, in the companions' stored order, then the rest in stored order."""
-    named = [n for n in stored if n.endswith(_BY_SUFFIX)]
+    named = list(compress(stored, map(str.endswith, stored, repeat(_BY_SUFFIX))))  # map/compress: C-level passes
     out: dict[str, LogicalTensor] = {}
     used: set[str] = set()
     if named and not _named_bulk(stored, named, out, used):  # it changes nothing when it declines
         _named_one_by_one(stored, named, out, used)
     rest = [n for n in stored if n not in used] if used else list(stored)
-    entries = list(map(stored.__getitem__, rest))
-    if set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)) and not any(n.endswith(_SCALE_ONLY) for n in rest):
-        out.update(zip(rest, map(_new, zip(rest, map(_SHAPE, entries), repeat("plain"),
-                                           [{"weight": e} for e in entries]))))
+    entries = list(map(stored.__getitem__, rest)) if used else list(stored.values())
+    scale_only = any(map(str.endswith, rest, repeat(_SCALE_ONLY)))
+    if not scale_only and set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)):
+        out.update(zip(rest, _bulk(zip(rest, map(_SHAPE, entries), repeat("plain"), [{"weight": e} for e in entries]))))
     else:
         _rest_one_by_one(stored, rest, out)
     return out
@@ -126,7 +135,7 @@ def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, use
             return False
         logical = [(s[0], s[1] * 8) for s in map(_SHAPE, packed)]
         parts = [{"packed": p, "scale": s, "shape": h} for p, s, h in zip(packed, scales, shapes)]
-        out.update(zip(bases, map(_new, zip(bases, logical, repeat("int4_packed"), parts))))
+        out.update(zip(bases, _bulk(zip(bases, logical, repeat("int4_packed"), parts))))
         used.update(named, scale_keys, shape_keys)  # keys, not on-disk names (family aliases)
         return True
     if all(n.endswith(".weight_scale_inv") for n in named):
@@ -135,7 +144,7 @@ def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, use
         if None in weights:
             return False
         parts = [{"weight": w, "scale": stored[n]} for w, n in zip(weights, named)]
-        out.update(zip(bases, map(_new, zip(bases, map(_SHAPE, weights), repeat("block_fp8"), parts))))
+        out.update(zip(bases, _bulk(zip(bases, map(_SHAPE, weights), repeat("block_fp8"), parts))))
         used.update(named, bases)
         return True
     return False

@@ -11,9 +11,11 @@ not tensors.
 
 from __future__ import annotations
 
+from collections import Counter
+from itertools import chain
 from typing import NamedTuple
 
-from kconvert.family.manifest import ModelMap, Rule, TensorInfo
+from kconvert.family.manifest import ModelMap, Rule, TensorInfo, name_key
 from kconvert.errors import ManifestError
 from kconvert.source.logical import LogicalTensor, stored_alike, stored_form
 from kconvert.source.stored_parts import check_scale_shape
@@ -23,23 +25,35 @@ TABLE_TAGS = ("I64", "I32")  # integer lookup tables the manifest names (`values
 
 
 class Bucket(NamedTuple):
-    """Tensors of one (rule, layer) stored alike; `sample` is the first, `experts` theirs (None: no experts)."""
+    """Tensors of one (rule, layer) stored alike, with their names and experts (None: no experts)."""
 
     rule: Rule
     layer: int | None
     names: list[str]
-    experts: list[int | None]
-    sample: LogicalTensor
+    experts: list[int | None]  # all None (the rule has no {E}) or all experts
+    tensors: list[LogicalTensor]
+
+    @property
+    def sample(self) -> LogicalTensor:
+        """The first member: it stands for the bucket in every check (they are stored alike)."""
+        return self.tensors[0]
 
     @property
     def info(self) -> TensorInfo:
         return TensorInfo(self.names[0], self.rule, self.layer, self.experts[0])
 
-    def earliest(self, pos: dict[str, int]) -> TensorInfo:
-        """The member stored first (`pos`: name -> stored position): where a walk in stored order meets the bucket."""
-        at = list(map(pos.__getitem__, self.names))
-        i = at.index(min(at))
-        return TensorInfo(self.names[i], self.rule, self.layer, self.experts[i])
+    def earliest(self, pos: dict[int, int]) -> tuple[int, TensorInfo]:
+        """The member stored first and its place (`pos`: `stored_positions`): where a walk in stored order meets
+        the bucket."""
+        first = min(map(pos.__getitem__, map(id, self.tensors)))
+        i = 0 if pos[id(self.tensors[0])] == first else list(map(pos.__getitem__, map(id, self.tensors))).index(first)
+        return first, TensorInfo(self.names[i], self.rule, self.layer, self.experts[i])
+
+
+def stored_positions(logical: dict[str, LogicalTensor]) -> dict[int, int]:
+    """Each logical tensor's place in stored order, keyed by the tensor object's id: a bucket's members are found by
+    int keys rather than by their names (generated strings, each compared character by character with the key)."""
+    return dict(zip(map(id, logical.values()), range(len(logical))))
 
 
 class Grouped(NamedTuple):
@@ -48,14 +62,25 @@ class Grouped(NamedTuple):
     missing: str | None  # the first required name absent (model order), for the caller to report last
 
 
+def may_overlap(model: ModelMap) -> set[int]:
+    """ids of the rules whose names another group may also generate: rules that share their name key with another
+    rule (every name a pattern generates has the pattern's key, so a rule with a key of its own generates names no
+    other rule does), and per-layer rules whose pattern names no layer (the same names for every layer)."""
+    keys = Counter(name_key(r.pattern) for p in model.parts for r in p.rules)
+    return {id(r) for p in model.parts for r in p.rules if keys[name_key(r.pattern)] > 1
+            or (r.layers is not None and "{L}" not in r.pattern and "{M}" not in r.pattern)}
+
+
 def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped:
     buckets: list[Bucket] = []
-    claimed: set[str] = set()
+    claimed: set[str] = set()  # names taken by groups of the rules that may overlap (the others' cannot recur)
+    overlapping = may_overlap(model)
     n_claimed, missing = 0, None
     get = logical.get
     for rule, layer, required, names in model.expected_groups():
         index = None  # each name's expert number, where an earlier rule took some of the names
-        if not claimed.isdisjoint(names):  # an earlier rule generates these too: classify keeps the first
+        shared = id(rule) in overlapping
+        if shared and not claimed.isdisjoint(names):  # an earlier group generates these too: classify keeps the first
             index = [i for i, n in enumerate(names) if n not in claimed]
             names = [names[i] for i in index]
         found = list(map(get, names))
@@ -68,29 +93,36 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
         info = model.classify(names[first])
         if info is None or info.rule is not rule or info.layer != layer:
             continue  # the manifest reads these names otherwise: the one-by-one path classifies them
-        claimed.update(names)
+        if shared:
+            claimed.update(names)
         n_claimed += len(names) - absent
         at = [i for i, t in enumerate(found) if t is not None] if absent else range(len(names))
         tensors = [found[i] for i in at] if absent else found
-        experts = ([i if index is None else index[i] for i in at] if "{E}" in rule.pattern else [None] * len(at))
+        if "{E}" not in rule.pattern:
+            experts = [None] * len(at)
+        else:
+            experts = list(at if index is None else map(index.__getitem__, at))
         if stored_alike(tensors):  # the usual case: every expert of a layer stored alike
-            buckets.append(Bucket(rule, layer, [names[i] for i in at] if absent else names, experts, tensors[0]))
+            buckets.append(Bucket(rule, layer, [names[i] for i in at] if absent else names, experts, tensors))
             continue
         by_form: dict[tuple, Bucket] = {}
         for i, form, t, e in zip(at, map(stored_form, tensors), tensors, experts):
             b = by_form.get(form)
             if b is None:
-                b = by_form[form] = Bucket(rule, layer, [], [], t)
+                b = by_form[form] = Bucket(rule, layer, [], [], [])
             b.names.append(names[i])
             b.experts.append(e)
+            b.tensors.append(t)
         buckets.extend(by_form.values())
     rest = []
+    if n_claimed != len(logical):  # some names no group took: every bucket's names, then what is left
+        claimed.update(chain.from_iterable(b.names for b in buckets))
     for name in [] if n_claimed == len(logical) else [n for n in logical if n not in claimed]:
         info = model.classify(name)
         if info is None:
             rest.append(name)
         else:
-            buckets.append(Bucket(info.rule, info.layer, [name], [info.expert], logical[name]))
+            buckets.append(Bucket(info.rule, info.layer, [name], [info.expert], [logical[name]]))
     return Grouped(buckets, rest, missing)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 from operator import add, attrgetter, itemgetter
 from typing import NamedTuple
 
@@ -112,7 +112,7 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
     used: set[str] = set()
     if named and not _named_bulk(stored, named, out, used):  # it changes nothing when it declines
         _named_one_by_one(stored, named, out, used)
-    rest = [n for n in stored if n not in used] if used else list(stored)
+    rest = list(filterfalse(used.__contains__, stored)) if used else list(stored)
     entries = list(map(stored.__getitem__, rest)) if used else list(stored.values())
     scale_only = any(map(str.endswith, rest, repeat(_SCALE_ONLY)))
     if not scale_only and set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)):
@@ -125,8 +125,8 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
 def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, used: set) -> bool:
     """All INT4 triples or all block-FP8 pairs, each complete and well-formed: fold them at once (True).
     False leaves the per-name path to fold them, or to name the one that is wrong."""
-    if all(n.endswith(".weight_packed") for n in named):
-        bases = [n[: -len("_packed")] for n in named]
+    if all(map(str.endswith, named, repeat(".weight_packed"))):
+        bases = list(map(str.removesuffix, named, repeat("_packed")))
         scale_keys, shape_keys = list(map(add, bases, repeat("_scale"))), list(map(add, bases, repeat("_shape")))
         packed = list(map(stored.__getitem__, named))
         scales, shapes = list(map(stored.get, scale_keys)), list(map(stored.get, shape_keys))
@@ -138,8 +138,8 @@ def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, use
         out.update(zip(bases, _bulk(zip(bases, logical, repeat("int4_packed"), parts))))
         used.update(named, scale_keys, shape_keys)  # keys, not on-disk names (family aliases)
         return True
-    if all(n.endswith(".weight_scale_inv") for n in named):
-        bases = [n[: -len("_scale_inv")] for n in named]
+    if all(map(str.endswith, named, repeat(".weight_scale_inv"))):
+        bases = list(map(str.removesuffix, named, repeat("_scale_inv")))
         weights = list(map(stored.get, bases))
         if None in weights:
             return False

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python -c ENTRY ARGS` from a tree's root runs that tree's CLI through the console script's entry point
+ENTRY = "import sys; from cli.main import entry; sys.argv[0] = 'kconvert'; entry()"
 
 # Linux carries a process's peak RSS over fork and exec: a command started straight from a bench that holds
 # 500 MB (torch, a fixture it built) reports at least 500 MB, whatever it used. Started from this small launcher
@@ -36,7 +38,8 @@ def cli(*args, check: bool = False) -> subprocess.CompletedProcess:
 
 def measured(cmd: list, cwd: Path = ROOT, stdout=subprocess.PIPE) -> dict:
     """Run `cmd` (output captured unless `stdout` says otherwise): its exit code, stdout and stderr text, wall
-    seconds, and the command's own CPU seconds (all threads, its exit included) and peak RSS in bytes."""
+    seconds (the launcher's own ~20 ms start included), and the command's own CPU seconds (all threads, its exit
+    included) and peak RSS in bytes."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as report:
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, report.name, *map(str, cmd)], cwd=cwd, stdout=stdout,

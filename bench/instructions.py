@@ -12,6 +12,7 @@ many small objects cost more cache misses per instruction than json.loads does, 
     .venv/bin/python bench/instructions.py /tmp/kmeta/topo-k25-bf16-L-E
     .venv/bin/python bench/instructions.py /tmp/kmeta/topo-k25-bf16-L-E --vs /tmp/base   # a worktree of another commit
     .venv/bin/python bench/instructions.py /tmp/kmeta/topo-k25-11 --vs /tmp/base --shard none,fp8  # + whole shards
+    .venv/bin/python bench/instructions.py /tmp/kmeta/topo-k25-bf16-L-E --vs /tmp/base --phases   # + fold, validation
 
 With --shard, each tree also runs `shard SRC --tp 8 --quant Q --workers 1` (one worker: the same work in the same
 order every run) and its whole count is shown, torch's import included: on a smaller topology, since valgrind
@@ -30,7 +31,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_ENTRY = "import sys; from cli.main import entry; sys.argv[0] = 'kconvert'; entry()"
+
+from _cli import ENTRY  # noqa: E402 (a sibling script: bench/ is this script's folder)
 _READ = """
 import json, struct, sys
 raws = []
@@ -53,17 +55,31 @@ def instructions(code: str, *args, cwd: Path) -> int:
 
 def counts(tree: Path, src: Path) -> dict[str, int]:
     files = sorted(src.glob("*.safetensors"))
-    instructions(_ENTRY, "inspect", src, "--json", cwd=tree)  # once first: a fresh tree compiles its bytecode
-    return {"start-up": instructions(_ENTRY, "--version", cwd=tree),
-            "inspect": instructions(_ENTRY, "inspect", src, "--json", cwd=tree),
-            "plan": instructions(_ENTRY, "plan", src, "--tp", 8, "--quant", "fp8", "--json", cwd=tree),
+    instructions(ENTRY, "inspect", src, "--json", cwd=tree)  # once first: a fresh tree compiles its bytecode
+    return {"start-up": instructions(ENTRY, "--version", cwd=tree),
+            "inspect": instructions(ENTRY, "inspect", src, "--json", cwd=tree),
+            "plan": instructions(ENTRY, "plan", src, "--tp", 8, "--quant", "fp8", "--json", cwd=tree),
             "floor": instructions(_READ + "[json.loads(r) for r in raws]\n", *files, cwd=tree)
             - instructions(_READ, *files, cwd=tree)}
 
 
+_OPENED = "import gc; gc.disable(); from kconvert.source.checkpoint import Checkpoint; ck = Checkpoint.open({src!r})\n"
+PHASES = {"fold into logical tensors": "from kconvert.source.logical import fold; fold(ck.stored)",
+          "validate (group_tensors)": "from kconvert.source.tensor_groups import group_tensors; "
+                                      "group_tensors(ck.model, ck.logical)"}
+
+
+def phase_counts(tree: Path, src: Path) -> dict[str, int]:
+    """Instructions of each of PHASES once more on an opened checkpoint, minus opening it (collector paused, as
+    Checkpoint.open pauses it)."""
+    opened = _OPENED.format(src=str(src))
+    base = instructions(opened, cwd=tree)
+    return {name: instructions(opened + code, cwd=tree) - base for name, code in PHASES.items()}
+
+
 def shard_count(tree: Path, src: Path, quant: str) -> int:
     with tempfile.TemporaryDirectory(prefix="instr-shard-") as tmp:
-        return instructions(_ENTRY, "shard", src, Path(tmp) / "out", "--tp", 8, "--quant", quant, "--workers", 1,
+        return instructions(ENTRY, "shard", src, Path(tmp) / "out", "--tp", 8, "--quant", quant, "--workers", 1,
                             cwd=tree)
 
 
@@ -71,6 +87,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path, help="A source checkpoint (e.g. a metadata_bench.py fixture).")
     ap.add_argument("--vs", type=Path, help="Another tree (a git worktree) to count the same commands in.")
+    ap.add_argument("--phases", action="store_true", help="Also count folding and validation alone (PHASES).")
     ap.add_argument("--shard", default="", help="Also count whole shards with these --quant modes (comma-separated).")
     a = ap.parse_args(argv)
     if shutil.which("valgrind") is None:
@@ -84,6 +101,10 @@ def main(argv=None) -> int:
         ins, plan = c["inspect"] - c["start-up"], c["plan"] - c["start-up"]
         print(f"| {name} | {c['start-up'] / 1e6:.0f} | {c['floor'] / 1e6:.0f} | {ins / 1e6:.0f} | {ins / c['floor']:.2f} "
               f"| {plan / 1e6:.0f} | {plan / c['floor']:.2f} |")
+    if a.phases:
+        counts_by_tree = {name: phase_counts(tree, a.src) for name, tree in trees.items()}
+        for phase in PHASES:
+            print(f"{phase}: " + ", ".join(f"{name} {c[phase] / 1e6:,.0f}M" for name, c in counts_by_tree.items()))
     for quant in filter(None, a.shard.split(",")):
         print(f"shard --tp 8 --quant {quant} --workers 1, whole process: " + ", ".join(
             f"{name} {shard_count(tree, a.src, quant) / 1e6:,.0f}M" for name, tree in trees.items()))

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _cli import measured  # noqa: E402
+from _cli import ENTRY, measured  # noqa: E402
 WIDE = {"widen": 16, "layers": 3, "experts": 96}  # the data-time checkpoint: same formats, large tensors
 FIXED = {"widen": 1, "layers": 2, "experts": 8}  # shard's fixed cost: the same formats, hardly any tensors
 
@@ -49,8 +49,7 @@ def kconvert(*args, root: Path = ROOT) -> dict:
     """Run `kconvert ARGS` in a fresh process, from the tree at `root` (its own kconvert first on sys.path), through
     the console script's entry point: wall seconds, the process's own CPU seconds (all threads, its exit included)
     and peak RSS (bench/_cli.measured), its stdout."""
-    r = measured([sys.executable, "-c", "import sys; from cli.main import entry; sys.argv[0] = 'kconvert'; entry()",
-                  *args], cwd=root)
+    r = measured([sys.executable, "-c", ENTRY, *args], cwd=root)
     if r["returncode"]:
         raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({r['returncode']}): {r['stderr'][-2000:]}")
     return {"wall": r["wall"], "rss": r["peak_rss"], "cpu": r["cpu"], "stdout": r["stdout"]}

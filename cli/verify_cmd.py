@@ -117,7 +117,8 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
             raise UsageError(f"unknown threshold {key!r} ({', '.join(CHECKED)}, or faithful.KEY)")
         limits[key] = number(value, f"--threshold {key}", 0)
     from kconvert.io.workdir import terminate_as_interrupt
-    from kconvert.verify.exported import as_converted, describe, is_converted
+    from kconvert.plan.inspect_converted import is_converted
+    from kconvert.verify.exported import as_converted, describe
 
     # SIGTERM as Ctrl-C: the temporary reshard and results are removed, the spawned ranks stopped
     with terminate_as_interrupt(), contextlib.ExitStack() as stack, \

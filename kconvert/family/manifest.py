@@ -193,7 +193,7 @@ class ModelMap:
         self.config = config
         key = family.get("text_config", ".")
         self.text_config: dict = config if key == "." else config.get(key, {})
-        self._index: dict[str, list[tuple[Rule, tuple[str, ...]]]] = {}  # key -> (rule, its {L}/{E}/{M} in order)
+        self.by_key: dict[str, list[tuple[Rule, tuple[str, ...]]]] = {}  # name_key -> (rule, its {L}/{E}/{M} in order)
         self.aliases = family_aliases(family)
         self._any_alias = any_alias(self.aliases)
         # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
@@ -201,7 +201,7 @@ class ModelMap:
         for part in parts:
             for rule in part.rules:
                 fields = tuple(sorted(rule.regex.groupindex, key=rule.regex.groupindex.get))
-                self._index.setdefault(name_key(rule.pattern), []).append((rule, fields))
+                self.by_key.setdefault(name_key(rule.pattern), []).append((rule, fields))
 
     def canonical(self, name: str) -> str:
         """A stored name as the manifest names it: the family's [family.aliases] rules, each once at the start."""
@@ -221,7 +221,7 @@ class ModelMap:
 
     def classify(self, name: str) -> TensorInfo | None:
         """The manifest entry for `name`, or None when the family does not know it."""
-        for rule, fields in self._index.get(_NUM.sub("#", name), ()):  # a name has no {L}/{E}/{M}: no _key
+        for rule, fields in self.by_key.get(_NUM.sub("#", name), ()):  # a name has no {L}/{E}/{M}: its own key
             m = rule.regex.match(name)
             if not m:
                 continue

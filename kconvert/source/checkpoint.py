@@ -139,10 +139,10 @@ class Checkpoint:
             except KConvertError:
                 bad.append(b)
         if grouped.rest or bad:  # report what a walk in stored order meets first; a bucket's members fail alike
-            pos, at = stored_positions(self.logical), {n: i for i, n in enumerate(self.logical)}
-            failed = [b.earliest(pos)[1] for b in bad]
-            first = min([info.name for info in failed] + grouped.rest[:1], key=at.__getitem__)
-            info = next((info for info in failed if info.name == first), None)
+            pos = stored_positions(self.logical)
+            failed = [b.earliest(pos) for b in bad] + [(list(self.logical).index(n), None) for n in grouped.rest[:1]]
+            _, info = min(failed, key=lambda f: f[0])
+            first = grouped.rest[0] if info is None else info.name
             check_tensor(self.logical[first], info or self.info(first), block, group)  # self.info: an unknown name
             raise AssertionError(f"unreachable: {first} failed its check once")
         if grouped.missing is not None:

@@ -62,8 +62,8 @@ def stored_form(t: LogicalTensor) -> tuple:
 def stored_alike(ts: list[LogicalTensor]) -> bool:
     """Whether every tensor's stored_form is the first one's: the same fields (format, shape, each part's role, dtype
     and shape, in order), compared in a few whole-list passes rather than a form built per tensor (validation asks
-    it of every (rule, layer) group: 70k tensors at a release's size; `bench/open_phases.py` on topo-k25-bf16:
-    0.069 s with forms, 0.055 s so). tests/test_tensor_groups.py checks the buckets against a per-tensor walk."""
+    it of every (rule, layer) group: 70k tensors at a release's size; `bench/open_phases.py` times it, and
+    `bench/instructions.py --phases` counts it). tests/test_tensor_groups.py checks the buckets against a per-tensor walk."""
     t0 = ts[0]
     if len(ts) == 1:
         return True

@@ -11,11 +11,10 @@ not tensors.
 
 from __future__ import annotations
 
-from collections import Counter
 from itertools import chain
 from typing import NamedTuple
 
-from kconvert.family.manifest import ModelMap, Rule, TensorInfo, name_key
+from kconvert.family.manifest import ModelMap, Rule, TensorInfo
 from kconvert.errors import ManifestError
 from kconvert.source.logical import LogicalTensor, stored_alike, stored_form
 from kconvert.source.stored_parts import check_scale_shape
@@ -66,9 +65,9 @@ def may_overlap(model: ModelMap) -> set[int]:
     """ids of the rules whose names another group may also generate: rules that share their name key with another
     rule (every name a pattern generates has the pattern's key, so a rule with a key of its own generates names no
     other rule does), and per-layer rules whose pattern names no layer (the same names for every layer)."""
-    keys = Counter(name_key(r.pattern) for p in model.parts for r in p.rules)
-    return {id(r) for p in model.parts for r in p.rules if keys[name_key(r.pattern)] > 1
-            or (r.layers is not None and "{L}" not in r.pattern and "{M}" not in r.pattern)}
+    shared = {id(r) for rules in model.by_key.values() if len(rules) > 1 for r, _ in rules}
+    return shared | {id(r) for p in model.parts for r in p.rules
+                     if r.layers is not None and "{L}" not in r.pattern and "{M}" not in r.pattern}
 
 
 def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped:

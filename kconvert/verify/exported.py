@@ -38,10 +38,6 @@ class Export:
     source: str | None  # the source path it records
 
 
-def is_converted(path: str) -> bool:
-    return (Path(path) / MANIFEST).exists()
-
-
 def describe(path: str) -> Export:
     root = Path(path)
     if not (root / "config.json").exists():

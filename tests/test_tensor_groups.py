@@ -92,6 +92,24 @@ def test_plan_groups_match_groups_of_every_tensor(checkpoint):
                                      for g in walk)
 
 
+def test_buckets_are_placed_where_their_first_stored_member_is_in_any_stored_order(checkpoint):
+    """plan orders its groups by where each bucket's first member is stored (Bucket.earliest, placed by a strided run
+    when its members are stored so): in the fixture's own order, reversed, sorted by name (experts 0, 1, 10, ...) and
+    shuffled, every bucket's place and name are the least stored position over its members, found one by one."""
+    from kconvert.source.tensor_groups import stored_positions
+
+    ck = Checkpoint.open(checkpoint("topo-k25", layers=3, experts=8))
+    names = list(ck.stored)
+    rng = random.Random(5)
+    for order in (names, names[::-1], sorted(names), rng.sample(names, len(names))):
+        again = _reopened(ck, {n: ck.stored[n] for n in order})
+        pos, logical = stored_positions(again.logical), list(again.logical)
+        for b in again.grouped.buckets:
+            at, info = b.earliest(pos, list(again.logical.values()))
+            first = min(logical.index(n) for n in b.names)
+            assert (at, info.name) == (first, logical[first]) and b.earliest(pos) == (at, info)
+
+
 def _damage(rng: random.Random, ck: Checkpoint, stored: dict) -> None:
     """One random fault in one random stored tensor: renamed out of the manifest, removed, reshaped, retyped."""
     key = rng.choice(sorted(stored))
@@ -158,3 +176,39 @@ def test_rules_outside_may_overlap_generate_names_no_other_group_does():
         shared = [rules for rules in seen.values() if len(rules) > 1]
         assert all(id(r) in overlapping for rules in shared for r in rules), config.parent.name
         assert overlapping, config.parent.name  # the examples do share keys (V4's two gates, K3's projector)
+
+
+def test_rules_read_back_alike_are_classified_as_generated():
+    """group_tensors does not classify the groups of rules `read_back_alike` names: every name such a rule generates,
+    classified one by one, is that rule at that layer and expert, on every group of every example config; and the
+    rules it names include the per-expert ones (what the shortcut is for)."""
+    import json
+
+    from kconvert.family.families import manifests_dir
+    from kconvert.family.manifest import bind
+    from kconvert.source.tensor_groups import may_overlap, read_back_alike
+
+    for config in sorted((manifests_dir() / "examples").glob("*/config.json")):
+        model = bind(json.loads(config.read_text()))
+        alike = read_back_alike(model, may_overlap(model))
+        assert any("{E}" in r.pattern for p in model.parts for r in p.rules if id(r) in alike), config.parent.name
+        for rule, layer, _, names in model.expected_groups():
+            if id(rule) in alike:
+                for e, n in enumerate(names):
+                    info = model.classify(n)
+                    assert (info.rule, info.layer, info.expert) == \
+                        (rule, layer, e if "{E}" in rule.pattern else None), (config.parent.name, n)
+
+
+def test_read_back_alike_leaves_out_shared_keys_and_numbers_not_between_dots():
+    """A rule sharing its key with another, or with a number not between dots (whose name keys differ from layer to
+    layer, so `classify` may not find the rule), is classified a group at a time."""
+    from types import SimpleNamespace
+
+    from kconvert.source.tensor_groups import read_back_alike
+
+    rules = [SimpleNamespace(pattern=p) for p in ("m.layers.{L}.mlp.experts.{E}.w1.weight", "m.layers.{L}.norm",
+                                                  "m.layers.{L}a.norm", "{L}.norm", "m.h{E}.weight", "m.gate.weight")]
+    model = SimpleNamespace(parts=[SimpleNamespace(rules=rules)])
+    alike = read_back_alike(model, overlapping={id(rules[1])})
+    assert [id(r) in alike for r in rules] == [True, False, False, False, False, True]

@@ -124,10 +124,11 @@ def partition(layer_bytes: list[list[int]], pp: int, first: list[int] | None = N
         for i, b in enumerate(c):
             pre[k][i + 1] = pre[k][i] + b
     seg = [[0] * (n + 1) for _ in range(n + 1)]  # seg[i][j]: layers i..j-1 as one stage (edges where they touch)
-    for i in range(n):
-        for j in range(i + 1, n + 1):
-            seg[i][j] = max(p[j] - p[i] + (f if i == 0 else 0) + (z if j == n else 0)
-                            for p, (_, f, z) in zip(pre, cols))
+    for i in range(n):  # a row at a time, each column's sums as one list (61 layers: 1,891 stages per split)
+        rows = [[b - p[i] + (f if i == 0 else 0) for b in p[i + 1:]] for p, (_, f, _) in zip(pre, cols)]
+        for row, (_, _, z) in zip(rows, cols):
+            row[-1] += z  # the last layer's stage holds the last edge
+        seg[i][i + 1:] = rows[0] if len(rows) == 1 else list(map(max, *rows))
     worst = _least_largest(seg, n, pp)
     choice = _most_smallest(seg, n, pp, worst)
     bounds, j = [], n

@@ -84,14 +84,14 @@ def config_groups(config_json: str, config_file: str = "config.json") -> tuple[M
 def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
     """Groups of a checkpoint's tensors (from its validated buckets), in the order their tensors are stored."""
     grouped = ck.grouped
-    pos = stored_positions(ck.logical)
+    pos, order = stored_positions(ck.logical), list(ck.logical.values())
 
     def itemsize(t) -> int:
         return ITEMSIZE[t.main.dtype] if t.format == "plain" else 2
 
     items = []
     for b in grouped.buckets:  # a bucket stands where its first stored tensor stands, and by that tensor
-        at, first = b.earliest(pos)
+        at, first = b.earliest(pos, order)
         items.append((at, first, b.sample.shape, itemsize(b.sample), b.experts if b.experts[0] is not None else []))
     return _collapse(item[1:] for item in sorted(items, key=lambda item: item[0]))
 

@@ -63,19 +63,22 @@ def stored_alike(ts: list[LogicalTensor]) -> bool:
     """Whether every tensor's stored_form is the first one's: the same fields (format, shape, each part's role, dtype
     and shape, in order), compared in a few whole-list passes rather than a form built per tensor (validation asks
     it of every (rule, layer) group: 70k tensors at a release's size; `bench/open_phases.py` times it, and
-    `bench/instructions.py --phases` counts it). tests/test_tensor_groups.py checks the buckets against a per-tensor walk."""
-    t0 = ts[0]
-    if len(ts) == 1:
+    `bench/instructions.py --phases` counts it). Counted with list.count, which takes an object as equal to itself
+    before comparing: the header reader shares one tuple per distinct shape and one str per dtype tag, so most
+    members cost an identity test, not a hash. tests/test_tensor_groups.py checks the buckets against a per-tensor
+    walk."""
+    t0, n = ts[0], len(ts)
+    if n == 1:
         return True
     parts = list(map(_PARTS, ts))
-    if set(map(_FORMAT, ts)) != {t0.format} or set(map(_SHAPE, ts)) != {t0.shape} \
-            or set(map(len, parts)) != {len(t0.parts)}:
+    if list(map(_FORMAT, ts)).count(t0.format) != n or list(map(_SHAPE, ts)).count(t0.shape) != n \
+            or list(map(len, parts)).count(len(t0.parts)) != n:
         return False
     try:  # as many roles as the first and each of its roles: the same roles, in the same order (fold builds one
         # format's parts in one order, and the formats are equal here)
         for role, p0 in t0.parts.items():
             entries = list(map(itemgetter(role), parts))
-            if set(map(_DTYPE, entries)) != {p0.dtype} or set(map(_SHAPE, entries)) != {p0.shape}:
+            if list(map(_DTYPE, entries)).count(p0.dtype) != n or list(map(_SHAPE, entries)).count(p0.shape) != n:
                 return False
     except KeyError:
         return False
@@ -107,8 +110,14 @@ def _bulk(rows):
 def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
     """Group stored tensors into logical ones. Raises CheckpointError on orphans or missing companions.
     Order: the weights that companions name, in the companions' stored order, then the rest in stored order."""
-    named = list(compress(stored, map(str.endswith, stored, repeat(_BY_SUFFIX))))  # map/compress: C-level passes
     out: dict[str, LogicalTensor] = {}
+    if not any(map(str.endswith, stored, repeat(_BY_SUFFIX + _SCALE_ONLY))):  # one pass: no companion of any kind
+        entries = list(stored.values())
+        if set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)):  # plain weights only (a BF16 release)
+            out.update(zip(stored, _bulk(zip(stored, map(_SHAPE, entries), repeat("plain"),
+                                             [{"weight": e} for e in entries]))))
+            return out
+    named = list(compress(stored, map(str.endswith, stored, repeat(_BY_SUFFIX))))  # map/compress: C-level passes
     used: set[str] = set()
     if named and not _named_bulk(stored, named, out, used):  # it changes nothing when it declines
         _named_one_by_one(stored, named, out, used)

@@ -11,6 +11,7 @@ not tensors.
 
 from __future__ import annotations
 
+import re
 from itertools import chain
 from typing import NamedTuple
 
@@ -41,11 +42,20 @@ class Bucket(NamedTuple):
     def info(self) -> TensorInfo:
         return TensorInfo(self.names[0], self.rule, self.layer, self.experts[0])
 
-    def earliest(self, pos: dict[int, int]) -> tuple[int, TensorInfo]:
+    def earliest(self, pos: dict[int, int], order: list[LogicalTensor] | None = None) -> tuple[int, TensorInfo]:
         """The member stored first and its place (`pos`: `stored_positions`): where a walk in stored order meets
-        the bucket."""
-        first = min(map(pos.__getitem__, map(id, self.tensors)))
-        i = 0 if pos[id(self.tensors[0])] == first else list(map(pos.__getitem__, map(id, self.tensors))).index(first)
+        the bucket. With `order` (the logical tensors in stored order), a bucket stored in its own order at a fixed
+        stride (the usual case: an expert's down, gate and up projections side by side, then the next expert's) is
+        placed by its first two members and one C-level comparison of the strided run."""
+        ts = self.tensors
+        at = pos[id(ts[0])]
+        if len(ts) == 1:
+            return at, self.info
+        step = pos[id(ts[1])] - at if order is not None else 0
+        if step > 0 and order[at:at + step * len(ts):step] == ts:
+            return at, self.info
+        first = min(map(pos.__getitem__, map(id, ts)))
+        i = 0 if at == first else list(map(pos.__getitem__, map(id, ts))).index(first)
         return first, TensorInfo(self.names[i], self.rule, self.layer, self.experts[i])
 
 
@@ -70,10 +80,24 @@ def may_overlap(model: ModelMap) -> set[int]:
                      if r.layers is not None and "{L}" not in r.pattern and "{M}" not in r.pattern}
 
 
+_PLACEHOLDER = re.compile(r"\{[LEM]\}")
+_BETWEEN_DOTS = re.compile(r"(?<=\.)\{[LEM]\}(?=\.|$)")
+
+
+def read_back_alike(model: ModelMap, overlapping: set[int]) -> set[int]:
+    """ids of the rules whose generated names `classify` reads back as their own (rule, layer) without being asked: a
+    name key no other rule shares, and every {L}/{E}/{M} between dots, so each name has the pattern's key and its
+    numbers read back as generated (expected_groups yields only layers the rule names). The others are classified a
+    group at a time."""
+    return {id(r) for p in model.parts for r in p.rules if id(r) not in overlapping
+            and len(_PLACEHOLDER.findall(r.pattern)) == len(_BETWEEN_DOTS.findall(r.pattern))}
+
+
 def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped:
     buckets: list[Bucket] = []
     claimed: set[str] = set()  # names taken by groups of the rules that may overlap (the others' cannot recur)
     overlapping = may_overlap(model)
+    alike = read_back_alike(model, overlapping)
     n_claimed, missing = 0, None
     get = logical.get
     for rule, layer, required, names in model.expected_groups():
@@ -88,10 +112,11 @@ def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped
             missing = names[found.index(None)]
         if absent == len(names):
             continue
-        first = 0 if found[0] is not None else next(i for i, t in enumerate(found) if t is not None)
-        info = model.classify(names[first])
-        if info is None or info.rule is not rule or info.layer != layer:
-            continue  # the manifest reads these names otherwise: the one-by-one path classifies them
+        if id(rule) not in alike:
+            first = 0 if found[0] is not None else next(i for i, t in enumerate(found) if t is not None)
+            info = model.classify(names[first])
+            if info is None or info.rule is not rule or info.layer != layer:
+                continue  # the manifest reads these names otherwise: the one-by-one path classifies them
         if shared:
             claimed.update(names)
         n_claimed += len(names) - absent

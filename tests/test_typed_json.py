@@ -60,6 +60,8 @@ HEADERS = {
     # faults: the same message either way
     "float-offset": json.dumps({"a": {**A, "data_offsets": [0, 8.0]}, "b": B}),
     "bool-dim": json.dumps({"a": {**A, "shape": [True, 2]}, "b": {**B, "shape": [2]}}),
+    "unknown-dtype": json.dumps({"a": {**A, "dtype": "F33"}, "b": B}),
+    "dtype-a-list": json.dumps({"a": {**A, "dtype": ["F32"]}, "b": B}),
     "missing-dtype": json.dumps({"a": {"shape": [2], "data_offsets": [0, 8]}, "b": B}),
     "null-shape": json.dumps({"a": {**A, "shape": None}, "b": B}),
     "three-offsets": json.dumps({"a": {**A, "data_offsets": [0, 8, 9]}, "b": B}),
@@ -83,6 +85,18 @@ def test_header_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
     assert typed == plain
     if name in TYPED:  # the fast path takes the usual headers (it is not always declining)
         assert typed[0] == "ok" and len(typed[1][0]) == 2 and typed_json.header(f.read_bytes()[8:-12]) is not None
+
+
+def test_typed_dtypes_are_the_tags_themselves(tmp_path):
+    """Entries share one str per dtype tag (ITEMSIZE's own), so 200k entries hold a few dozen strs and compare by
+    identity first (source/logical.stored_alike)."""
+    from kconvert.io.dtypes import ITEMSIZE
+
+    tags = {t: t for t in ITEMSIZE}
+    specs, _ = typed_json.header(HEADERS["usual"].encode())
+    assert all(s.dtype is tags[s.dtype] for s in specs.values())
+    f = _header(tmp_path / "x.safetensors", HEADERS["usual"])
+    assert all(e.dtype is tags[e.dtype] for e in read_header(f).tensors.values())
 
 
 TYPED = ("usual", "no-metadata", "metadata-last-odd-values", "extra-field", "unicode-names", "escaped-names",

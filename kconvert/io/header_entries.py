@@ -59,8 +59,8 @@ def from_typed(path: Path, specs: dict, data_start: int, data_len: int) -> dict[
     dtypes, shapes, offsets = (list(map(f, vals)) for f in _FIELDS)
     if not specs or None in shapes or None in offsets:
         return None
-    return columns(path, specs, list(map(_TAGS.get, dtypes)), shapes, list(map(_FIRST, offsets)),
-                   list(map(_SECOND, offsets)), data_start, data_len, None)
+    return columns(path, specs, dtypes, shapes, list(map(_FIRST, offsets)), list(map(_SECOND, offsets)), data_start,
+                   data_len, None)  # dtypes: already ITEMSIZE's own tags (typed_json decodes them so)
 
 
 def from_json(path: Path, obj: dict, data_start: int, data_len: int, comp) -> dict[str, TensorEntry] | None:
@@ -89,14 +89,15 @@ def columns(path: Path, obj: dict, dtypes: list, shapes: list, los: list, his: l
     tuple per distinct shape and one str per dtype tag (~25 MB less at 200k tensors). On success `obj`'s values
     are replaced by the entries in place: keys hashed once, header order kept."""
     shared: dict[tuple, tuple] = {}
+    shapes = list(map(shared.setdefault, shapes, shapes))  # each shape tuple hashed once (tuples cache no hash)
+    by_id = {id(s): s for s in shared.values()}
     try:
-        for dtype, shape, n in set(zip(dtypes, shapes, map(sub, his, los))):  # a few dozen
+        for dtype, sid, n in set(zip(dtypes, map(id, shapes), map(sub, his, los))):  # a few dozen
+            shape = by_id[sid]
             if dtype is None or min(shape, default=0) < 0 or n != math.prod(shape) * ITEMSIZE[dtype]:
                 return None
-            shared[shape] = shape
     except TypeError:  # a dtype that is a list: unhashable
         return None
-    shapes = list(map(shared.__getitem__, shapes))
     # Sizes are >= 0, so offsets that chain from 0 to data_len in order also lie in [0, data_len].
     begins = list(map(add, repeat(data_start), los))
     if los[0] == 0 and his[-1] == data_len and los[1:] == his[:-1]:  # in data order (writers store it so)

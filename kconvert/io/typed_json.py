@@ -12,7 +12,14 @@ plus the caller's checks would give, or the caller's own path decides.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+from kconvert.io.dtypes import ITEMSIZE
+
+
+_Tag = Literal[tuple(ITEMSIZE)]  # decoded as ITEMSIZE's own str: one object per tag, checked in C
 
 
 class HeaderSpec(msgspec.Struct, gc=False):
@@ -21,7 +28,7 @@ class HeaderSpec(msgspec.Struct, gc=False):
     Written (io/safetensors_write.py, through io/compact_json.py): the object {"dtype", "shape", "data_offsets"}
     in that order, built in C, not as a dict a tensor."""
 
-    dtype: str | None = None
+    dtype: _Tag | None = None  # a tag no dtype has: the json path names it
     shape: tuple[int, ...] | None = None
     data_offsets: tuple[int, int] | None = None
 

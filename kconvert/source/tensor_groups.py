@@ -11,7 +11,6 @@ not tensors.
 
 from __future__ import annotations
 
-import re
 from itertools import chain
 from typing import NamedTuple
 
@@ -80,8 +79,11 @@ def may_overlap(model: ModelMap) -> set[int]:
                      if r.layers is not None and "{L}" not in r.pattern and "{M}" not in r.pattern}
 
 
-_PLACEHOLDER = re.compile(r"\{[LEM]\}")
-_BETWEEN_DOTS = re.compile(r"(?<=\.)\{[LEM]\}(?=\.|$)")
+def _between_dots(pattern: str) -> bool:
+    """Whether every {L}, {E} and {M} of `pattern` stands between dots (or a dot and the end); when one placeholder
+    follows another (`.{L}.{L}.`) it may say no, which only costs a classify per group."""
+    dotted = pattern + "."
+    return all(dotted.count(p) == dotted.count(f".{p}.") for p in ("{L}", "{E}", "{M}"))
 
 
 def read_back_alike(model: ModelMap, overlapping: set[int]) -> set[int]:
@@ -90,7 +92,7 @@ def read_back_alike(model: ModelMap, overlapping: set[int]) -> set[int]:
     numbers read back as generated (expected_groups yields only layers the rule names). The others are classified a
     group at a time."""
     return {id(r) for p in model.parts for r in p.rules if id(r) not in overlapping
-            and len(_PLACEHOLDER.findall(r.pattern)) == len(_BETWEEN_DOTS.findall(r.pattern))}
+            and _between_dots(r.pattern)}
 
 
 def group_tensors(model: ModelMap, logical: dict[str, LogicalTensor]) -> Grouped:

@@ -31,6 +31,8 @@ def read_toml(path: Path) -> dict:
 def families() -> tuple[tuple[str, dict], ...]:
     out = []
     for path in sorted(manifests_dir().glob("*.toml")):
+        if b"family" not in path.read_bytes():  # a file with no family key (devices, thresholds): not parsed here
+            continue
         spec = read_toml(path)
         if "family" in spec:
             out.append((path.name, spec))

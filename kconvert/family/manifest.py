@@ -12,7 +12,6 @@ tensor names and enumerates every expected tensor (which `plan` uses for models 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from itertools import repeat
 from dataclasses import dataclass
@@ -23,10 +22,10 @@ from kconvert.family.compose import part_applies, with_traits
 from kconvert.family.families import any_alias, family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
+from kconvert.family.rule_names import name_key, placeholders, rule_regex, tensor_key  # noqa: F401 (API)
 from kconvert.family.schedule import read_schedules
 
 SPLITS = ("vocab", "col", "row", "expert", "replicate")
-_NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,6 @@ class Rule:
     layers: str | None  # layer kind, None for non-layer tensors
     required: str
     part: "BoundPart"
-    regex: re.Pattern
     values_below: str | None = None  # an integer table (V4's tid2eid): every entry in [0, this)
     reference: str | None = None  # the transformers name (a released name's `conversion_mapping` target)
     split_multiple: str | None = None  # each rank's slice a multiple of this (V4's wo_a: whole output groups)
@@ -123,11 +121,9 @@ class BoundPart:
                 raise ManifestError(f"bad split {split!r} or layer kind {t.get('layers')!r}", file=f"parts/{name}.toml",
                                     tensor=t.get("name"))
             pattern = (names or {}).get(t["name"], prefix + t["name"])  # a family may name a tensor otherwise
-            regex = re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
-                               .replace(r"\{M\}", r"(?P<M>\d+)") + "$")
             self.rules.append(Rule(pattern, t["component"], split, bool(t.get("quantize", False)),
                                    tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
-                                   str(t.get("required", "True")), self, regex, t.get("values_below"),
+                                   str(t.get("required", "True")), self, t.get("values_below"),
                                    t.get("reference"), t.get("split_multiple"),
                                    t.get("dtype"), t.get("engine")))
 
@@ -200,7 +196,7 @@ class ModelMap:
         self.renames = any(r.engine or r.reference for p in parts for r in p.rules)
         for part in parts:
             for rule in part.rules:
-                fields = tuple(sorted(rule.regex.groupindex, key=rule.regex.groupindex.get))
+                fields = placeholders(rule.pattern)
                 self.by_key.setdefault(name_key(rule.pattern), []).append((rule, fields))
 
     def canonical(self, name: str) -> str:
@@ -221,8 +217,8 @@ class ModelMap:
 
     def classify(self, name: str) -> TensorInfo | None:
         """The manifest entry for `name`, or None when the family does not know it."""
-        for rule, fields in self.by_key.get(_NUM.sub("#", name), ()):  # a name has no {L}/{E}/{M}: its own key
-            m = rule.regex.match(name)
+        for rule, fields in self.by_key.get(tensor_key(name), ()):  # a name has no {L}/{E}/{M}: its own key
+            m = rule_regex(rule.pattern).match(name)
             if not m:
                 continue
             layer = expert = None
@@ -267,11 +263,6 @@ class ModelMap:
                     else:
                         names = [name.replace("{E}", str(e)) for e in range(part.expert_count)]
                     yield rule, L, part.is_required(rule, L), names
-
-
-def name_key(pattern: str) -> str:
-    """A pattern's numbers (dot-delimited) and placeholders as '#': every name the pattern generates has this key."""
-    return _NUM.sub("#", pattern.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
 
 
 def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:

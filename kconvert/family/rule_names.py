@@ -1,0 +1,33 @@
+"""How a manifest rule's pattern (`model.layers.{L}.mlp.experts.{E}.w1.weight`) names tensors: the key every name it
+generates shares, the regex that reads a name's numbers back, and the order of its placeholders."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+_NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
+_PLACEHOLDER = re.compile(r"\{([LEM])\}")
+
+
+def name_key(pattern: str) -> str:
+    """A pattern's numbers (dot-delimited) and placeholders as '#': every name the pattern generates has this key."""
+    return _NUM.sub("#", pattern.replace("{L}", "0").replace("{E}", "0").replace("{M}", "0"))
+
+
+def tensor_key(name: str) -> str:
+    """A stored name's key (its dot-delimited numbers as '#'): the rules that may name it share it."""
+    return _NUM.sub("#", name)
+
+
+def placeholders(pattern: str) -> tuple[str, ...]:
+    """The pattern's {L}/{E}/{M} in order: the groups of its regex."""
+    return tuple(_PLACEHOLDER.findall(pattern))
+
+
+@functools.lru_cache(maxsize=None)
+def rule_regex(pattern: str) -> re.Pattern:
+    """The pattern as a regex reading each placeholder's number, compiled when a name is first classified against
+    it: a valid checkpoint's groups are mostly matched by generated names, so most patterns never are."""
+    return re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+                      .replace(r"\{M\}", r"(?P<M>\d+)") + "$")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from _cli import ENTRY  # noqa: E402 (a sibling script: bench/ is this script's folder)
+from _cli import ENTRY, compiled  # noqa: E402 (a sibling script: bench/ is this script's folder)
 _READ = """
 import json, struct, sys
 raws = []
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed: this bench counts instructions with it")
     trees = {"this tree": ROOT, **({f"{a.vs}": a.vs} if a.vs else {})}
+    for root in trees.values():
+        compiled(root)
     print(f"{a.src}: millions of instructions (PYTHONHASHSEED=0)")
     print("| tree | start-up | json.loads floor | inspect beyond start-up | × floor | plan beyond start-up | × floor |")
     print("|---|---|---|---|---|---|---|")

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _cli import ENTRY, measured  # noqa: E402
+from _cli import ENTRY, compiled, measured  # noqa: E402
 WIDE = {"widen": 16, "layers": 3, "experts": 96}  # the data-time checkpoint: same formats, large tensors
 FIXED = {"widen": 1, "layers": 2, "experts": 8}  # shard's fixed cost: the same formats, hardly any tensors
 
@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="Print the rows as JSON.")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
+    compiled()
     tag = f"{a.preset}-{a.layers or 'L'}-{a.experts or 'E'}"
     src = a.work / tag
     if not (src / "config.json").exists():

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from metadata_bench import (FIXED, ROOT, WIDE, json_floor, kconvert, shard_round, tensor_bytes, variant,
                              written_tensors)
+from _cli import compiled
 
 
 def main(argv=None) -> int:
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     if not (src / "config.json").exists():
         kconvert("fixture", a.preset, src)
     trees = {"other": a.other.resolve(), "this": ROOT}
+    for root in trees.values():
+        compiled(root)
     steps = {"start-up": ["--version"], "inspect": ["inspect", src, "--json"],
              "plan": ["plan", src, "--tp", a.tp, "--quant", "fp8", "--json"]}
     quants = [q for q in a.shard.split(",") if q]

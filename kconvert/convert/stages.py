@@ -118,6 +118,8 @@ def partition(layer_bytes: list[list[int]], pp: int, first: list[int] | None = N
     are added to the first / last stage."""
     n = len(layer_bytes)
     check_pp(pp, n)
+    if pp == 1:  # one stage holds every layer (what plan's search tries first for every tp degree)
+        return StageSplit(((0, n),), stage_bytes(layer_bytes, ((0, n),), first, last))
     cols = _columns(layer_bytes, first, last)
     pre = [[0] * (n + 1) for _ in cols]
     for k, (c, _, _) in enumerate(cols):

@@ -27,11 +27,14 @@ def read_toml(path: Path) -> dict:
         raise ManifestError(f"manifest is not valid TOML: {e}", file=str(path)) from None
 
 
+_FAMILY_KEY = re.compile(rb"""(?m)^[ \t]*(\[{1,2}[ \t]*)?["']?family["']?[ \t]*[].=]""")  # [family], family.x =
+
+
 @functools.lru_cache(maxsize=None)
 def families() -> tuple[tuple[str, dict], ...]:
     out = []
     for path in sorted(manifests_dir().glob("*.toml")):
-        if b"family" not in path.read_bytes():  # a file with no family key (devices, thresholds): not parsed here
+        if not _FAMILY_KEY.search(path.read_bytes()):  # no family key (devices, limits): not parsed to find one
             continue
         spec = read_toml(path)
         if "family" in spec:

@@ -139,7 +139,11 @@ def test_real_checkpoint_uses_headers(checkpoint):
     assert p.source_kind == "checkpoint" and p.family == "kimi_k25"
     assert p.kv_cache["bytes_per_token"] == 3 * (128 + 4 + 2 * 64 + 2 * 64)  # 3 layers, kv_lora 128, index dim 64 (bf16)
     # the headers agree with what the config alone implies (bf16 weights, fp32 router bias)
-    assert make_plan(str(ck / "config.json"), 4, quant="fp8").rank == p.rank
+    from_config = make_plan(str(ck / "config.json"), 4, quant="fp8", kv_dtype="fp8")
+    assert from_config.rank == p.rank
+    # and name the same tensors where fp8 slices straddle scale blocks, whatever order the files store them in
+    assert from_config.tp_table == p.tp_table and from_config.warnings == p.warnings
+    assert any(r["fp8_misaligned"] for r in p.tp_table)
     assert [r["tp"] for r in p.tp_table if r["ok"]] == [1, 2, 4]
     with pytest.raises(UsageError, match=r"4 attention heads do not divide over 8 ranks.*work: 1, 2, 4$"):
         make_plan(str(ck), 8, quant="fp8")

@@ -11,7 +11,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.tensor_groups import stored_positions
 from kconvert.convert.layout import Layout, pieces
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.quant.policy import QuantPolicy
@@ -82,18 +81,14 @@ def config_groups(config_json: str, config_file: str = "config.json") -> tuple[M
 
 
 def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
-    """Groups of a checkpoint's tensors (from its validated buckets), in the order their tensors are stored."""
-    grouped = ck.grouped
-    pos, order = stored_positions(ck.logical), list(ck.logical.values())
-
+    """Groups of a checkpoint's tensors (from its validated buckets), in model order: the order `config_groups`
+    gives the same model, so a plan from the checkpoint and one from its config.json name the same tensor (a
+    misaligned fp8 slice), whatever order the files store them in."""
     def itemsize(t) -> int:
         return ITEMSIZE[t.main.dtype] if t.format == "plain" else 2
 
-    items = []
-    for b in grouped.buckets:  # a bucket stands where its first stored tensor stands, and by that tensor
-        at, first = b.earliest(pos, order)
-        items.append((at, first, b.sample.shape, itemsize(b.sample), b.experts if b.experts[0] is not None else []))
-    return _collapse(item[1:] for item in sorted(items, key=lambda item: item[0]))
+    return _collapse((b.info, b.sample.shape, itemsize(b.sample), b.experts if b.experts[0] is not None else [])
+                     for b in ck.grouped.buckets)
 
 
 def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[int]:

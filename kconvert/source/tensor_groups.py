@@ -41,20 +41,11 @@ class Bucket(NamedTuple):
     def info(self) -> TensorInfo:
         return TensorInfo(self.names[0], self.rule, self.layer, self.experts[0])
 
-    def earliest(self, pos: dict[int, int], order: list[LogicalTensor] | None = None) -> tuple[int, TensorInfo]:
+    def earliest(self, pos: dict[int, int]) -> tuple[int, TensorInfo]:
         """The member stored first and its place (`pos`: `stored_positions`): where a walk in stored order meets
-        the bucket. With `order` (the logical tensors in stored order), a bucket stored in its own order at a fixed
-        stride (the usual case: an expert's down, gate and up projections side by side, then the next expert's) is
-        placed by its first two members and one C-level comparison of the strided run."""
-        ts = self.tensors
-        at = pos[id(ts[0])]
-        if len(ts) == 1:
-            return at, self.info
-        step = pos[id(ts[1])] - at if order is not None else 0
-        if step > 0 and order[at:at + step * len(ts):step] == ts:
-            return at, self.info
-        first = min(map(pos.__getitem__, map(id, ts)))
-        i = 0 if at == first else list(map(pos.__getitem__, map(id, ts))).index(first)
+        the bucket."""
+        first = min(map(pos.__getitem__, map(id, self.tensors)))
+        i = 0 if pos[id(self.tensors[0])] == first else list(map(pos.__getitem__, map(id, self.tensors))).index(first)
         return first, TensorInfo(self.names[i], self.rule, self.layer, self.experts[i])
 
 

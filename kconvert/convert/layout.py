@@ -11,6 +11,7 @@ DeepSeek's whole-expert layout; ep = 1 splits every expert over all ranks (vLLM'
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from kconvert.errors import UsageError
@@ -92,8 +93,19 @@ def check(model: ModelMap, layout: Layout) -> None:
                          f"tp degrees that work: {', '.join(map(str, works)) or 'none'}")
 
 
+_problems: "weakref.WeakKeyDictionary[ModelMap, dict[Layout, str | None]]" = weakref.WeakKeyDictionary()
+
+
 def layout_problem(model: ModelMap, layout: Layout) -> str | None:
-    """Why the model's dims do not divide over `layout`, or None when they do."""
+    """Why the model's dims do not divide over `layout`, or None when they do (once per model and layout: plan's
+    tp table and pp search ask of every degree)."""
+    known = _problems.setdefault(model, {})
+    if layout not in known:
+        known[layout] = _layout_problem(model, layout)
+    return known[layout]
+
+
+def _layout_problem(model: ModelMap, layout: Layout) -> str | None:
     text = model.text
     heads = int(model.text_config.get("num_attention_heads") or 0)
     if heads and heads % layout.tp:

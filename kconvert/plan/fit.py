@@ -3,13 +3,13 @@ docstring), and `Sizing`: everything a fit depends on but the layout and the dev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kconvert.convert.layout import Layout
 from kconvert.quant.policy import QuantPolicy
 from kconvert.plan.device_presets import GIB, DevicePreset
 from kconvert.plan.kv_bytes import KVBytes
-from kconvert.plan.rank_bytes import TensorGroup, fp8_misaligned, rank_bytes
+from kconvert.plan.rank_bytes import TensorGroup, copy_bytes, fp8_misaligned, rank_bytes
 
 MEM_FRACTION = 0.92
 RUNTIME_RESERVE = 2 * GIB
@@ -53,9 +53,17 @@ class Sizing:
     context: int
     batch: int
     mem_fraction: float
+    _copies: dict = field(default_factory=dict, compare=False, repr=False)  # Layout -> copies(layout)
+
+    def copies(self, layout: Layout) -> list[list[int]]:
+        """Every group's copy_bytes on `layout`, once: the tp table, the stage split and the pp search ask alike."""
+        out = self._copies.get(layout)
+        if out is None:
+            out = self._copies[layout] = [copy_bytes(g, layout, self.policy, self.n_experts) for g in self.groups]
+        return out
 
     def per_rank(self, layout: Layout) -> list[dict[str, int]]:
-        return rank_bytes(self.groups, layout, self.policy, self.n_experts)
+        return rank_bytes(self.groups, layout, self.policy, self.n_experts, self.copies(layout))
 
     def fit(self, device: DevicePreset, weights: int) -> dict:
         return fit(device, weights, self.reserve, self.kv, self.context, self.batch, self.mem_fraction)

@@ -19,7 +19,6 @@ from kconvert.convert.stages import FIRST, LAST, edges_of, split_layers
 from kconvert.family.manifest import ModelMap
 from kconvert.plan.device_presets import DevicePreset
 from kconvert.plan.fit import Sizing, fit
-from kconvert.plan.rank_bytes import copy_bytes
 
 MAX_PP = 16  # stages the search tries per tp degree
 GPUS_PER_NODE = 8
@@ -40,8 +39,7 @@ def stage_inputs(sz: Sizing, model: ModelMap, layout: Layout) -> StageInputs:
         g.info.component == "head" for g in sz.groups)
     layer_bytes = [[0] * layout.tp for _ in range(n_layers)]
     edge = {FIRST: [0] * layout.tp, LAST: [0] * layout.tp}
-    for g in sz.groups:
-        per = copy_bytes(g, layout, sz.policy, sz.n_experts)
+    for g, per in zip(sz.groups, sz.copies(layout)):
         for L in g.layers or (None,) * g.copies:
             rows = [layer_bytes[L]] if L is not None and L < n_layers else \
                 [edge[LAST]] if L is not None else [edge[e] for e in edges_of(g.info.component, tied)]

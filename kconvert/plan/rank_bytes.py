@@ -114,11 +114,13 @@ def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: i
     return out
 
 
-def rank_bytes(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[dict[str, int]]:
-    """Converted bytes on every rank, by component. The layout must have passed `layout.check`."""
+def rank_bytes(groups, layout: Layout, policy: QuantPolicy, n_experts: int,
+               copies: list[list[int]] | None = None) -> list[dict[str, int]]:
+    """Converted bytes on every rank, by component (`copies`: each group's copy_bytes, when already at hand). The
+    layout must have passed `layout.check`."""
     ranks: list[defaultdict] = [defaultdict(int) for _ in range(layout.tp)]
-    for g in groups:
-        for r, b in enumerate(copy_bytes(g, layout, policy, n_experts)):
+    for i, g in enumerate(groups):
+        for r, b in enumerate(copy_bytes(g, layout, policy, n_experts) if copies is None else copies[i]):
             ranks[r][g.info.component] += b * g.copies
     return [{c: r[c] for c in COMPONENTS if r.get(c)} for r in ranks]
 

@@ -186,10 +186,11 @@ def main(argv=None) -> int:
     listing = safetensors_listing(src)
     row("safetensors safe_open + keys + shapes", {"wall": listing, "cpu": listing}, stored, base=in_process)
     r = best_of(a.rounds, "inspect", src, "--json")
-    row("inspect", r, stored, r["rss"], f"best of {a.rounds}")
+    row("inspect", r, stored, r["rss"], f"best of {a.rounds}; {(r['cpu'] - startup['cpu']) / floor:.2f}x the floor")
     weights = json.loads(r["stdout"])["tensors"]  # logical source tensors: a weight and its scales are one
     r = best_of(a.rounds, "plan", src, "--tp", a.tp, "--quant", "fp8", "--json")
-    row(f"plan --tp {a.tp} --quant fp8", r, stored, r["rss"], f"best of {a.rounds}")
+    row(f"plan --tp {a.tp} --quant fp8", r, stored, r["rss"],
+        f"best of {a.rounds}; {(r['cpu'] - startup['cpu']) / floor:.2f}x the floor")
     out = {}
     for quant in ("none", "fp8"):
         out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"

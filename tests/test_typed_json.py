@@ -33,7 +33,7 @@ def _both(monkeypatch, fn):
     typed = _outcome(fn)
     with monkeypatch.context() as m:
         m.setattr(typed_json, "header", lambda raw: None)
-        m.setattr(typed_json, "weight_map", lambda raw: None)
+        m.setattr(typed_json, "weight_map", lambda raw, files=(): None)
         plain = _outcome(fn)
     return typed, plain
 
@@ -119,6 +119,8 @@ INDEXES = {
     "null-weight-map": json.dumps({"weight_map": None}),
     "list": "[]",
     "escape": json.dumps({"weight_map": {"a": "m.safetensors", "b": "../m.safetensors"}}),
+    "missing-file": json.dumps({"weight_map": {"a": "m.safetensors", "b": "n.safetensors"}}),
+    "file-in-a-folder": json.dumps({"weight_map": {"a": "m.safetensors", "b": "sub/m.safetensors"}}),
     "not-json": '{"weight_map": {',
 }
 
@@ -128,7 +130,10 @@ def test_index_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
     _index(tmp_path, INDEXES[name])
     typed, plain = _both(monkeypatch, lambda: checkpoint._index_map(tmp_path))
     assert typed == plain
-    assert (typed[0] == "ok") == (name in ("usual", "metadata-at-the-bound"))
+    if name == "usual":  # the typed decode took it, each file named by one shared str (compared by identity)
+        weight_map = typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes(), ("m.safetensors",))
+        assert weight_map == {"a": "m.safetensors", "b": "m.safetensors"} and weight_map["a"] is weight_map["b"]
+    assert (typed[0] == "ok") == (name in ("usual", "metadata-at-the-bound", "missing-file", "file-in-a-folder"))
     if typed[0] == "ok":  # and the fast path took it
         assert typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes()) == typed[1]
 

@@ -12,6 +12,7 @@ plus the caller's checks would give, or the caller's own path decides.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import msgspec
@@ -58,10 +59,19 @@ def header(raw: bytes) -> tuple[dict[str, HeaderSpec], object] | None:
     return specs, meta
 
 
-def weight_map(raw: bytes) -> dict[str, str] | None:
+def weight_map(raw: bytes, files: tuple[str, ...] = ()) -> dict[str, str] | None:
     """The index's weight_map when it is an object of strings, or None: take the json path (also for a
-    missing or mistyped weight_map, so its error is the json path's)."""
+    missing or mistyped weight_map, so its error is the json path's). With `files` (the folder's safetensors
+    names), the usual index, which names only those, decodes each value as one of them, shared: 200k values
+    are then a few dozen strs, which the checks against the headers compare by identity. One that names any
+    other file takes the json path, as one that is mistyped does."""
     try:
-        return _INDEX.decode(raw).weight_map
+        return (_index_of(files) if files else _INDEX).decode(raw).weight_map
     except _FAILED:
         return None
+
+
+@functools.lru_cache(maxsize=8)
+def _index_of(files: tuple[str, ...]) -> msgspec.json.Decoder:
+    struct = msgspec.defstruct("IndexOf", [("weight_map", dict[str, Literal[files]] | None, None)], gc=False)
+    return msgspec.json.Decoder(struct)

@@ -25,7 +25,7 @@ _PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4"}  # what inspect calls 
 _BY_SUFFIX = (".weight_packed", ".scale", ".weight_scale_inv")  # a companion that names its weight
 _SCALE_ONLY = (".weight_scale", ".input_scale")  # folded with the weight found from the other side
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
-_FORMAT, _PARTS = attrgetter("format"), attrgetter("parts")
+_FORMAT, _PARTS, _WEIGHT = attrgetter("format"), attrgetter("parts"), itemgetter("weight")
 
 
 class LogicalTensor(NamedTuple):
@@ -70,9 +70,12 @@ def stored_alike(ts: list[LogicalTensor]) -> bool:
     t0, n = ts[0], len(ts)
     if n == 1:
         return True
+    if list(map(_FORMAT, ts)).count(t0.format) != n or list(map(_SHAPE, ts)).count(t0.shape) != n:
+        return False
     parts = list(map(_PARTS, ts))
-    if list(map(_FORMAT, ts)).count(t0.format) != n or list(map(_SHAPE, ts)).count(t0.shape) != n \
-            or list(map(len, parts)).count(len(t0.parts)) != n:
+    if t0.format == "plain":  # fold makes a plain tensor's parts {"weight": its entry}, of the tensor's own shape
+        return list(map(_DTYPE, map(_WEIGHT, parts))).count(t0.parts["weight"].dtype) == n
+    if list(map(len, parts)).count(len(t0.parts)) != n:
         return False
     try:  # as many roles as the first and each of its roles: the same roles, in the same order (fold builds one
         # format's parts in one order, and the formats are equal here)

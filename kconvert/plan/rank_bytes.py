@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.convert.layout import Layout, pieces
@@ -20,10 +20,10 @@ COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "sh
               "hash_router", "norm", "embed", "head", "vision", "projector")
 
 
-@dataclass(frozen=True)
-class TensorGroup:
+class TensorGroup(NamedTuple):
     """`copies` tensors of one manifest rule with one shape and source dtype (the same tensor in several
-    layers), each standing for every routed expert in `experts` when the rule is per expert."""
+    layers), each standing for every routed expert in `experts` when the rule is per expert (a named tuple:
+    plan builds one per bucket, 1k+ at a release's size)."""
 
     info: TensorInfo  # the representative: the first layer's (first expert's) tensor
     shape: tuple[int, ...]

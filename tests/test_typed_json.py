@@ -44,6 +44,7 @@ def _header(path: Path, text: str | bytes, data: int = 12) -> Path:
     return path
 
 
+EMPTY_5000 = {f"t{i}": {**A, "shape": [0], "data_offsets": [12, 12]} for i in range(5000)}  # 333 KB of header
 HEADERS = {
     "usual": json.dumps({"__metadata__": {"format": "pt"}, "a": A, "b": B}),
     "no-metadata": json.dumps({"a": A, "b": B}),
@@ -72,6 +73,9 @@ HEADERS = {
     "entry-not-an-object": json.dumps({"a": [1], "b": B}),
     "deep": '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}",
     "codec-without-index": json.dumps({"__metadata__": {"kconvert_codec": "zstd"}, "a": A, "b": B}),
+    # over 256 KiB: viewed through a mapping (io/safetensors_read._header_bytes), the same either way
+    "large": json.dumps({"a": A, "b": B, **EMPTY_5000}),
+    "large-bad-dtype": json.dumps({"a": A, "b": B, **EMPTY_5000, "z": {**A, "dtype": "F33"}}),
 }
 
 
@@ -83,6 +87,8 @@ def test_header_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
         typed = "ok", (list(typed[1].tensors.items()), typed[1].metadata)
         plain = "ok", (list(plain[1].tensors.items()), plain[1].metadata)
     assert typed == plain
+    if name.startswith("large"):  # read through a mapping: taken, or refused with the json path's error
+        assert (typed[0] == "ok") == (name == "large")
     if name in TYPED:  # the fast path takes the usual headers (it is not always declining)
         assert typed[0] == "ok" and len(typed[1][0]) == 2 and typed_json.header(f.read_bytes()[8:-12]) is not None
 
@@ -122,6 +128,10 @@ INDEXES = {
     "missing-file": json.dumps({"weight_map": {"a": "m.safetensors", "b": "n.safetensors"}}),
     "file-in-a-folder": json.dumps({"weight_map": {"a": "m.safetensors", "b": "sub/m.safetensors"}}),
     "not-json": '{"weight_map": {',
+    # over 1 MiB: read through a mapping (io/side_files.mapped_bytes), the same either way
+    "large": json.dumps({"weight_map": {**{f"layers.{i}.w": "m.safetensors" for i in range(60_000)},
+                                        "a": "m.safetensors", "b": "m.safetensors"}}),
+    "large-not-json": json.dumps({"weight_map": {f"layers.{i}.w": "m.safetensors" for i in range(60_000)}})[:-3],
 }
 
 
@@ -133,7 +143,8 @@ def test_index_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
     if name == "usual":  # the typed decode took it, each file named by one shared str (compared by identity)
         weight_map = typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes(), ("m.safetensors",))
         assert weight_map == {"a": "m.safetensors", "b": "m.safetensors"} and weight_map["a"] is weight_map["b"]
-    assert (typed[0] == "ok") == (name in ("usual", "metadata-at-the-bound", "missing-file", "file-in-a-folder"))
+    assert (typed[0] == "ok") == (name in ("usual", "metadata-at-the-bound", "missing-file", "file-in-a-folder",
+                                                         "large"))
     if typed[0] == "ok":  # and the fast path took it
         assert typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes()) == typed[1]
 

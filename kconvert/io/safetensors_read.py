@@ -14,6 +14,7 @@ point two tensors at one region, or to hide bytes between them, does not.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from kconvert.io import typed_json
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.header_entries import TensorEntry, check_tiling, entries, from_json, from_typed
 from kconvert.io.pread import map_range
+from kconvert.io.side_files import READ_MAP_AT_LEAST, READ_MAP_FLAGS
 
 MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
 
@@ -60,7 +62,7 @@ def _read_header(path: Path) -> SafetensorsHeader:
             if n > MAX_HEADER or 8 + n > size:
                 raise FormatError(f"header length {n} runs past the file ({size} bytes): truncated or not safetensors",
                                   file=str(path))
-            raw = f.read(n)
+            raw = _header_bytes(f, n)
     except FileNotFoundError:
         raise FormatError("file not found", file=str(path)) from None
     except IsADirectoryError:
@@ -77,6 +79,7 @@ def _read_header(path: Path) -> SafetensorsHeader:
             tensors = from_typed(path, specs, data_start, data_len)
             if tensors is not None:
                 return SafetensorsHeader(path, size, data_start, tensors, metadata)
+    raw = bytes(raw)  # the json path and a compressed shard's index read bytes
     obj = decode_header_json(raw, path)
     metadata = obj.pop("__metadata__", None) or {}
     metadata = metadata if isinstance(metadata, dict) else {}
@@ -93,6 +96,17 @@ def _read_header(path: Path) -> SafetensorsHeader:
     if comp is not None:
         comp.load_index(tensors)
     return SafetensorsHeader(path, comp.size if comp else size, data_start, tensors, metadata, comp)
+
+
+def _header_bytes(f, n: int) -> bytes | memoryview:
+    """The header's n bytes after its length: read, or viewed through a populated read-only mapping when large
+    (io/side_files.READ_MAP_AT_LEAST: a 200k-tensor release's headers are 2 MB each)."""
+    if n >= READ_MAP_AT_LEAST:
+        try:
+            return memoryview(mmap.mmap(f.fileno(), 8 + n, flags=READ_MAP_FLAGS, prot=mmap.PROT_READ))[8:]
+        except (OSError, ValueError):  # a file that cannot be mapped is read
+            pass
+    return f.read(n)
 
 
 def decode_header_json(raw: bytes, path: Path) -> dict:

@@ -25,7 +25,7 @@ from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
 from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
 from kconvert.io import typed_json
-from kconvert.io.side_files import (MAX_CONFIG, MAX_DEPTH, MAX_INDEX, openings_over, parse_json, read_bytes,
+from kconvert.io.side_files import (MAX_CONFIG, MAX_DEPTH, MAX_INDEX, mapped_bytes, openings_over, parse_json,
                                     read_json)
 from kconvert.source.formats import read_logical
 from kconvert.source.logical import LogicalTensor, fold
@@ -263,10 +263,10 @@ def _index_map(root: Path) -> dict[str, str] | None:
     path = root / INDEX
     if not path.exists():
         return None
-    raw, files = read_bytes(path, limit=MAX_INDEX), tuple(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    raw, files = mapped_bytes(path, limit=MAX_INDEX), tuple(n for n in os.listdir(root) if n.endswith(".safetensors"))
     weight_map = None if openings_over(raw, MAX_DEPTH) else typed_json.weight_map(raw, files)  # 200k names, in C
     if weight_map is None:  # anything unusual: json.loads, which names what is wrong
-        index = parse_json(raw, file=str(path))
+        index = parse_json(bytes(raw), file=str(path))
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError("index has no weight_map object", file=str(path))

@@ -25,7 +25,7 @@ _PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4"}  # what inspect calls 
 _BY_SUFFIX = (".weight_packed", ".scale", ".weight_scale_inv")  # a companion that names its weight
 _SCALE_ONLY = (".weight_scale", ".input_scale")  # folded with the weight found from the other side
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
-_FORMAT, _PARTS, _WEIGHT = attrgetter("format"), attrgetter("parts"), itemgetter("weight")
+_FORMAT, _STORED = attrgetter("format"), attrgetter("stored")
 
 
 class LogicalTensor(NamedTuple):
@@ -34,11 +34,18 @@ class LogicalTensor(NamedTuple):
     name: str
     shape: tuple[int, ...]
     format: str  # plain | block_fp8 | int4_packed | fp4_packed | scaled
-    parts: dict[str, TensorEntry]  # role -> stored entry
+    stored: dict[str, TensorEntry] | TensorEntry  # role -> stored entry; a plain weight's one entry itself
+
+    @property
+    def parts(self) -> dict[str, TensorEntry]:
+        """Role -> stored entry (a plain weight's is made on request: a release's 70k would each hold a dict)."""
+        return {"weight": self.stored} if self.format == "plain" else self.stored
 
     @property
     def main(self) -> TensorEntry:
-        return self.parts["packed"] if self.format == "int4_packed" else self.parts["weight"]
+        if self.format == "plain":
+            return self.stored
+        return self.stored["packed"] if self.format == "int4_packed" else self.stored["weight"]
 
     @property
     def stored_dtype(self) -> str:
@@ -56,7 +63,9 @@ class LogicalTensor(NamedTuple):
 def stored_form(t: LogicalTensor) -> tuple:
     """How a logical tensor is stored: its format and shape, each part's role, dtype and shape. Tensors of one form
     are checked alike (tensor_groups.py, through stored_alike below) and read as one stack (stacked.py)."""
-    return t.format, t.shape, tuple([(role, p.dtype, p.shape) for role, p in t.parts.items()])
+    if t.format == "plain":
+        return t.format, t.shape, (("weight", t.stored.dtype, t.stored.shape),)
+    return t.format, t.shape, tuple([(role, p.dtype, p.shape) for role, p in t.stored.items()])
 
 
 def stored_alike(ts: list[LogicalTensor]) -> bool:
@@ -72,9 +81,9 @@ def stored_alike(ts: list[LogicalTensor]) -> bool:
         return True
     if list(map(_FORMAT, ts)).count(t0.format) != n or list(map(_SHAPE, ts)).count(t0.shape) != n:
         return False
-    parts = list(map(_PARTS, ts))
-    if t0.format == "plain":  # fold makes a plain tensor's parts {"weight": its entry}, of the tensor's own shape
-        return list(map(_DTYPE, map(_WEIGHT, parts))).count(t0.parts["weight"].dtype) == n
+    parts = list(map(_STORED, ts))
+    if t0.format == "plain":  # a plain tensor stores one entry, of the tensor's own shape
+        return list(map(_DTYPE, parts)).count(t0.stored.dtype) == n
     if list(map(len, parts)).count(len(t0.parts)) != n:
         return False
     try:  # as many roles as the first and each of its roles: the same roles, in the same order (fold builds one
@@ -96,17 +105,17 @@ def stack_form(t: LogicalTensor) -> tuple | None:
     read on its own (another format, a compressed part, no values)."""
     if t.format not in STACKED_FORMATS or not t.numel:
         return None
-    for p in t.parts.values():
+    for p in (t.stored,) if t.format == "plain" else t.stored.values():
         if p.compressed is not None:
             return None
     return stored_form(t)
 
 
-_new = partial(tuple.__new__, LogicalTensor)  # from (name, shape, format, parts), without a Python-level call
+_new = partial(tuple.__new__, LogicalTensor)  # from (name, shape, format, stored), without a Python-level call
 
 
 def _bulk(rows):
-    """LogicalTensors from (name, shape, format, parts) rows, lazily, each built by tuple.__new__ from C."""
+    """LogicalTensors from (name, shape, format, stored) rows, lazily, each built by tuple.__new__ from C."""
     return map(tuple.__new__, repeat(LogicalTensor), rows)
 
 
@@ -117,8 +126,7 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
     if not any(map(str.endswith, stored, repeat(_BY_SUFFIX + _SCALE_ONLY))):  # one pass: no companion of any kind
         entries = list(stored.values())
         if set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)):  # plain weights only (a BF16 release)
-            out.update(zip(stored, _bulk(zip(stored, map(_SHAPE, entries), repeat("plain"),
-                                             [{"weight": e} for e in entries]))))
+            out.update(zip(stored, _bulk(zip(stored, map(_SHAPE, entries), repeat("plain"), entries))))
             return out
     named = list(compress(stored, map(str.endswith, stored, repeat(_BY_SUFFIX))))  # map/compress: C-level passes
     used: set[str] = set()
@@ -128,7 +136,7 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
     entries = list(map(stored.__getitem__, rest)) if used else list(stored.values())
     scale_only = any(map(str.endswith, rest, repeat(_SCALE_ONLY)))
     if not scale_only and set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)):
-        out.update(zip(rest, _bulk(zip(rest, map(_SHAPE, entries), repeat("plain"), [{"weight": e} for e in entries]))))
+        out.update(zip(rest, _bulk(zip(rest, map(_SHAPE, entries), repeat("plain"), entries))))
     else:
         _rest_one_by_one(stored, rest, out)
     return out
@@ -211,7 +219,7 @@ def _rest_one_by_one(stored: dict[str, TensorEntry], rest: list[str], out: dict)
                 parts["input_scale"] = inp
             out[name] = _new((name, e.shape, "scaled", parts))
         else:
-            out[name] = _new((name, e.shape, "plain", {"weight": e}))
+            out[name] = _new((name, e.shape, "plain", e))
 
 
 def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:

@@ -15,7 +15,7 @@ def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
     """Logical weights sharing a logical.stack_form -> [N, *shape]."""
     t0 = ts[0]
     if t0.format == "plain":
-        x = read_stacked([t.parts["weight"] for t in ts])
+        x = read_stacked([t.stored for t in ts])  # a plain weight's one entry
         if not all_finite(x):
             raise NotStackable
         return x

@@ -139,7 +139,7 @@ def read_logical(t: LogicalTensor, *, rows: tuple[int, int] | None = None, dtype
     import torch
 
     if t.format == "plain":
-        x = read_checked(t.parts["weight"], rows)
+        x = read_checked(t.stored, rows)  # a plain weight stores its one entry
         return x if dtype is None else x.to(dtype)
     if "input_scale" in t.parts:
         read_checked(t.parts["input_scale"])

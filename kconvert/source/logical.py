@@ -53,7 +53,9 @@ class LogicalTensor(NamedTuple):
 
     @property
     def stored_bytes(self) -> int:
-        return sum(p.end - p.begin for p in self.parts.values())
+        if self.format == "plain":
+            return self.stored.end - self.stored.begin
+        return sum(p.end - p.begin for p in self.stored.values())
 
     @property
     def numel(self) -> int:

@@ -19,12 +19,12 @@ def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
         if not all_finite(x):
             raise NotStackable
         return x
-    shapes = read_stacked([t.parts["shape"] for t in ts]).reshape(len(ts), -1)
+    shapes = read_stacked([t.stored["shape"] for t in ts]).reshape(len(ts), -1)
     rows, cols = declared_shape(t0, shapes[0])  # a CheckpointError here: the one-by-one read names it too
     if not bool((shapes == shapes[0]).all()):
         raise NotStackable
-    packed = read_stacked([t.parts["packed"] for t in ts])
-    scale = read_stacked([t.parts["scale"] for t in ts])
+    packed = read_stacked([t.stored["packed"] for t in ts])
+    scale = read_stacked([t.stored["scale"] for t in ts])
     # every value is (code - 8) * its scale with |code - 8| <= 8: all are finite when every 8 * scale is (a
     # pass over the scales, not the values; a stack this refuses but the weights pass is read one by one)
     if not all_finite(scale.to(torch.float32) * 8):

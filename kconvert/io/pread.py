@@ -13,6 +13,9 @@ from pathlib import Path
 from kconvert.errors import FormatError
 
 MAP_AT_LEAST = 1 << 20  # below this a copy costs less than setting up and tearing down a mapping
+# A read faults a fresh buffer in a page (4 KB) at a time and copies into it; a populated read-only mapping of the
+# page cache costs two system calls, which a file of a few dozen pages already repays (side files, headers).
+MAP_POPULATED_AT_LEAST = 256 << 10
 
 
 def pread_into(fd: int, view: memoryview, offset: int, path: Path, tensor: str | None = None) -> None:
@@ -61,3 +64,9 @@ def map_range(path: Path, begin: int, length: int, *, tensor: str | None = None)
     if hasattr(mapped, "madvise"):
         mapped.madvise(mmap.MADV_SEQUENTIAL)  # read ahead of the first touch; pages behind may go
     return memoryview(mapped)[begin - start:]
+
+
+def map_populated(fd: int, length: int) -> mmap.mmap:
+    """The first `length` bytes of `fd`'s file, mapped read-only with every page mapped at once (MAP_POPULATE where
+    the system has it): for metadata read whole and dropped (an index, a large header), unlike map_range's data."""
+    return mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)

@@ -14,7 +14,6 @@ point two tensors at one region, or to hide bytes between them, does not.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -24,8 +23,7 @@ from kconvert.errors import FormatError
 from kconvert.io import typed_json
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.header_entries import TensorEntry, check_tiling, entries, from_json, from_typed
-from kconvert.io.pread import map_range
-from kconvert.io.side_files import READ_MAP_AT_LEAST, READ_MAP_FLAGS
+from kconvert.io.pread import MAP_POPULATED_AT_LEAST, map_populated, map_range
 
 MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
 
@@ -100,10 +98,10 @@ def _read_header(path: Path) -> SafetensorsHeader:
 
 def _header_bytes(f, n: int) -> bytes | memoryview:
     """The header's n bytes after its length: read, or viewed through a populated read-only mapping when large
-    (io/side_files.READ_MAP_AT_LEAST: a 200k-tensor release's headers are 2 MB each)."""
-    if n >= READ_MAP_AT_LEAST:
+    (io/pread.map_populated: a 200k-tensor release's headers are 2 MB each)."""
+    if n >= MAP_POPULATED_AT_LEAST:
         try:
-            return memoryview(mmap.mmap(f.fileno(), 8 + n, flags=READ_MAP_FLAGS, prot=mmap.PROT_READ))[8:]
+            return memoryview(map_populated(f.fileno(), 8 + n))[8:]
         except (OSError, ValueError):  # a file that cannot be mapped is read
             pass
     return f.read(n)

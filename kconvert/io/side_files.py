@@ -12,13 +12,13 @@ one line naming the file; a missing file is MissingFileError (also a FileNotFoun
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import stat
 from pathlib import Path
 from typing import Callable
 
 from kconvert.errors import CheckpointError, KConvertError, MissingFileError
+from kconvert.io.pread import MAP_POPULATED_AT_LEAST, map_populated
 
 MiB = 1 << 20
 MAX_CONFIG = 16 * MiB      # config.json, tokenizer_config.json, pack state: real ones are a few KB
@@ -50,30 +50,6 @@ def _open_regular(path: Path, error: type[KConvertError]) -> tuple[int, int]:
     return fd, st.st_size
 
 
-# A read faults a fresh buffer in a page (4 KB) at a time and copies into it; a populated read-only mapping of the
-# page cache costs two system calls, which a file of a few dozen pages already repays.
-READ_MAP_AT_LEAST = 256 << 10
-READ_MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-
-
-def mapped_bytes(path: str | os.PathLike, *, limit: int, error: type[KConvertError] = CheckpointError):
-    """`read_bytes`' file, its guards first, as a read-only private mapping when it is large (a 10 MB index: its pages
-    mapped from the page cache a few dozen at a time rather than faulted into a fresh buffer one by one and copied),
-    else as bytes. Either has find(), slices and the buffer protocol; bytes(...) copies a mapping."""
-    path = Path(path)
-    fd, size = _open_regular(path, error)
-    try:
-        if size > limit:
-            raise error(f"{size} bytes: over the {_human(limit)} limit for this file", file=str(path))
-        if size >= READ_MAP_AT_LEAST:
-            return mmap.mmap(fd, size, flags=READ_MAP_FLAGS, prot=mmap.PROT_READ)
-    except OSError as e:
-        raise error(f"cannot be read ({e.strerror or e})", file=str(path)) from None
-    finally:
-        os.close(fd)
-    return read_bytes(path, limit=limit, error=error)
-
-
 def check_regular(path: str | os.PathLike, *, error: type[KConvertError] = CheckpointError) -> None:
     """Refuse `path` unless it is a regular file, without blocking: for files another library opens
     (a reference .safetensors), where a FIFO would hang it."""
@@ -83,11 +59,23 @@ def check_regular(path: str | os.PathLike, *, error: type[KConvertError] = Check
 
 def read_bytes(path: str | os.PathLike, *, limit: int, error: type[KConvertError] = CheckpointError) -> bytes:
     """The whole of a regular file of at most `limit` bytes."""
-    path = Path(path)
+    return _whole(Path(path), limit, error, mapped=False)
+
+
+def mapped_bytes(path: str | os.PathLike, *, limit: int, error: type[KConvertError] = CheckpointError):
+    """`read_bytes`' file, the same guards, as a read-only mapping when it is large (io/pread.map_populated: a 10 MB
+    index mapped from the page cache rather than faulted into a fresh buffer page by page and copied), else as bytes.
+    Either has find(), slices and the buffer protocol; bytes(...) copies a mapping."""
+    return _whole(Path(path), limit, error, mapped=True)
+
+
+def _whole(path: Path, limit: int, error: type[KConvertError], mapped: bool):
     fd, size = _open_regular(path, error)
     try:
         if size > limit:
             raise error(f"{size} bytes: over the {_human(limit)} limit for this file", file=str(path))
+        if mapped and size >= MAP_POPULATED_AT_LEAST:
+            return map_populated(fd, size)
         chunks, got = [], 0
         while got <= size:  # one byte past the size seen: a file that grows while read is refused, not followed
             b = os.read(fd, size + 1 - got)  # all at once: one buffer, and join returns a lone chunk uncopied

@@ -63,7 +63,7 @@ class Sizing:
         return out
 
     def per_rank(self, layout: Layout) -> list[dict[str, int]]:
-        return rank_bytes(self.groups, layout, self.policy, self.n_experts, self.copies(layout))
+        return rank_bytes(self.groups, self.copies(layout), layout.tp)
 
     def fit(self, device: DevicePreset, weights: int) -> dict:
         return fit(device, weights, self.reserve, self.kv, self.context, self.batch, self.mem_fraction)

@@ -114,13 +114,12 @@ def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: i
     return out
 
 
-def rank_bytes(groups, layout: Layout, policy: QuantPolicy, n_experts: int,
-               copies: list[list[int]] | None = None) -> list[dict[str, int]]:
-    """Converted bytes on every rank, by component (`copies`: each group's copy_bytes, when already at hand). The
+def rank_bytes(groups, copies: list[list[int]], tp: int) -> list[dict[str, int]]:
+    """Converted bytes on every one of `tp` ranks, by component, from each group's copy_bytes (Sizing.copies). The
     layout must have passed `layout.check`."""
-    ranks: list[defaultdict] = [defaultdict(int) for _ in range(layout.tp)]
-    for i, g in enumerate(groups):
-        for r, b in enumerate(copy_bytes(g, layout, policy, n_experts) if copies is None else copies[i]):
+    ranks: list[defaultdict] = [defaultdict(int) for _ in range(tp)]
+    for g, per in zip(groups, copies):
+        for r, b in enumerate(per):
             ranks[r][g.info.component] += b * g.copies
     return [{c: r[c] for c in COMPONENTS if r.get(c)} for r in ranks]
 

@@ -42,6 +42,11 @@ class LogicalTensor(NamedTuple):
         return {"weight": self.stored} if self.format == "plain" else self.stored
 
     @property
+    def roles(self):
+        """(role, stored entry) pairs, in fold's order: a plain weight's one entry is its weight."""
+        return (("weight", self.stored),) if self.format == "plain" else self.stored.items()
+
+    @property
     def main(self) -> TensorEntry:
         if self.format == "plain":
             return self.stored
@@ -53,9 +58,7 @@ class LogicalTensor(NamedTuple):
 
     @property
     def stored_bytes(self) -> int:
-        if self.format == "plain":
-            return self.stored.end - self.stored.begin
-        return sum(p.end - p.begin for p in self.stored.values())
+        return sum(p.end - p.begin for _, p in self.roles)
 
     @property
     def numel(self) -> int:
@@ -65,9 +68,7 @@ class LogicalTensor(NamedTuple):
 def stored_form(t: LogicalTensor) -> tuple:
     """How a logical tensor is stored: its format and shape, each part's role, dtype and shape. Tensors of one form
     are checked alike (tensor_groups.py, through stored_alike below) and read as one stack (stacked.py)."""
-    if t.format == "plain":
-        return t.format, t.shape, (("weight", t.stored.dtype, t.stored.shape),)
-    return t.format, t.shape, tuple([(role, p.dtype, p.shape) for role, p in t.stored.items()])
+    return t.format, t.shape, tuple([(role, p.dtype, p.shape) for role, p in t.roles])
 
 
 def stored_alike(ts: list[LogicalTensor]) -> bool:
@@ -107,7 +108,7 @@ def stack_form(t: LogicalTensor) -> tuple | None:
     read on its own (another format, a compressed part, no values)."""
     if t.format not in STACKED_FORMATS or not t.numel:
         return None
-    for p in (t.stored,) if t.format == "plain" else t.stored.values():
+    for _, p in t.roles:
         if p.compressed is not None:
             return None
     return stored_form(t)
@@ -124,19 +125,15 @@ def _bulk(rows):
 def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
     """Group stored tensors into logical ones. Raises CheckpointError on orphans or missing companions.
     Order: the weights that companions name, in the companions' stored order, then the rest in stored order."""
+    companions = any(map(str.endswith, stored, repeat(_BY_SUFFIX + _SCALE_ONLY)))  # none in a BF16 release: one pass
+    named = list(compress(stored, map(str.endswith, stored, repeat(_BY_SUFFIX)))) if companions else []
     out: dict[str, LogicalTensor] = {}
-    if not any(map(str.endswith, stored, repeat(_BY_SUFFIX + _SCALE_ONLY))):  # one pass: no companion of any kind
-        entries = list(stored.values())
-        if set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)):  # plain weights only (a BF16 release)
-            out.update(zip(stored, _bulk(zip(stored, map(_SHAPE, entries), repeat("plain"), entries))))
-            return out
-    named = list(compress(stored, map(str.endswith, stored, repeat(_BY_SUFFIX))))  # map/compress: C-level passes
     used: set[str] = set()
     if named and not _named_bulk(stored, named, out, used):  # it changes nothing when it declines
         _named_one_by_one(stored, named, out, used)
     rest = list(filterfalse(used.__contains__, stored)) if used else list(stored)
     entries = list(map(stored.__getitem__, rest)) if used else list(stored.values())
-    scale_only = any(map(str.endswith, rest, repeat(_SCALE_ONLY)))
+    scale_only = companions and any(map(str.endswith, rest, repeat(_SCALE_ONLY)))
     if not scale_only and set(map(_DTYPE, entries)).isdisjoint(FP8_TAGS + ("I8",)):
         out.update(zip(rest, _bulk(zip(rest, map(_SHAPE, entries), repeat("plain"), entries))))
     else:

@@ -15,17 +15,17 @@ install: $(BIN)/kconvert
 
 demo: install
 	rm -rf $(DEMO)
-	$(BIN)/kconvert fixture tiny-k3-trained $(DEMO)/tiny-k3
-	$(BIN)/kconvert inspect $(DEMO)/tiny-k3
-	$(BIN)/kconvert plan kimi-k3-3t --tp 8 --quant fp8 --device H200 --context 128k
-	$(BIN)/kconvert shard $(DEMO)/tiny-k3 $(DEMO)/tiny-k3-tp2-fp8 --tp 2 --quant fp8
-	$(BIN)/kconvert verify-files $(DEMO)/tiny-k3-tp2-fp8
-	$(BIN)/kconvert load $(DEMO)/tiny-k3-tp2-fp8 --rank 1 --device auto --verify
-	$(BIN)/kconvert reference $(DEMO)/tiny-k3 --out $(DEMO)/ref.safetensors --hidden-states
-	$(BIN)/kconvert verify $(DEMO)/tiny-k3-tp2-fp8 --reference $(DEMO)/ref.safetensors --per-layer
-	$(BIN)/kconvert export $(DEMO)/tiny-k3 $(DEMO)/tiny-k3-w4a16 --format w4a16
-	$(BIN)/kconvert verify $(DEMO)/tiny-k3-w4a16 --reference $(DEMO)/ref.safetensors --tp 2
-	$(BIN)/python -m engine.chat $(DEMO)/tiny-k3-tp2-fp8 --complete --prompt "def main(" --max-new-tokens 48 \
+	$(BIN)/kconvert fixture tiny-k25-dsv32-trained $(DEMO)/tiny-k25-dsv32
+	$(BIN)/kconvert inspect $(DEMO)/tiny-k25-dsv32
+	$(BIN)/kconvert plan k25-dsv32-3t --tp 8 --quant fp8 --device H200 --context 128k
+	$(BIN)/kconvert shard $(DEMO)/tiny-k25-dsv32 $(DEMO)/tiny-k25-dsv32-tp2-fp8 --tp 2 --quant fp8
+	$(BIN)/kconvert verify-files $(DEMO)/tiny-k25-dsv32-tp2-fp8
+	$(BIN)/kconvert load $(DEMO)/tiny-k25-dsv32-tp2-fp8 --rank 1 --device auto --verify
+	$(BIN)/kconvert reference $(DEMO)/tiny-k25-dsv32 --out $(DEMO)/ref.safetensors --hidden-states
+	$(BIN)/kconvert verify $(DEMO)/tiny-k25-dsv32-tp2-fp8 --reference $(DEMO)/ref.safetensors --per-layer
+	$(BIN)/kconvert export $(DEMO)/tiny-k25-dsv32 $(DEMO)/tiny-k25-dsv32-w4a16 --format w4a16
+	$(BIN)/kconvert verify $(DEMO)/tiny-k25-dsv32-w4a16 --reference $(DEMO)/ref.safetensors --tp 2
+	$(BIN)/python -m engine.chat $(DEMO)/tiny-k25-dsv32-tp2-fp8 --complete --prompt "def main(" --max-new-tokens 48 \
 	  --kv-dtype fp8
 
 test: install

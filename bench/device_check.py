@@ -5,7 +5,7 @@
     .venv/bin/python bench/device_check.py --device standin --quick  # the GPU code paths on the stand-in
 
 Builds what it needs under --workdir (no downloads): a `scale` checkpoint (--scale-size, tp 1), the
-tiny-k3 / small-k3 fixtures (bf16) converted as-is and to fp8, and their references (transformers, CPU). Then:
+tiny-k25-dsv32 / small-k25-dsv32 fixtures (bf16) converted as-is and to fp8, and their references (transformers, CPU). Then:
   h2d        pinned and pageable host->device copy rate (the physical limit for loading)
   load       the scale conversion onto the device: kconvert.load vs safetensors load_file(device=)
              vs safe_open + .to(device); first read (page cache dropped with posix_fadvise) and warm;
@@ -14,9 +14,9 @@ tiny-k3 / small-k3 fixtures (bf16) converted as-is and to fp8, and their referen
   verify     `kconvert verify` of the fixtures with the engine on the device (bf16 and fp8 conversions; V4's
              release storage and Kimi over V4 text among them;
              the engine computes in fp32 there, as kconvert verify does everywhere)
-  decode     engine decode ms/token on the device (small-k3, bf16) at each --contexts
+  decode     engine decode ms/token on the device (small-k25-dsv32, bf16) at each --contexts
   decode_v4  the same on DeepSeek-V4's layers (tiny-dsv4-flash dequantized: sliding / CSA / HCA, mHC, V4 cache)
-  tp2        tiny-k3 tp 2 over the device's collective backend, when >= 2 devices
+  tp2        tiny-k25-dsv32 tp 2 over the device's collective backend, when >= 2 devices
 Every step is timed and recorded; a step that fails or is skipped says why and the rest go on. Steps
 that would start after --budget seconds are skipped. Writes one JSON (--out) and prints a table.
 Over 300 lines on purpose: it is the one prepared script a lent machine runs in its few minutes, each
@@ -139,8 +139,8 @@ def build(work: Path, scale_size: int, fixtures: list[str], steps: set[str], n_d
             run_reference(str(src), ref, prompts_for(json.loads((src / "config.json").read_text())))
         built[f"{fx}-ref"] = ref
     if "tp2" in steps and n_devices >= 2:
-        built["tiny-k3-tp2"] = once(work / "tiny-k3-tp2-conv", lambda: shard(
-            ShardJob(str(work / "tiny-k3-src"), str(work / "tiny-k3-tp2-conv"), tp=2, quant="fp8")))
+        built["tiny-k25-dsv32-tp2"] = once(work / "tiny-k25-dsv32-tp2-conv", lambda: shard(
+            ShardJob(str(work / "tiny-k25-dsv32-src"), str(work / "tiny-k25-dsv32-tp2-conv"), tp=2, quant="fp8")))
     return {"built": {k: str(v) for k, v in built.items()}, "paths": built}
 
 
@@ -254,7 +254,7 @@ def tp2(dev, conv_dir: Path, work: Path) -> dict:
     except Exception as e:
         raise Skip(str(e)) from None
     save = work / "tp2-logits.pt"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "engine.tp_check",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "engine.runtime.tp_check",
                         str(conv_dir), "--device", dev.type, "--save", str(save)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     if r.returncode:
@@ -319,8 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", help="decode contexts in tokens (default 1024,4096; --quick 32,64)")
     ap.add_argument("--budget", type=float, default=420, help="seconds after which remaining steps are skipped")
     ap.add_argument("--skip", default="", help="comma-separated steps to leave out")
-    ap.add_argument("--fixtures", help="comma-separated fixture presets verified on the device (default tiny-k3, small-k3, "
-                    "tiny-dsv4-flash: DeepSeek-V4's release storage, tiny-k3v4: Kimi over V4 text; --quick: tiny-k3)")
+    ap.add_argument("--fixtures", help="comma-separated fixture presets verified on the device (default tiny-k25-dsv32, small-k25-dsv32, "
+                    "tiny-dsv4-flash: DeepSeek-V4's release storage, tiny-k25-dsv4: Kimi over V4 text; --quick: tiny-k25-dsv32)")
     a = ap.parse_args(argv)
     if a.device.startswith("standin"):
         from kconvert.load import standin
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     scale = parse_size(a.scale_size or ("8MB" if a.quick else "4GB"))
     contexts = [int(c) for c in (a.contexts or ("32,64" if a.quick else "1024,4096")).split(",")]
     fixtures = (a.fixtures.split(",") if a.fixtures else
-                ["tiny-k3"] + ([] if a.quick else ["small-k3", "tiny-dsv4-flash", "tiny-k3v4"]))
+                ["tiny-k25-dsv32"] + ([] if a.quick else ["small-k25-dsv32", "tiny-dsv4-flash", "tiny-k25-dsv4"]))
     work = Path(a.workdir) if a.workdir else default_workdir(scale, fixtures)
     work.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
@@ -346,10 +346,10 @@ def main(argv=None) -> int:
         plan = [("load", load, dev, paths["scale"], (pinned or {}).get("pinned_GBps")),
                 ("ready", ready, dev, paths["scale"]),
                 ("verify", verify, dev, paths, fixtures),
-                ("decode", decode, dev, paths["small-k3-none" if "small-k3-none" in paths else "tiny-k3-none"], contexts,
+                ("decode", decode, dev, paths["small-k25-dsv32-none" if "small-k25-dsv32-none" in paths else "tiny-k25-dsv32-none"], contexts,
                  2 if a.quick else 16),
                 ("decode_v4", decode, dev, paths.get("tiny-dsv4-flash-none"), contexts, 2 if a.quick else 16),
-                ("tp2", tp2, dev, paths.get("tiny-k3-tp2"), work)]
+                ("tp2", tp2, dev, paths.get("tiny-k25-dsv32-tp2"), work)]
         for name, fn, *args in plan:
             if name == "decode_v4" and args[1] is None:
                 run.skip(name, "tiny-dsv4-flash is not among --fixtures")

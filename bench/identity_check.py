@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree's kconvert, not whichever one the venv installed (comparing two trees)
 
-PRESETS = ("tiny-k3", "tiny-dsv32", "tiny-k3-fp8", "tiny-k3-int4", "tiny-k3-4l", "tiny-dsv32-4l")
+PRESETS = ("tiny-k25-dsv32", "tiny-dsv32", "tiny-k25-dsv32-fp8", "tiny-k25-dsv32-int4", "tiny-k25-dsv32-4l", "tiny-dsv32-4l")
 SHARDS = (
     ("tp1-none", ["--tp", "1"]),
     ("tp2-none", ["--tp", "2"]),

@@ -2,9 +2,9 @@
 tier; the tier's bytes moved per token; the KLD each KV format adds, and where it comes from; the 8-bit
 scale granularity.
 
-    .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained --contexts 1k,32k --steps 16 --rounds 5
-    .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained --kld-only --kld-tokens 256 --breakdown
-    .venv/bin/python bench/kv_bench.py --preset tiny-k3-trained-wide --kld-only --kld-tokens 1024 --breakdown
+    .venv/bin/python bench/kv_bench.py --preset tiny-k25-dsv32-trained --contexts 1k,32k --steps 16 --rounds 5
+    .venv/bin/python bench/kv_bench.py --preset tiny-k25-dsv32-trained --kld-only --kld-tokens 256 --breakdown
+    .venv/bin/python bench/kv_bench.py --preset tiny-k25-dsv32-trained-wide --kld-only --kld-tokens 1024 --breakdown
 
 Decode cost depends on what the cache holds, not on how it got there, so each context is filled with
 synthetic rows (random latent / indexer keys written through the cache's own write path), then every
@@ -80,7 +80,7 @@ def fill(model, cache, tokens: int, seed: int = 0, chunk: int = 4096) -> None:
 
 
 def bench_context(model, ctx: int, steps: int, rounds: int) -> list[dict]:
-    from engine.cache import KVOptions
+    from engine.cache.latent import KVOptions
 
     caches = {}
     for kv_dtype in ("bf16", "fp8", "int8", "fp8-ds"):
@@ -126,7 +126,7 @@ def _row(name: str, vals: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny-k3-trained")
+    ap.add_argument("--preset", default="tiny-k25-dsv32-trained")
     ap.add_argument("--contexts", default="1k,4k,16k,32k")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per format per round")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; ms/token is their median")

@@ -61,7 +61,7 @@ def _kld(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def kld(model, wins: dict[str, torch.Tensor]) -> dict[str, dict]:
     """Per format: mean KLD vs the fp32 cache and vs the bf16 cache, per window."""
-    from engine.cache import KVOptions
+    from engine.cache.latent import KVOptions
 
     out = {f: {"vs_fp32": {}, "vs_bf16": {}, "p99_vs_bf16": {}, "max_vs_bf16": {}} for f in KLD_FORMATS}
     for w, ids in wins.items():
@@ -105,7 +105,7 @@ def fake(code: str):
     """Round trip of a row through an 8-bit code (the engine's own quantize / dequantize). "fp8-hadamard":
     rotate by H, fp8, rotate back, as DeepSeek-V3.2's inference code does with its indexer q and k (H is
     orthogonal, so scoring H q against the stored H k equals scoring q against this round trip)."""
-    from engine.kv_format import dequantize, quantize_fp8, quantize_int8
+    from engine.cache.row_format import dequantize, quantize_fp8, quantize_int8
 
     if code == "bf16":
         return lambda x: x.to(torch.bfloat16).to(x.dtype)
@@ -165,7 +165,7 @@ def key_errors(model, tokens: int = 256) -> dict[str, float]:
 def granularity(model, tokens: int = 256) -> list[dict]:
     """8-bit latent relative RMS error (real latent rows of every layer) per scale tile and scale rule:
     amax, or the per-tile scale among 0.5..1 x amax that minimises the tile's squared error."""
-    from engine.kv_format import dequantize, quantize_fp8, quantize_int8
+    from engine.cache.row_format import dequantize, quantize_fp8, quantize_int8
 
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(9))
     cache = model.new_cache(1, tokens)

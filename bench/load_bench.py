@@ -7,7 +7,7 @@ Contenders on the same converted files (tp 1, --quant none):
 and, on the source checkpoint, transformers `from_pretrained` (bf16) where the model is small enough.
 Each contender runs in its own process; peak RSS is that process's.
 
-    .venv/bin/python bench/load_bench.py --presets small-k3,scale:2GB --workdir /tmp/kload
+    .venv/bin/python bench/load_bench.py --presets small-k25-dsv32,scale:2GB --workdir /tmp/kload
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run(code: str, arg: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", default="small-k3,scale:2GB")
+    ap.add_argument("--presets", default="small-k25-dsv32,scale:2GB")
     ap.add_argument("--workdir", default="/tmp/kload")
     ap.add_argument("--repeat", type=int, default=2, help="best of N for each contender")
     args = ap.parse_args()

@@ -3,7 +3,7 @@ overlap), side by side on the same conversion, plus the same model in one proces
 
     .venv/bin/python bench/pp_bench.py --pp 2 --length 1024 --chunks 0,512,256,128 --repeat 3
 
-Builds small-k3 (7 layers) in a temporary directory, converts it with --pp P (tp 1), and runs
+Builds small-k25-dsv32 (7 layers) in a temporary directory, converts it with --pp P (tp 1), and runs
 `torchrun --nproc-per-node P bench/pp_bench.py --worker ...` for each chunk size in turn (round robin,
 --repeat rounds; the best time of each setting is kept). Each rank has one thread, so P stages use P
 cores. Prints prefill seconds, tokens/s and the ratio against the unsplit prompt; also checks that the
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--chunks", default="0,512,256,128", help="micro-batch sizes in tokens (0: no split)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--preset", default="small-k3")
+    ap.add_argument("--preset", default="small-k25-dsv32")
     a = ap.parse_args()
     if a.worker:
         worker(a)

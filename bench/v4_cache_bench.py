@@ -1,4 +1,4 @@
-"""DeepSeek-V4's cache (engine/v4_cache.py): decode cost and memory against the context, and the KLD each
+"""DeepSeek-V4's cache (engine/cache/compressed.py): decode cost and memory against the context, and the KLD each
 --kv-dtype adds. Two parts, either or both:
 
     .venv/bin/python bench/v4_cache_bench.py --cost --contexts 1k,32k,128k,1M --work /tmp/v4cache-work
@@ -86,7 +86,7 @@ def fill(model, cache, ctx: int, prefill_max: int, chunk: int) -> str:
 def decode_cost(model, ctx: int, a, ref=None) -> list[dict]:
     """Per --kv-dtype (and transformers with its own cache, where `ref` is given): median ms per decode step
     over `a.rounds` rounds, interleaved so a loaded machine slows every contender alike."""
-    from engine.cache import KVOptions
+    from engine.cache.latent import KVOptions
 
     caches, how = {}, None
     for d in a.dtypes:
@@ -166,7 +166,7 @@ def run_cost(a, work: Path) -> None:
 
 
 def run_quality(a, work: Path) -> None:
-    from engine.cache import KVOptions
+    from engine.cache.latent import KVOptions
     from engine.model import Model
     from kv_quality import bootstrap_ci, windows
 

@@ -2,7 +2,7 @@
 conversions of one preset at tp 1 and tp 2: the cost (vs the unquantized reference: mean and p99 KLD,
 same top-1, PPL ratio) and the faithfulness (mean KLD vs the source fake-quantized the same way).
 
-    .venv/bin/python bench/verify_bench.py --preset tiny-k3-trained --tp 1,2 --workdir /tmp/kverify
+    .venv/bin/python bench/verify_bench.py --preset tiny-k25-dsv32-trained --tp 1,2 --workdir /tmp/kverify
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny-k3-trained")
+    ap.add_argument("--preset", default="tiny-k25-dsv32-trained")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", default="1,2", help="comma-separated tp degrees")
     ap.add_argument("--schemes", default=",".join(SCHEMES))

@@ -1,4 +1,4 @@
-"""Damaged fp8 conversions of the trained tiny-k3 must FAIL verify's faithfulness check; clean
+"""Damaged fp8 conversions of the trained tiny-k25-dsv32 must FAIL verify's faithfulness check; clean
 conversions of every scheme must not, for any seed of the trained fixture.
 
 Damage (consistent checksums, wrong numbers): kconvert/verify/damage.py's CASES, the ones tests/test_verify.py
@@ -59,10 +59,10 @@ def main() -> None:
             "| cost p99 KLD | cost top-1 | PPL ratio | first fault |\n|---|---|---|---|---|---|---|---|---|---|---|")
     false_fails = total = 0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        src, ref = work / f"tiny-k3-trained-s{seed}", work / f"ref-s{seed}.safetensors"
+        src, ref = work / f"tiny-k25-dsv32-trained-s{seed}", work / f"ref-s{seed}.safetensors"
         if not (src / "config.json").exists():
             shutil.rmtree(src, ignore_errors=True)
-            print(cli("fixture", "tiny-k3-trained", src, "--seed", seed, check=True).stdout.strip(), flush=True)
+            print(cli("fixture", "tiny-k25-dsv32-trained", src, "--seed", seed, check=True).stdout.strip(), flush=True)
         if not ref.exists():
             cli("reference", src, "--out", ref, "--hidden-states", check=True)
         print(f"\nseed {seed}\n{head}", flush=True)

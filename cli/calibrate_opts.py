@@ -1,5 +1,5 @@
 """`--calibrate DATA` and its knobs, shared by `shard` and `export`: the options, and the factory the
-library calls once it knows the source and the quantization policy (engine/calibrate.py does the work)."""
+library calls once it knows the source and the quantization policy (engine/calibrate/layerwise.py does the work)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def calibration_options(f):
 
 def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid: str | None,
                         allowed: tuple[str, ...] = ("kconvert", "kimi")):
-    """None without --calibrate; else `make(ck, policy, progress)` -> engine.calibrate.LayerCalibration.
+    """None without --calibrate; else `make(ck, policy, progress)` -> engine.calibrate.layerwise.LayerCalibration.
     `grid` None: the command's default, allowed[0] (the grid whose scales its encoding stores as they are)."""
     from kconvert.errors import UsageError
 
@@ -44,7 +44,7 @@ def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid
         raise UsageError(f"--calibration-grid {grid} is not one this command stores (choose from {', '.join(allowed)})")
 
     def make(ck, policy, progress):
-        from engine.calibrate import LayerCalibration
+        from engine.calibrate.layerwise import LayerCalibration
         from kconvert.quant.gptq import GRIDS
         from kconvert.source.calibration_data import calibration_windows
         from kconvert.source.tokenizer import load_kimi_tokenizer

@@ -37,9 +37,9 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
 
     \b
     Example:
-      kconvert export ./tiny-k3 ./tiny-k3-w4a16 --format w4a16
-      kconvert export ./tiny-k3 ./tiny-k3-gptq --format w4a16 --calibrate calib.jsonl   # GPTQ, layer by layer
-      kconvert verify ./tiny-k3-w4a16 --against ./tiny-k3
+      kconvert export ./tiny-k25-dsv32 ./tiny-k25-dsv32-w4a16 --format w4a16
+      kconvert export ./tiny-k25-dsv32 ./tiny-k25-dsv32-gptq --format w4a16 --calibrate calib.jsonl   # GPTQ, layer by layer
+      kconvert verify ./tiny-k25-dsv32-w4a16 --against ./tiny-k25-dsv32
     """
     from kconvert.convert.export import ExportJob, export as _export
 

@@ -36,15 +36,20 @@ def fixture(preset: str, out: str, seed: int, size: str | None, layers: int | No
 
     \b
     Example:
-      kconvert fixture tiny-k3 ./tiny-k3
-      kconvert fixture tiny-k3-trained ./tiny-k3-trained --seed 0
+      kconvert fixture tiny-k25-dsv32 ./tiny-k25-dsv32
+      kconvert fixture tiny-k25-dsv32-trained ./tiny-k25-dsv32-trained --seed 0
       kconvert fixture scale ./scale-8g --size 8GB
       kconvert fixture topo-k25 ./topo-k25                      # 61 x 384 experts, ~210k tensors
       kconvert fixture topo-k25 ./topo-small --layers 4 --experts 16
     """
+    from kconvert import renamed
     from kconvert.fixtures import build_fixture
     from kconvert.fixtures.presets import TRAINED_PRESETS
 
+    old = renamed.note(renamed.PRESETS, preset, "preset")
+    if old:
+        click.echo(old, err=True)
+        preset = renamed.current(renamed.PRESETS, preset)
     with byte_progress(f"fixture {preset}", unit="items", enabled=preset in TRAINED_PRESETS) as cb:
         def training(event: str, **kw) -> None:  # the -trained presets: steps and loss as they go
             if event == "start":

@@ -25,9 +25,9 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
 
     \b
     Example:
-      kconvert inspect ./tiny-k3
+      kconvert inspect ./tiny-k25-dsv32
       kconvert inspect moonshotai/Kimi-K2.5 --json
-      kconvert inspect ./tiny-k3-tp2-fp8
+      kconvert inspect ./tiny-k25-dsv32-tp2-fp8
     """
     from kconvert.io.gc_pause import paused_gc
     from kconvert.plan.inspect import summarize

@@ -43,16 +43,16 @@ def load(out, rank, stage, tp_rank, world_size, device, verify, prefetch, thread
 
     \b
     Example:
-      kconvert load ./tiny-k3-tp2-fp8 --rank 1 --device cpu --verify
-      kconvert load ./tiny-k3-tp2-pp2 --stage 1 --tp-rank 0 --device cpu   # = --rank 2
-      kconvert load ./tiny-k3-tp2-fp8 --warmup 2      # every rank, rank 0 reports
-      kconvert load ./tiny-k3-tp2-fp8 --warmup 2 --kv-dtype fp8 --kv-budget 1GiB
+      kconvert load ./tiny-k25-dsv32-tp2-fp8 --rank 1 --device cpu --verify
+      kconvert load ./tiny-k25-dsv32-tp2-pp2 --stage 1 --tp-rank 0 --device cpu   # = --rank 2
+      kconvert load ./tiny-k25-dsv32-tp2-fp8 --warmup 2      # every rank, rank 0 reports
+      kconvert load ./tiny-k25-dsv32-tp2-fp8 --warmup 2 --kv-dtype fp8 --kv-budget 1GiB
     """
     if warmup and _launched_ranks(out, device):
         return
     import os
 
-    from engine.time_to_ready import load_rank
+    from engine.runtime.time_to_ready import load_rank
 
     rank0 = os.environ.get("RANK", "0") == "0"
     with byte_progress("load", enabled=not as_json and rank0, speed=False) as cb:  # one rate: the summary's
@@ -91,8 +91,8 @@ def _print_table(report: dict, warmup: int) -> None:
 
 def _launched_ranks(out, device) -> bool:
     """--warmup runs the model, so on a tp-N conversion without --rank (and not under torchrun) start the
-    N ranks here (engine.launch): this process becomes rank 0 and runs this command again as that rank."""
-    from engine import launch
+    N ranks here (engine.runtime.launch): this process becomes rank 0 and runs this command again as that rank."""
+    from engine.runtime import launch
     from kconvert.errors import UsageError
     from kconvert import devices
     from kconvert.load.loader import open_converted

@@ -30,8 +30,8 @@ def app() -> None:
 
     \b
     Example (a generated test checkpoint, end to end):
-      kconvert fixture tiny-k3 ./tiny-k3
-      kconvert inspect ./tiny-k3
+      kconvert fixture tiny-k25-dsv32 ./tiny-k25-dsv32
+      kconvert inspect ./tiny-k25-dsv32
     """
 
 

@@ -34,7 +34,7 @@ def pack(out, codec, threads, as_json):
 
     \b
     Example:
-      kconvert pack ./tiny-k3-tp2                 # zstd level 1; --compress zstd:LEVEL for another
+      kconvert pack ./tiny-k25-dsv32-tp2                 # zstd level 1; --compress zstd:LEVEL for another
     """
     from kconvert.io.compressed import parse_codec
     from kconvert.convert.pack import pack as _pack
@@ -54,7 +54,7 @@ def unpack(out, threads, as_json):
 
     \b
     Example:
-      kconvert unpack ./tiny-k3-tp2
+      kconvert unpack ./tiny-k25-dsv32-tp2
     """
     from kconvert.convert.pack import unpack as _unpack
 

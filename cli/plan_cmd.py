@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -103,18 +104,22 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
     """Plan a conversion of SRC: weights per rank by component, KV cache per token, and whether it fits.
 
     Reads config.json and safetensors headers only. SRC is a checkpoint directory or Hub repo id, or a
-    config.json alone (its directory, the file, or a bundled example name such as kimi-k3-3t, a
-    hypothetical ~3T-parameter Kimi-K3-class config).
+    config.json alone (its directory, the file, or a bundled example name such as k25-dsv32-3t, a
+    hypothetical ~3T-parameter Kimi-K2.5 over DeepSeek-V3.2 config).
 
     \b
     Example:
-      kconvert plan kimi-k3-3t --tp 8 --quant fp8 --device H200 --context 1M
-      kconvert plan kimi-k3-3t --tp 8 --pp 3 --quant fp8 --device H200 --context 128k
-      kconvert plan ./tiny-k3 --tp 4 --quant fp8 --kv-cache-dtype fp8 --json
+      kconvert plan k25-dsv32-3t --tp 8 --quant fp8 --device H200 --context 1M
+      kconvert plan k25-dsv32-3t --tp 8 --pp 3 --quant fp8 --device H200 --context 128k
+      kconvert plan ./tiny-k25-dsv32 --tp 4 --quant fp8 --kv-cache-dtype fp8 --json
     """
+    from kconvert import renamed
     from kconvert.io.gc_pause import paused_gc
     from kconvert.plan.memory import make_plan
 
+    if not Path(src).exists() and renamed.note(renamed.EXAMPLES, src, "example config"):
+        click.echo(renamed.note(renamed.EXAMPLES, src, "example config"), err=True)
+        src = renamed.current(renamed.EXAMPLES, src)
     context = parse_tokens(context_text) if context_text is not None else None
     with paused_gc():  # 100k+ header entries, none in a cycle: the collector would only walk them again and again
         p = make_plan(src, tp, ep, quant, device, context, batch, kv_dtype, reserve_gb, mem_fraction, revision, host_gb,

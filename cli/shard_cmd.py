@@ -61,11 +61,11 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
 
     \b
     Example:
-      kconvert shard ./tiny-k3 ./tiny-k3-tp2-fp8 --tp 2 --quant fp8
-      kconvert shard ./tiny-k3 ./tiny-k3-tp2-int4 --tp 2 --quant int4 --group-size 32
-      kconvert shard ./tiny-k3 ./tiny-k3-gptq --tp 2 --quant int4 --calibrate calib.jsonl   # GPTQ, layer by layer
-      kconvert shard ./tiny-k3 ./tiny-k3-tp2-z --tp 2 --compress zstd
-      kconvert shard ./tiny-k3 ./tiny-k3-tp2-pp2 --tp 2 --pp 2          # 4 ranks: 2 stages of 2
+      kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-fp8 --tp 2 --quant fp8
+      kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-int4 --tp 2 --quant int4 --group-size 32
+      kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-gptq --tp 2 --quant int4 --calibrate calib.jsonl   # GPTQ, layer by layer
+      kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-z --tp 2 --compress zstd
+      kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-pp2 --tp 2 --pp 2          # 4 ranks: 2 stages of 2
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
     """
     from kconvert.convert.shard import ShardJob, shard as _shard
@@ -96,7 +96,7 @@ def verify_files(out, as_json):
 
     \b
     Example:
-      kconvert verify-files ./tiny-k3-tp2-fp8
+      kconvert verify-files ./tiny-k25-dsv32-tp2-fp8
     """
     from kconvert.converted.integrity import verify_files as _verify_files
 

@@ -37,8 +37,8 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
 
     \b
     Example:
-      kconvert reference ./tiny-k3 --out ref.safetensors --hidden-states
-      kconvert reference ./tiny-k3 --out fq.safetensors --like ./tiny-k3-tp2-fp8 --hidden-states
+      kconvert reference ./tiny-k25-dsv32 --out ref.safetensors --hidden-states
+      kconvert reference ./tiny-k25-dsv32 --out fq.safetensors --like ./tiny-k25-dsv32-tp2-fp8 --hidden-states
     """
     from kconvert.source.checkpoint import Checkpoint
     from kconvert.verify.prompts import load_prompts
@@ -92,18 +92,18 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
 
     \b
     Example:
-      kconvert fixture tiny-k3-trained ./tk3 && kconvert shard ./tk3 ./tk3-tp2-fp8 --tp 2 --quant fp8
-      kconvert reference ./tk3 --out ref.safetensors --hidden-states
-      kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --per-layer
-      kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --threshold mean_kld=0.01
-      kconvert verify ./tk3-w4a16 --reference ref.safetensors --tp 2   # an export: resharded, then verified
-      kconvert verify ./tk3-tp2-fp8 --reference ref.safetensors --kv-dtype fp8 --kv-device-budget 64KiB
+      kconvert fixture tiny-k25-dsv32-trained ./tk25 && kconvert shard ./tk25 ./tk25-tp2-fp8 --tp 2 --quant fp8
+      kconvert reference ./tk25 --out ref.safetensors --hidden-states
+      kconvert verify ./tk25-tp2-fp8 --reference ref.safetensors --per-layer
+      kconvert verify ./tk25-tp2-fp8 --reference ref.safetensors --threshold mean_kld=0.01
+      kconvert verify ./tk25-w4a16 --reference ref.safetensors --tp 2   # an export: resharded, then verified
+      kconvert verify ./tk25-tp2-fp8 --reference ref.safetensors --kv-dtype fp8 --kv-device-budget 64KiB
     """
     from kconvert.errors import UsageError
     from kconvert.errors import VerifyFailed
     from kconvert.verify.verdict import CHECKED, run_verify
 
-    from engine.kv_budget import kv_options
+    from engine.cache.budget import kv_options
 
     kv_options(kv_dtype, kv_budget, kv_device_budget, device)  # bad KV options fail before any work
     if plot_file:  # before minutes of verification, not after

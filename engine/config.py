@@ -53,7 +53,7 @@ class TextConfig:
     index_n_heads: int
     index_head_dim: int
     hidden_act: str
-    # layer kinds (engine/layers.py tables), named by the manifest's [family.engine]; defaults: DeepSeek V3/V3.2
+    # layer kinds (engine/models/registry.py tables), named by the manifest's [family.engine]; defaults: DeepSeek V3/V3.2
     block_kind: str = "pre_norm"
     attention_kind: str = "mla"
     dense_mlp_kind: str = "swiglu"
@@ -140,7 +140,7 @@ def _text(c: dict) -> TextConfig:
         raise CheckpointError(f"a text config value has the wrong type ({e})", file="config.json") from None
 
 
-LAYER_KINDS = ("block", "attention", "dense_mlp", "moe")  # [family.engine] keys naming engine/layers.py kinds
+LAYER_KINDS = ("block", "attention", "dense_mlp", "moe")  # [family.engine] keys naming engine/models/registry.py kinds
 
 
 def engine_families() -> dict[str, dict]:

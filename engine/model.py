@@ -2,9 +2,9 @@
 whose attribute paths are the stored tensor names under the family's prefix (`language_model.model.layers.3.
 self_attn.q_b_proj.weight_scale_inv`), so its state_dict keys are the checkpoint's.
 
-Nothing is allocated before its unit arrives: each unit builds its modules with empty slots (engine/slots.py),
-picks every linear's class from the catalog's record of its stored format (engine/linear.py) and assigns the
-loader's tensors without a copy. Layer modules come from engine/layers.py, by the kinds the manifest names.
+Nothing is allocated before its unit arrives: each unit builds its modules with empty slots (engine/layers/slots.py),
+picks every linear's class from the catalog's record of its stored format (engine/layers/linear.py) and assigns the
+loader's tensors without a copy. Layer modules come from engine/models/registry.py, by the kinds the manifest names.
 
 Pipeline stages (tp x pp, kconvert.distributed): a rank builds only its stage's layers, the embeddings
 (and vision tower) on the first stage, the final norm and head on the last; `forward` receives the
@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from engine import pipeline
-from engine.cache import KVCache, KVOptions
+from engine.cache.latent import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
-from engine.layers import block_stack, decoder_layer
-from engine.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
-from engine.rope import Rotary
-from engine.slots import holds_all, load_unit, slot
-from engine.vision import ImageEncoder, Projector, VisionTower, tokens_per_image
+from engine.models.registry import block_stack, decoder_layer
+from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
+from engine.layers.rope import Rotary
+from engine.layers.slots import holds_all, load_unit, slot
+from engine.models.moonvit import ImageEncoder, Projector, VisionTower, tokens_per_image
 from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError

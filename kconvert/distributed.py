@@ -1,5 +1,5 @@
 """The process group of a multi-process run (RANK / WORLD_SIZE in the environment, set by torchrun or by
-`engine.launch`), used by conversion (barriers only) and by the engine: tensor parallelism inside a
+`engine.runtime.launch`), used by conversion (barriers only) and by the engine: tensor parallelism inside a
 pipeline stage, point-to-point hidden states between stages.
 
 Topology (tp x pp; the converted checkpoint's layout): global rank = stage * tp + tp_rank. The ranks of
@@ -57,7 +57,7 @@ _TP_GROUPS: dict[tuple[int, int], list] = {}  # (tp, pp) -> every stage's tp gro
 
 
 def world_from_env() -> int:
-    """The world size a launcher (torchrun, engine.launch) set for this process; 1 when none did."""
+    """The world size a launcher (torchrun, engine.runtime.launch) set for this process; 1 when none did."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 

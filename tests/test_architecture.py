@@ -22,7 +22,14 @@ STAGES = [
     "kconvert.convert",    # layout, quantization, shard plan, shard, pack
     "kconvert.load",       # devices, streaming loader
     "kconvert.plan",       # inspect, memory plan, KV bytes
-    "engine",              # the model runtime
+    "engine",              # the engine's base: model hyper-parameters (config), the forward across stages (pipeline)
+    "engine.layers",       # building blocks of every family: linear weights in stored formats, slots, rotary
+    "engine.cache",        # decode caches and their byte formats, the host tier
+    "engine.models",       # model-family blocks (one package per family) and the layer-kind registry
+    "engine.model",        # the model assembled from a converted checkpoint's units
+    "engine.runtime",      # generation, launching ranks, time-to-ready, tp checks
+    "engine.calibrate",    # GPTQ layer by layer through the engine
+    "engine.chat",         # python -m engine.chat
     "kconvert.verify",     # prompts, reference, statistics, verify runs
     "kconvert.fixtures",   # test checkpoints built with transformers
     "cli",                 # the click application
@@ -150,6 +157,15 @@ def test_the_checkers_fail_on_a_synthetic_violation(tmp_path):
     assert upward_imports(graph(up)) == ["kconvert.io.atomic (kconvert.io) imports kconvert.convert.shard "
                                          "(kconvert.convert)"]
     assert not import_cycles(graph(up))
+    # inside the engine: a shared building block reaching up into a family's package
+    eng = {"engine/__init__.py": "", "engine/layers/__init__.py": "", "engine/models/__init__.py": "",
+           "engine/models/deepseek_v3/__init__.py": "", "engine/models/deepseek_v3/mla.py": "class MLA: ...\n"}
+    inside = _tree(tmp_path / "inside", {**eng, "engine/layers/linear.py": "from engine.models.deepseek_v3.mla import MLA\n"})
+    assert upward_imports(graph(inside)) == ["engine.layers.linear (engine.layers) imports engine.models.deepseek_v3.mla "
+                                             "(engine.models)"]
+    down = _tree(tmp_path / "down", {**eng, "engine/models/deepseek_v3/moe.py": "from engine.layers import linear\n",
+                                     "engine/layers/linear.py": "X = 1\n"})
+    assert not upward_imports(graph(down))
     cyc = _tree(tmp_path / "cyc", {**base, "kconvert/io/a.py": "from kconvert.io import b\n",
                                   "kconvert/io/b.py": "def f():\n    from . import a\n"})
     assert import_cycles(graph(cyc)) == [["kconvert.io.a", "kconvert.io.b", "kconvert.io.a"]]

@@ -1,7 +1,7 @@
 """Calibrated int4 (`shard --quant int4 --calibrate DATA`): the calibration data, the layer-by-layer GPTQ run
 through the engine (better layer outputs than rounding with the same scales), what kconvert.json records,
 tp-independence of the stored weights, resuming an interrupted run to the same bytes, and bad input.
-Tiny: tiny-k3 (random weights) with a few hundred calibration tokens; quality on trained weights is
+Tiny: tiny-k25-dsv32 (random weights) with a few hundred calibration tokens; quality on trained weights is
 bench/calibration_bench.py's."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _shard(src, out, tp=2, calibrate=None):
 @pytest.fixture(scope="module")
 def calibrated(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("calib") / "tp2"
-    return out, _shard(checkpoint("tiny-k3"), out)
+    return out, _shard(checkpoint("tiny-k25-dsv32"), out)
 
 
 def _files(out: Path) -> dict[str, bytes]:
@@ -80,13 +80,13 @@ def test_gptq_layer_beats_rounding_and_is_what_shard_stores_at_tp2(calibrated, c
     """A MoE layer's output is closer to the unquantized layer's with GPTQ codes than with nearest codes
     (forced by giving every expert too few tokens), the scales being the same static ones; and the weights a
     tp 2 calibrated shard stores (cut by rows and by columns) are these whole-tensor codes times scales."""
-    from engine import calibrate as cal
+    from engine.calibrate import layerwise as cal
     from kconvert.quant.gptq import GRIDS
     from kconvert.quant.policy import QuantPolicy
     from kconvert.source.checkpoint import Checkpoint
     from kconvert.source.tokenizer import load_kimi_tokenizer
 
-    ck = Checkpoint.open(checkpoint("tiny-k3"))
+    ck = Checkpoint.open(checkpoint("tiny-k25-dsv32"))
     enc = load_kimi_tokenizer(ck.root)
     windows, record = calibration_windows("stdlib", lambda t: enc.encode(t, allowed_special="all"), TOKENS, SEQ, seed=0)
     policy = QuantPolicy("int4", force=SHARED)
@@ -131,7 +131,7 @@ def test_sigkilled_calibration_resumes_to_the_same_bytes(calibrated, checkpoint,
 
     out = tmp_path / "killed"
     state = out / ".kconvert" / "calibration" / "input-0002.safetensors"
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "shard", str(checkpoint("tiny-k3")), str(out), "--tp", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "shard", str(checkpoint("tiny-k25-dsv32")), str(out), "--tp", "2",
                              "--quant", "int4", "--quantize", SHARED[0], "--workers", "1", "--calibrate", "stdlib",
                              "--calibration-tokens", str(TOKENS), "--calibration-seq", str(SEQ), "--json"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -140,13 +140,13 @@ def test_sigkilled_calibration_resumes_to_the_same_bytes(calibrated, checkpoint,
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not (out / "kconvert.json").exists()
-    r = _shard(checkpoint("tiny-k3"), out)
+    r = _shard(checkpoint("tiny-k25-dsv32"), out)
     assert r.files_resumed > 0 and [f["layer"] for f in r.details["calibration"]["layers"]] in ([1, 2], [2])
     assert _files(out) == _files(calibrated[0])
 
 
 def test_calibrate_bad_input_is_one_line(checkpoint, tmp_path):
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     proc = cli_here("shard", src, tmp_path / "o1", "--tp", "1", "--quant", "fp8", "--calibrate", "stdlib")
     assert_one_line_error(proc, "--calibrate", "fp8")
     proc = cli_here("shard", src, tmp_path / "o2", "--tp", "1", "--quant", "int4", "--calibrate", str(tmp_path / "nope.txt"))
@@ -167,7 +167,7 @@ def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tm
     from kconvert.convert.export import ExportJob, export
     from kconvert.quant.packing import unpack_int32_words
 
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     r = export(ExportJob(str(src), str(tmp_path / "gptq"), "w4a16"),
                calibrate=calibration_factory("stdlib", TOKENS, SEQ, 0, None, ("minmax", "kimi")))
     assert [f["layer"] for f in r.details["calibration"]["layers"]] == [0, 1, 2]
@@ -210,7 +210,7 @@ def test_torchrun_splits_the_experts_and_writes_the_bytes_of_one_process(calibra
         port = str(s.getsockname()[1])
     out = tmp_path / "two"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-                           "-m", "cli.main", "shard", str(checkpoint("tiny-k3")), str(out), "--tp", "2", "--quant", "int4",
+                           "-m", "cli.main", "shard", str(checkpoint("tiny-k25-dsv32")), str(out), "--tp", "2", "--quant", "int4",
                            "--quantize", SHARED[0], "--workers", "1", "--calibrate", "stdlib", "--calibration-tokens",
                            str(TOKENS), "--calibration-seq", str(SEQ), "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -231,8 +231,8 @@ def test_calibration_memory_helpers_keep_the_numbers(checkpoint):
     the queries (here to 8 queries, as calibration's budgets cut 8 sequences of 256) give the same layer
     output bit for bit; the MoE-input buffer is the concatenation (ids too, where given); the chunked error is
     the whole-tensor one; the in-place expert activation is what the expert's own forward gives down_proj."""
-    from engine import calibrate_memory as mem
-    from engine import calibrate_moe
+    from engine.calibrate import memory as mem
+    from engine.calibrate import routing as calibrate_moe
     from engine.model import Model
     from kconvert.convert.shard_plan import unit_of
     from kconvert.converted.units import layer_unit
@@ -240,7 +240,7 @@ def test_calibration_memory_helpers_keep_the_numbers(checkpoint):
     from kconvert.family.engine_names import engine_keys
     from kconvert.source.checkpoint import Checkpoint
 
-    ck = Checkpoint.open(checkpoint("tiny-k3"))
+    ck = Checkpoint.open(checkpoint("tiny-k25-dsv32"))
     m = Model(ck.config, ck.family, Group(), "cpu", torch.float32)
     names = [n for n in ck.logical if unit_of(ck.info(n)) == layer_unit(1)]
     layer = m.build_layer(1, engine_keys(m.names, {n: ck.read(n, dtype=torch.float32) for n in names}), use_catalog=False)

@@ -29,7 +29,7 @@ def flash(checkpoint):
 
 
 def _calibration(flash):
-    from engine.calibrate import LayerCalibration
+    from engine.calibrate.layerwise import LayerCalibration
     from kconvert.quant.gptq import GRIDS
     from kconvert.quant.policy import QuantPolicy
 
@@ -39,8 +39,8 @@ def _calibration(flash):
 
 @pytest.mark.parametrize("L", [0, 3])  # a hash-routed layer, a score-routed (CSA) one
 def test_each_v4_expert_is_calibrated_on_the_tokens_the_layer_sends_it(flash, L):
-    from engine.calibrate_memory import TokenRows
-    from engine.calibrate_moe import chosen_experts, down_input, keep_input, routed_moe
+    from engine.calibrate.memory import TokenRows
+    from engine.calibrate.routing import chosen_experts, down_input, keep_input, routed_moe
     from kconvert.family.engine_names import engine_keys
 
     ck, windows, _ = flash
@@ -74,7 +74,7 @@ def test_each_v4_expert_is_calibrated_on_the_tokens_the_layer_sends_it(flash, L)
 
 
 def test_v4_gptq_is_deterministic_resumes_and_beats_rounding_on_every_layer(flash, monkeypatch, tmp_path):
-    from engine import calibrate as cal
+    from engine.calibrate import layerwise as cal
 
     ck = flash[0]
     with one_thread():

@@ -22,7 +22,7 @@ from kconvert.errors import CheckpointError
 @pytest.fixture(scope="module")
 def converted(checkpoint, tmp_path_factory):
     base = tmp_path_factory.mktemp("catalog")
-    return Path(shard(ShardJob(str(checkpoint("tiny-k3")), str(base / "tp2"), tp=2, quant="int8")).out)
+    return Path(shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "tp2"), tp=2, quant="int8")).out)
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_nan_in_kconvert_json_is_refused(out):
 
 def test_shard_refuses_side_files_that_are_symlinks_out_of_the_source(checkpoint, tmp_path):
     src = tmp_path / "src"
-    shutil.copytree(checkpoint("tiny-k3"), src)
+    shutil.copytree(checkpoint("tiny-k25-dsv32"), src)
     secret = tmp_path / "secret.txt"
     secret.write_text("private")
     (src / "tokenizer_config.json").unlink()

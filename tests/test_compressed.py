@@ -24,7 +24,7 @@ from kconvert.convert.pack import pack, unpack
 from kconvert.io.safetensors_read import read_header, read_tensor
 from kconvert.convert.shard import ShardJob, shard
 
-CASES = {"none": ("tiny-k3", 2), "fp8": ("tiny-k3-fp8", 1), "int8": ("tiny-k3", 1)}
+CASES = {"none": ("tiny-k25-dsv32", 2), "fp8": ("tiny-k25-dsv32-fp8", 1), "int8": ("tiny-k25-dsv32", 1)}
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_one_byte_and_scale_tensors(convs):
 
 
 def test_compressed_source_checkpoint_inspects_and_converts(checkpoint, copy_checkpoint, convs, tmp_path):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     for f in sorted(src.glob("*.safetensors")):
         compress_file(f, f)
     summary = json.loads(run_cli("inspect", src, "--json", check=True).stdout)
@@ -177,7 +177,7 @@ def test_codec_arguments():
 
 
 def test_bad_codec_argument_cli(checkpoint, tmp_path):
-    assert_one_line_error(run_cli("shard", checkpoint("tiny-k3"), tmp_path / "o", "--tp", 1, "--compress", "lz4"),
+    assert_one_line_error(run_cli("shard", checkpoint("tiny-k25-dsv32"), tmp_path / "o", "--tp", 1, "--compress", "lz4"),
                           "unknown codec 'lz4'")
 
 

@@ -17,7 +17,7 @@ from kconvert.family.manifest import bind
 from kconvert.plan.memory import make_plan
 from kconvert.source.checkpoint import Checkpoint
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "kimi-k3-3t" / "config.json"
+EXAMPLE = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "k25-dsv32-3t" / "config.json"
 
 # DeepSeek-V3's published config.json (the numbers that shape it), to show real configs stay inside the bounds.
 DEEPSEEK_V3 = {
@@ -131,7 +131,7 @@ def test_expressions_take_numbers_only():
 
 
 def test_checkpoint_and_plan_refuse_before_any_work(checkpoint, copy_checkpoint, tmp_path):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     config = json.loads((src / "config.json").read_text())
     config["text_config"]["num_hidden_layers"] = 10**9
     (src / "config.json").write_text(json.dumps(config))
@@ -147,7 +147,7 @@ def test_checkpoint_and_plan_refuse_before_any_work(checkpoint, copy_checkpoint,
 
 
 def test_cli_inspect_plan_shard_exit_2(checkpoint, copy_checkpoint, tmp_path):
-    src = copy_checkpoint(checkpoint("tiny-k3-fp8"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32-fp8"))
     config = json.loads((src / "config.json").read_text())
     config["text_config"]["n_routed_experts"] = 10**9
     (src / "config.json").write_text(json.dumps(config))

@@ -37,9 +37,9 @@ def standin_on():
 def converted(checkpoint, tmp_path_factory):
     """name -> converted dir: fp8 tp1 (lossless from block-FP8), int8 tp2, none tp1 packed (zstd)."""
     base = tmp_path_factory.mktemp("device")
-    out = {"fp8": shard(ShardJob(str(checkpoint("tiny-k3-fp8")), str(base / "fp8"), tp=1, quant="fp8")).out,
-           "int8-tp2": shard(ShardJob(str(checkpoint("tiny-k3")), str(base / "int8"), tp=2, quant="int8")).out,
-           "packed": shard(ShardJob(str(checkpoint("tiny-k3")), str(base / "packed"), tp=1, quant="none")).out}
+    out = {"fp8": shard(ShardJob(str(checkpoint("tiny-k25-dsv32-fp8")), str(base / "fp8"), tp=1, quant="fp8")).out,
+           "int8-tp2": shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "int8"), tp=2, quant="int8")).out,
+           "packed": shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "packed"), tp=1, quant="none")).out}
     pack(out["packed"])
     return {k: Path(v) for k, v in out.items()}
 

@@ -49,9 +49,9 @@ def test_a_verify_fail_is_shown_as_fail_and_builds_are_kept_apart_by_size(monkey
 
     monkeypatch.setattr(verdict, "run_verify", run_verify)
     run = dc.Run(budget=60)
-    run.step("verify", dc.verify, "cpu", {"tiny-k3-none": "a", "tiny-k3-fp8": "b", "tiny-k3-ref": "r"}, ["tiny-k3"])
+    run.step("verify", dc.verify, "cpu", {"tiny-k25-dsv32-none": "a", "tiny-k25-dsv32-fp8": "b", "tiny-k25-dsv32-ref": "r"}, ["tiny-k25-dsv32"])
     assert run.steps["verify"]["status"] == "FAIL"
     row = next(line for line in dc.table(run.steps).splitlines() if line.startswith("verify"))
     assert row.split()[1] == "FAIL" and " ok " not in row, row
-    quick, full = dc.default_workdir(8 << 20, ["tiny-k3"]), dc.default_workdir(4 << 30, ["tiny-k3", "small-k3"])
+    quick, full = dc.default_workdir(8 << 20, ["tiny-k25-dsv32"]), dc.default_workdir(4 << 30, ["tiny-k25-dsv32", "small-k25-dsv32"])
     assert quick != full and quick.parent == full.parent

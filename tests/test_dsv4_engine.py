@@ -60,7 +60,7 @@ def test_fp4_experts_kept_give_their_dequantized_twin_exactly(conversions):
     """tiny-dsv4-flash with `--quant fp4` keeps the release's FP4 experts (e2m1 codes + e8m0 scales, copied bit
     for bit) and makes its FP8 linears bf16; with `--quant none` every weight is dequantized to bf16. e2m1
     times a power of two is exact in bf16, so the two models compute the same logits."""
-    from engine.linear import BY_TRANSFORM
+    from engine.layers.linear import BY_TRANSFORM
     from engine.model import Model
 
     kept, twin = (Model.from_converted(conversions("tiny-dsv4-flash", q), dtype=torch.float32) for q in ("fp4", "none"))
@@ -72,12 +72,12 @@ def test_fp4_experts_kept_give_their_dequantized_twin_exactly(conversions):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
 def test_tp_and_pp_under_torchrun_match_tp1(conversions, tmp_path, tp, pp):
-    from engine.tp_check import run
+    from engine.runtime.tp_check import run
 
     seed = int.from_bytes(os.urandom(4), "little")
     out = tmp_path / "got.pt"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "-m",
-                           "engine.tp_check", str(conversions("tiny-dsv4", tp=tp, pp=pp)), "--seed", str(seed),
+                           "engine.runtime.tp_check", str(conversions("tiny-dsv4", tp=tp, pp=pp)), "--seed", str(seed),
                            "--length", "40", "--decode", "3", "--save", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

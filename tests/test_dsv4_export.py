@@ -57,7 +57,7 @@ def test_bf16_v4_as_fp8_block_and_w4a16_read_back_and_reshard(checkpoint, tmp_pa
 
 
 def test_kimi_over_v4_fp8_block_keeps_vision_and_names_its_text_experts(checkpoint, tmp_path):
-    out = export(checkpoint("tiny-k3v4"), tmp_path / "fp8", "fp8-block")
+    out = export(checkpoint("tiny-k25-dsv4"), tmp_path / "fp8", "fp8-block")
     raw = load_source(out)
     assert raw["language_model.model.layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert "language_model.model.layers.0.attn.wq_a.scale" in raw

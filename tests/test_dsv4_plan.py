@@ -57,7 +57,7 @@ def test_auto_quant_follows_what_the_device_runs():
     assert {d: p.quant for d, p in picks.items()} == {"B200": "fp4", "H200": "fp8", "S5000": "fp8", "A100": "int8"}
     assert "re-encoded as FP8 exactly" in picks["H200"].quant_reason
     assert picks["B200"].converted_bytes < 0.6 * picks["H200"].converted_bytes  # experts at half a byte
-    assert make_plan("kimi-k3-3t", 8, quant="auto", device="H200").quant == "none"  # a bf16 config stays bf16
+    assert make_plan("k25-dsv32-3t", 8, quant="auto", device="H200").quant == "none"  # a bf16 config stays bf16
     assert "no FP4 kernels" in " ".join(make_plan("deepseek-v4-flash", 8, quant="fp4", device="H200").warnings)
 
 

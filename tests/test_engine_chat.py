@@ -1,4 +1,4 @@
-"""Generation, tokenizer + chat template, and `python -m engine.chat` on a converted tiny-k3."""
+"""Generation, tokenizer + chat template, and `python -m engine.chat` on a converted tiny-k25-dsv32."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from kconvert.convert.shard import ShardJob, shard
 
 @pytest.fixture(scope="module")
 def tiny_converted(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("chat") / "tiny-k3-tp1"
-    shard(ShardJob(str(checkpoint("tiny-k3")), str(out), tp=1))
+    out = tmp_path_factory.mktemp("chat") / "tiny-k25-dsv32-tp1"
+    shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(out), tp=1))
     return out
 
 
@@ -48,10 +48,10 @@ def test_chat_refuses_unknown_commands_confirms_clear_and_echoes_a_completion(ti
     prompt it continues (in this process: the interactive loop on the loaded model, stdin scripted)."""
     import io
 
-    from engine import chat as chat_mod
-    from engine.generate import Sampling
+    from engine.chat import session as chat_mod
+    from engine.runtime.generate import Sampling
     from engine.model import Model
-    from engine.tokenizer import Tokenizer
+    from engine.chat.tokenizer import Tokenizer
 
     model = Model.from_converted(tiny_converted, dtype=torch.float32)
     tok = Tokenizer(tiny_converted)
@@ -74,7 +74,7 @@ def test_chat_rejects_prompt_longer_than_context(tiny_converted):
 
 
 def test_generation_greedy_equals_argmax_and_stops(tiny_converted):
-    from engine.generate import Sampling, generate
+    from engine.runtime.generate import Sampling, generate
     from engine.model import Model
 
     model = Model.from_converted(tiny_converted, dtype=torch.float32)
@@ -94,7 +94,7 @@ def test_generation_greedy_equals_argmax_and_stops(tiny_converted):
 
 
 def test_tokenizer_chat_template_and_image_expansion(tiny_converted):
-    from engine.tokenizer import Tokenizer
+    from engine.chat.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_converted)
     text = "Hello, world! 你好"
@@ -107,8 +107,8 @@ def test_tokenizer_chat_template_and_image_expansion(tiny_converted):
 
 
 def test_streaming_never_prints_part_of_a_character(tiny_converted):
-    from engine.stream import TextStream
-    from engine.tokenizer import Tokenizer
+    from engine.chat.stream import TextStream
+    from engine.chat.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_converted)
     text = "naïve café: 你好, 世界 😀🚀 ok"
@@ -135,10 +135,10 @@ def _is_utf8(b: bytes) -> bool:
 def test_cache_is_sized_by_use_not_by_the_config(tiny_converted):
     import dataclasses
 
-    from engine.chat import Session
-    from engine.generate import Sampling
+    from engine.chat.session import Session
+    from engine.runtime.generate import Sampling
     from engine.model import Model
-    from engine.tokenizer import Tokenizer
+    from engine.chat.tokenizer import Tokenizer
 
     model = Model.from_converted(tiny_converted, dtype=torch.float32)
     model.cfg = dataclasses.replace(model.cfg, max_position_embeddings=1 << 20)  # a 1M-context config
@@ -163,9 +163,9 @@ def test_context_beyond_the_model_is_one_line(tiny_converted):
 def test_chat_runs_a_source_checkpoint_through_a_temporary_conversion(checkpoint, capsys):
     """`python -m engine.chat SRC` on a checkpoint that is not a converted directory (in this process): it is
     converted to a temporary tp 1 directory first, which chat says with what it cost, and removes at exit."""
-    from engine import chat as chat_mod
+    from engine.chat import session as chat_mod
 
-    code = chat_mod.main([str(checkpoint("tiny-k3")), "--prompt", "hello", "--max-new-tokens", "2"])
+    code = chat_mod.main([str(checkpoint("tiny-k25-dsv32")), "--prompt", "hello", "--max-new-tokens", "2"])
     out = capsys.readouterr()
     assert code == 0 and "TTFT" in out.out, out.err
     note = next(line for line in out.err.splitlines() if "is not a converted directory" in line)

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from engine.indexer import top_keys
-from engine.linear import BY_TRANSFORM
+from engine.models.deepseek_v3.dsa_indexer import top_keys
+from engine.layers.linear import BY_TRANSFORM
 from kconvert.convert.shard import ShardJob, shard
 
 TOL = 1e-4  # max |Δ| relative to the reference's max |logit|
@@ -26,7 +26,7 @@ def fresh_seed() -> int:
 # The tiny fixtures have 4 indexer heads, so many keys score exactly 0 (ReLU of every head negative) and the
 # top-k boundary often falls inside such a tie. torch.topk picks among tied entries in a way that depends
 # on the row length and batch shape, so transformers' own choice differs between a prefill and a cached
-# decode of the same sequence. The engine breaks ties by position (earliest first, `engine.indexer.top_keys`);
+# decode of the same sequence. The engine breaks ties by position (earliest first, `engine.models.deepseek_v3.dsa_indexer.top_keys`);
 # here the reference indexer's final top-k uses the same rule, nothing else changes.
 
 @contextlib.contextmanager
@@ -121,7 +121,7 @@ def _compare(ref_logits, eng_logits, seed, what, near=()):
     assert err <= TOL * scale, f"{what}: max |Δ| {err:.3g} > {TOL} x {scale:.3g} (seed {seed}, near ties {sorted(near)})"
 
 
-@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-dsv32"])
+@pytest.mark.parametrize("preset", ["tiny-k25-dsv32", "tiny-dsv32"])
 @pytest.mark.parametrize("length", [8, 60])  # index_topk is 16: below and well above it
 def test_text_logits_match_transformers(preset, length, reference, engine):
     seed = fresh_seed()
@@ -135,11 +135,11 @@ def test_text_logits_match_transformers(preset, length, reference, engine):
 def test_image_prompt_logits_match_transformers(reference, engine):
     from PIL import Image
 
-    from engine.image import preprocess
+    from engine.chat.image import preprocess
 
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    model = engine("tiny-k3")
+    model = engine("tiny-k25-dsv32")
     pixels = (torch.rand(75, 110, 3, generator=g) * 255).to(torch.uint8).numpy()
     patches, grid = preprocess(Image.fromarray(pixels))  # 75x110 -> padded 84x112 -> 6x8 patches -> 12 tokens
     assert grid == (6, 8)
@@ -148,7 +148,7 @@ def test_image_prompt_logits_match_transformers(reference, engine):
     ids = torch.cat([torch.randint(0, 768, (5,), generator=g), torch.tensor([786]), torch.full((n,), vc.image_token_id),
                      torch.tensor([788]), torch.randint(0, 768, (40,), generator=g)])[None]
     with torch.no_grad(), indexer_ties_by_position() as near:
-        ref = reference("tiny-k3")(input_ids=ids, pixel_values=patches,
+        ref = reference("tiny-k25-dsv32")(input_ids=ids, pixel_values=patches,
                                    image_grid_thw=torch.tensor([[1, *grid]])).logits
     out = model.forward(ids, image_embeds=model.vision(patches, [grid]))
     _compare(ref, out, seed, "text+image", near)
@@ -157,7 +157,7 @@ def test_image_prompt_logits_match_transformers(reference, engine):
 def test_decode_steps_equal_full_forward(engine):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    model = engine("tiny-k3")
+    model = engine("tiny-k25-dsv32")
     ids = torch.randint(0, 768, (1, 40), generator=g)
     cache = model.new_cache(1, 64)
     model.forward(ids[:, :6], cache)
@@ -172,8 +172,8 @@ def test_decode_steps_equal_full_forward(engine):
 def test_quantized_conversion_close_to_bf16(quant, engine):
     seed = fresh_seed()
     ids = torch.randint(0, 768, (1, 48), generator=torch.Generator().manual_seed(seed))
-    base = engine("tiny-k3").forward(ids)
-    q = engine("tiny-k3", 1, quant)
+    base = engine("tiny-k25-dsv32").forward(ids)
+    q = engine("tiny-k25-dsv32", 1, quant)
     if quant == "fp4":  # routed experts only, as DeepSeek-V4 stores them
         expert = q.layer(1).mlp.experts["0"]
         kinds = {type(w) for w in (expert.gate_proj, expert.down_proj)}

@@ -1,6 +1,6 @@
 """The engine as an nn.Module tree: its state_dict keys are the converted checkpoint's tensor names, every
 linear is the class of the format kconvert.json records for it, a unit with a missing or an extra tensor is
-one typed error naming it, and layer kinds come from engine/layers.py. (Its numerics are tested against
+one typed error naming it, and layer kinds come from engine/models/registry.py. (Its numerics are tested against
 transformers in test_engine_logits.py.)"""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import layers
-from engine.linear import BY_TRANSFORM, PlainLinear, StoredLinear
+from engine.models import registry as layers
+from engine.layers.linear import BY_TRANSFORM, PlainLinear, StoredLinear
 from engine.model import Model
 from kconvert.convert.shard import ShardJob, shard
 from kconvert.convert.stages import StageSplit
@@ -25,7 +25,7 @@ def conv(checkpoint, tmp_path_factory):
     def get(quant: str):
         if quant not in done:
             done[quant] = tmp_path_factory.mktemp("conv") / quant
-            shard(ShardJob(str(checkpoint("tiny-k3")), str(done[quant]), tp=1, quant=quant))
+            shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(done[quant]), tp=1, quant=quant))
         return done[quant]
 
     return get

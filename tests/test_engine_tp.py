@@ -14,17 +14,17 @@ from helpers import ROOT
 
 
 def test_tp2_under_torchrun_matches_tp1(checkpoint, tmp_path):
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
     shard(ShardJob(str(src), str(tp1), tp=1))
     shard(ShardJob(str(src), str(tp2), tp=2))
     seed = int.from_bytes(os.urandom(4), "little")
     out = tmp_path / "tp2.pt"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-                           "engine.tp_check", str(tp2), "--seed", str(seed), "--length", "40", "--decode", "3",
+                           "engine.runtime.tp_check", str(tp2), "--seed", str(seed), "--length", "40", "--decode", "3",
                            "--save", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from engine.tp_check import run
+    from engine.runtime.tp_check import run
 
     ref = run(tp1, seed, 40, 3)
     got = torch.load(out)
@@ -33,6 +33,6 @@ def test_tp2_under_torchrun_matches_tp1(checkpoint, tmp_path):
     assert err <= 1e-4 * ref.abs().max().item(), f"tp2 vs tp1: max |Δ| {err:.3g} (seed {seed})"
 
     # world size 1 on a tp = 2 conversion: one clear line, exit 2
-    bad = subprocess.run([sys.executable, "-m", "engine.tp_check", str(tp2), "--save", str(tmp_path / "x.pt")],
+    bad = subprocess.run([sys.executable, "-m", "engine.runtime.tp_check", str(tp2), "--save", str(tmp_path / "x.pt")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "tp 2" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -11,11 +11,11 @@ import torch
 
 import engine.model as engine_model
 from engine.config import ModelConfig
-from engine.layers import decoder_layer
-from engine.linear import PlainLinear, resolve_linears
-from engine.slots import load_unit
-from engine.v4_cache import V4LayerState
-from engine.v4_compressor import Indexer
+from engine.models.registry import decoder_layer
+from engine.layers.linear import PlainLinear, resolve_linears
+from engine.layers.slots import load_unit
+from engine.cache.compressed import V4LayerState
+from engine.models.deepseek_v4.compressor import Indexer
 from kconvert.converted.units import GLOBALS, layer_unit
 from kconvert.distributed import Group
 from v4_reference import CONFIGS, earliest_ties, engine_state, reference, text_config
@@ -158,9 +158,9 @@ def test_bf16_with_the_release_dtypes_stays_close(ref, monkeypatch):
 
 
 def test_generate_runs_on_the_v4_cache(ref, monkeypatch):
-    """engine.generate over the V4 cache: greedy tokens are those a full forward of the whole text picks; a
+    """engine.runtime.generate over the V4 cache: greedy tokens are those a full forward of the whole text picks; a
     cache cannot be cut back (the compressors do not rewind), only reset."""
-    from engine.generate import Sampling, generate
+    from engine.runtime.generate import Sampling, generate
     from kconvert.errors import EngineError
 
     model = engine_model_of(ref, monkeypatch)
@@ -177,7 +177,7 @@ def test_generate_runs_on_the_v4_cache(ref, monkeypatch):
 
 
 def test_kv_budget_of_the_mla_cache_is_refused(ref, monkeypatch):
-    from engine.cache import KVOptions
+    from engine.cache.latent import KVOptions
     from kconvert.errors import UsageError
 
     model = engine_model_of(ref, monkeypatch)

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import torch
 
 import engine.model as engine_model
-from engine.layers import decoder_layer
-from engine.linear import PlainLinear, resolve_linears
-from engine.slots import load_unit
-from engine.v4_cache import V4LayerState
+from engine.models.registry import decoder_layer
+from engine.layers.linear import PlainLinear, resolve_linears
+from engine.layers.slots import load_unit
+from engine.cache.compressed import V4LayerState
 from kconvert.converted.units import GLOBALS, layer_unit
 from kconvert.distributed import Group
 from test_engine_v4 import TOL, engine_layer, engine_model_of, ids_of, ref, rel  # noqa: F401 (ref: the fixture)

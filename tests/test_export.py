@@ -27,7 +27,7 @@ CT_FORMATS = ("w4a16", "w8a8-int8", "fp8-channel")
 @pytest.fixture(scope="module")
 def exported(checkpoint, tmp_path_factory):
     base = tmp_path_factory.mktemp("export")
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     return {fmt: export(ExportJob(str(src), str(base / fmt), fmt)).out for fmt in ("fp8-block", *CT_FORMATS)}
 
 
@@ -51,7 +51,7 @@ def test_compressed_tensors_decompress_equals_kconvert(exported, checkpoint, fmt
     scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"],
                                 input_activations=group["input_activations"])
     compressor = BaseCompressor.load_from_registry(qc["format"])
-    ours, src = Checkpoint.open(exported[fmt]), Checkpoint.open(checkpoint("tiny-k3"))
+    ours, src = Checkpoint.open(exported[fmt]), Checkpoint.open(checkpoint("tiny-k25-dsv32"))
     quantized = {m for m, d in mods.items() if "weight_scale" in d}
     assert len(quantized) == (96 if fmt == "w4a16" else 126)  # w4a16: routed experts only
     for module in sorted(quantized):
@@ -113,7 +113,7 @@ def test_fp8_block_through_transformers_equals_kconvert(exported):
 
 
 def test_fp8_block_source_is_copied_bit_for_bit(checkpoint, tmp_path):
-    src = checkpoint("tiny-k3-fp8")
+    src = checkpoint("tiny-k25-dsv32-fp8")
     out = export(ExportJob(str(src), str(tmp_path / "o"), "fp8-block")).out
     a, b = load_source(src), load_source(tmp_path / "o")
     assert a.keys() == b.keys()
@@ -129,7 +129,7 @@ def test_transformers_kld_equals_kconvert_verify(exported, checkpoint, tmp_path)
     from kconvert.verify.prompts import prompts_for
     from kconvert.verify.reference import load_reference, run_reference
 
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     prompts = [p for p in prompts_for(Checkpoint.open(src).config) if p.get("kind") != "image"][:2]
     (tmp_path / "p.json").write_text(json.dumps(prompts))
     ref, got = tmp_path / "ref.safetensors", tmp_path / "exp.safetensors"
@@ -158,7 +158,7 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
 
     from kconvert.convert.export_table import EXPORT_FORMATS
 
-    src = inspect(checkpoint("tiny-k3"))
+    src = inspect(checkpoint("tiny-k25-dsv32"))
     assert src["quantization"] is None
     for fmt, out in exported.items():
         got = inspect(out)
@@ -174,7 +174,7 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
 def test_interrupted_export_resumes_and_never_looks_complete(checkpoint, tmp_path, monkeypatch):
     import kconvert.convert.export as ex
 
-    src, out = checkpoint("tiny-k3"), tmp_path / "o"
+    src, out = checkpoint("tiny-k25-dsv32"), tmp_path / "o"
     job = ExportJob(str(src), str(out), "w8a8-int8", max_shard_bytes=2_000_000, workers=2)
     real, calls = ex.produce, []
 
@@ -201,7 +201,7 @@ def test_interrupted_export_resumes_and_never_looks_complete(checkpoint, tmp_pat
 def test_nan_in_source_is_one_line_naming_the_tensor(checkpoint, copy_checkpoint, tmp_path):
     from safetensors.torch import save_file
 
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     name = "language_model.model.layers.1.mlp.experts.3.up_proj.weight"
     f = src / index[name]
@@ -284,7 +284,7 @@ def test_export_faithfulness_reference_is_exactly_the_export(exported, checkpoin
     from kconvert.verify import damage
     from kconvert.verify.fake_quant import export_values, stored_rule
 
-    src, ours = Checkpoint.open(checkpoint("tiny-k3")), Checkpoint.open(exported[fmt])
+    src, ours = Checkpoint.open(checkpoint("tiny-k25-dsv32")), Checkpoint.open(exported[fmt])
     rule = stored_rule(ours.quantization_config)
 
     def faithful(ck: Checkpoint, name: str) -> bool:
@@ -302,10 +302,10 @@ def test_export_faithfulness_reference_is_exactly_the_export(exported, checkpoin
 
 @pytest.fixture(scope="module")
 def few_ref(checkpoint, tmp_path_factory):
-    """An unquantized reference of tiny-k3 on two prompts (one long enough for DSA to select)."""
+    """An unquantized reference of tiny-k25-dsv32 on two prompts (one long enough for DSA to select)."""
     from kconvert.verify.prompts import prompts_for
 
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     d = tmp_path_factory.mktemp("few")
     prompts = [p for p in prompts_for(Checkpoint.open(src).config) if p["id"] in ("short-1", "chat-1")]
     (d / "prompts.json").write_text(json.dumps(prompts))
@@ -331,7 +331,7 @@ def test_verify_of_an_export_names_its_format_and_budget_and_fails_damage(export
 
     few = load_reference(few_ref)[0]["prompts"]
     monkeypatch.setattr(prompts, "prompts_for", lambda config: few)  # --against runs the reference on these
-    for given in (("--reference", few_ref), ("--against", checkpoint("tiny-k3"))):
+    for given in (("--reference", few_ref), ("--against", checkpoint("tiny-k25-dsv32"))):
         code, rep = _verify_export(exported["w4a16"], *given)
         assert rep["scheme"] == "w4a16" and rep["cost"]["limits"] == thresholds()["cost"]["int4"], given
         faith = rep["faithfulness"]

@@ -1,5 +1,5 @@
 """A Kimi checkpoint written by transformers' `save_pretrained` (llm-compressor's outputs are) stores 155 of
-tiny-k3's 189 tensors under transformers' save-side names (`language_model.model.blocks.N`,
+tiny-k25-dsv32's 189 tensors under transformers' save-side names (`language_model.model.blocks.N`,
 `model.mm_projector`, `vision_tower.encoder.patch_embed`): kimi_k25's [family.aliases] read them as the
 published names, the same family, every tensor the same values."""
 
@@ -16,7 +16,7 @@ from kconvert.source.checkpoint import Checkpoint
 def test_transformers_save_pretrained_names_read_as_the_family(checkpoint, tmp_path):
     import transformers
 
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(str(src), dtype=torch.bfloat16)

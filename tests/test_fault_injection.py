@@ -38,7 +38,7 @@ N_SOURCE = 130
 
 @pytest.fixture(scope="module")
 def sandbox(checkpoint, tmp_path_factory):
-    box = Sandbox(checkpoint("tiny-k3"), tmp_path_factory.mktemp("faults"))
+    box = Sandbox(checkpoint("tiny-k25-dsv32"), tmp_path_factory.mktemp("faults"))
     yield box
     box.restore()
 
@@ -65,7 +65,7 @@ def test_config_out_of_bounds_refused(sandbox, section, field, value):
 
 @pytest.mark.parametrize("block", [[0, 128], [128, -1], ["128", 128], [2**40, 128]])
 def test_fp8_source_with_absurd_block_size_refused(checkpoint, tmp_path, block):
-    box = Sandbox(checkpoint("tiny-k3-fp8"), tmp_path)
+    box = Sandbox(checkpoint("tiny-k25-dsv32-fp8"), tmp_path)
     config = json.loads((box.src / "config.json").read_text())
     qc = config.get("quantization_config") or config["text_config"]["quantization_config"]
     qc["weight_block_size"] = block
@@ -75,16 +75,16 @@ def test_fp8_source_with_absurd_block_size_refused(checkpoint, tmp_path, block):
 
 
 NON_FINITE = [  # (fixture, stored tensor, value, target): kept in bf16, in fp32, a scale, an fp8 weight, an INT4 scale
-    ("tiny-k3", "language_model.model.layers.0.input_layernorm.weight", float("nan"), "none"),
-    ("tiny-k3", "language_model.model.norm.weight", float("inf"), "fp8"),
-    ("tiny-k3", "language_model.lm_head.weight", float("-inf"), "fp8"),
-    ("tiny-k3", "language_model.model.layers.2.mlp.gate.e_score_correction_bias", float("nan"), "int8"),
-    ("tiny-k3", "vision_tower.encoder.blocks.1.wqkv.bias", float("nan"), "fp8"),
-    ("tiny-k3", "language_model.model.layers.1.mlp.experts.4.up_proj.weight", float("inf"), "fp8"),
-    ("tiny-k3-fp8", "language_model.model.layers.1.self_attn.kv_b_proj.weight_scale_inv", float("nan"), "fp8"),
-    ("tiny-k3-fp8", "language_model.model.layers.1.self_attn.kv_b_proj.weight_scale_inv", float("inf"), "none"),
-    ("tiny-k3-fp8", "language_model.model.layers.2.mlp.experts.0.gate_proj.weight", "fp8-nan", "fp8"),
-    ("tiny-k3-int4", "language_model.model.layers.2.mlp.experts.7.gate_proj.weight_scale", float("nan"), "fp8"),
+    ("tiny-k25-dsv32", "language_model.model.layers.0.input_layernorm.weight", float("nan"), "none"),
+    ("tiny-k25-dsv32", "language_model.model.norm.weight", float("inf"), "fp8"),
+    ("tiny-k25-dsv32", "language_model.lm_head.weight", float("-inf"), "fp8"),
+    ("tiny-k25-dsv32", "language_model.model.layers.2.mlp.gate.e_score_correction_bias", float("nan"), "int8"),
+    ("tiny-k25-dsv32", "vision_tower.encoder.blocks.1.wqkv.bias", float("nan"), "fp8"),
+    ("tiny-k25-dsv32", "language_model.model.layers.1.mlp.experts.4.up_proj.weight", float("inf"), "fp8"),
+    ("tiny-k25-dsv32-fp8", "language_model.model.layers.1.self_attn.kv_b_proj.weight_scale_inv", float("nan"), "fp8"),
+    ("tiny-k25-dsv32-fp8", "language_model.model.layers.1.self_attn.kv_b_proj.weight_scale_inv", float("inf"), "none"),
+    ("tiny-k25-dsv32-fp8", "language_model.model.layers.2.mlp.experts.0.gate_proj.weight", "fp8-nan", "fp8"),
+    ("tiny-k25-dsv32-int4", "language_model.model.layers.2.mlp.experts.7.gate_proj.weight_scale", float("nan"), "fp8"),
 ]
 
 
@@ -106,7 +106,7 @@ def test_non_finite_source_refused_whatever_the_target(checkpoint, tmp_path, fix
 
 
 def test_non_finite_via_cli_names_file_and_tensor(checkpoint, tmp_path):
-    box = Sandbox(checkpoint("tiny-k3"), tmp_path)
+    box = Sandbox(checkpoint("tiny-k25-dsv32"), tmp_path)
     tensor = "language_model.model.layers.1.post_attention_layernorm.weight"
     f = box.src / json.loads((box.src / "model.safetensors.index.json").read_text())["weight_map"][tensor]
     start, header = header_offsets(f)

@@ -20,12 +20,12 @@ N_CONVERTED = 90
 
 @pytest.fixture(scope="module")
 def converted(checkpoint, tmp_path_factory):
-    """Two finished conversions of tiny-k3 (tp 2 fp8: plain shards; tp 2 none: zstd-compressed shards)."""
+    """Two finished conversions of tiny-k25-dsv32 (tp 2 fp8: plain shards; tp 2 none: zstd-compressed shards)."""
     root = tmp_path_factory.mktemp("converted")
     outs = []
     for name, kw in (("fp8", {"quant": "fp8"}), ("zstd", {"quant": "none", "compress": "zstd:3"})):
         out = root / name
-        assert convert(checkpoint("tiny-k3"), out, **kw) is None
+        assert convert(checkpoint("tiny-k25-dsv32"), out, **kw) is None
         outs.append(out)
     return root, outs
 

@@ -22,7 +22,7 @@ from helpers import assert_one_line_error, cli_here, header_offsets
 
 @pytest.fixture(scope="module")
 def sandbox(checkpoint, tmp_path_factory):
-    box = Sandbox(checkpoint("tiny-k3"), tmp_path_factory.mktemp("faults_inputs"))
+    box = Sandbox(checkpoint("tiny-k25-dsv32"), tmp_path_factory.mktemp("faults_inputs"))
     yield box
     box.restore()
 
@@ -138,7 +138,7 @@ def test_converted_side_files_refused(checkpoint, tmp_path, deadline, kind):
     from kconvert.errors import KConvertError
     from kconvert.verify.reference import load_reference
 
-    box = Sandbox(checkpoint("tiny-k3"), tmp_path)
+    box = Sandbox(checkpoint("tiny-k25-dsv32"), tmp_path)
     assert box.convert_checked(tp=1, quant="none") is None
     _damage_side_file(box.out / MANIFEST, kind)
     for read in (lambda: Catalog.read(box.out), lambda: load_reference(box.out / MANIFEST)):
@@ -172,16 +172,16 @@ def _quant_config(src: Path, key: str, value) -> None:
 
 
 EXPORT_COPY_CASES = [  # fixture, damage, format, what the one line names
-    ("tiny-k3-fp8", lambda s: _poke(s, f"{L28}.1.self_attn.kv_b_proj.weight_scale_inv", value_bytes("F32", float("nan"))),
+    ("tiny-k25-dsv32-fp8", lambda s: _poke(s, f"{L28}.1.self_attn.kv_b_proj.weight_scale_inv", value_bytes("F32", float("nan"))),
      "fp8-block", "NaN/Inf"),
-    ("tiny-k3-fp8", lambda s: _poke(s, f"{L28}.2.mlp.experts.0.gate_proj.weight", b"\x7f", 3), "fp8-block", "NaN/Inf"),
-    ("tiny-k3-int4", lambda s: _poke(s, f"{L28}.2.mlp.experts.7.gate_proj.weight_scale", value_bytes("BF16", float("nan"))),
+    ("tiny-k25-dsv32-fp8", lambda s: _poke(s, f"{L28}.2.mlp.experts.0.gate_proj.weight", b"\x7f", 3), "fp8-block", "NaN/Inf"),
+    ("tiny-k25-dsv32-int4", lambda s: _poke(s, f"{L28}.2.mlp.experts.7.gate_proj.weight_scale", value_bytes("BF16", float("nan"))),
      "w4a16", "NaN/Inf"),
-    ("tiny-k3-int4", lambda s: _poke(s, f"{L28}.2.mlp.experts.7.gate_proj.weight_shape", struct.pack("<ii", 2**30, 2**30)),
+    ("tiny-k25-dsv32-int4", lambda s: _poke(s, f"{L28}.2.mlp.experts.7.gate_proj.weight_shape", struct.pack("<ii", 2**30, 2**30)),
      "w4a16", "weight_shape"),
-    ("tiny-k3-fp8", lambda s: _quant_config(s, "weight_block_size", [100, 100]), "fp8-block", "weight_block_size"),
-    ("tiny-k3-fp8", lambda s: _quant_config(s, "weight_block_size", [1, 1]), "w8a8-int8", "weight_block_size"),
-    ("tiny-k3-int4", lambda s: _quant_config(s, "group_size", 7), "w4a16", "group_size"),
+    ("tiny-k25-dsv32-fp8", lambda s: _quant_config(s, "weight_block_size", [100, 100]), "fp8-block", "weight_block_size"),
+    ("tiny-k25-dsv32-fp8", lambda s: _quant_config(s, "weight_block_size", [1, 1]), "w8a8-int8", "weight_block_size"),
+    ("tiny-k25-dsv32-int4", lambda s: _quant_config(s, "group_size", 7), "w4a16", "group_size"),
 ]
 
 
@@ -209,7 +209,7 @@ BAD_ARGS = [
     ("export", "{src}", "{out}", "--format", "w4a16", "--group-size", "1000000"),
     ("export", "{src}", "{out}", "--format", "w8a8-int8", "--max-shard-size", "0"),
     ("export", "{src}", "{long_out}", "--format", "w8a8-int8"),
-    ("fixture", "tiny-k3", "{out}", "--seed", "1e23"),
+    ("fixture", "tiny-k25-dsv32", "{out}", "--seed", "1e23"),
 ]
 
 
@@ -228,7 +228,7 @@ def test_nonsense_arguments_are_one_line(sandbox):
     (["--max-new-tokens", "9" * 5000], "--max-new-tokens"), (["--no-such-flag"], "--no-such-flag"),
 ])
 def test_chat_arguments_checked_before_loading(argv, needle):
-    from engine.chat_args import parse_args
+    from engine.chat.args import parse_args
     from kconvert.errors import UsageError
 
     with pytest.raises(UsageError) as e:
@@ -237,7 +237,7 @@ def test_chat_arguments_checked_before_loading(argv, needle):
 
 
 def test_image_path_too_long_is_one_line():
-    from engine.image import load_image
+    from engine.chat.image import load_image
     from kconvert.errors import ImageError
 
     with pytest.raises(ImageError):

@@ -14,7 +14,7 @@ from fixture_files import SCALE_SIZE, load_in_transformers as _load, read_all, r
 from kconvert.errors import UsageError
 from kconvert.fixtures import PRESETS, build_fixture
 
-FP8_LIKE = {"tiny-k3-fp8", "tiny-k3-int4"}
+FP8_LIKE = {"tiny-k25-dsv32-fp8", "tiny-k25-dsv32-int4"}
 
 
 def build(checkpoint, preset: str) -> Path:
@@ -23,10 +23,10 @@ def build(checkpoint, preset: str) -> Path:
 
 # ---------------------------------------------------------------- API
 def test_presets_listed():
-    assert set(PRESETS) == {"tiny-k3", "tiny-dsv32", "tiny-k3-fp8", "tiny-k3-int4", "small-k3", "scale",
-                            "tiny-k3-4l", "tiny-dsv32-4l", "tiny-dsv4", "tiny-dsv4-flash",
-                            "tiny-k3-trained", "tiny-dsv32-trained", "tiny-k3-trained-wide", "topo-k25", "topo-k25-bf16",
-                            "topo-dsv4-pro", "tiny-dsv4-trained", "tiny-k3v4", "tiny-k3v4-trained"}
+    assert set(PRESETS) == {"tiny-k25-dsv32", "tiny-dsv32", "tiny-k25-dsv32-fp8", "tiny-k25-dsv32-int4", "small-k25-dsv32", "scale",
+                            "tiny-k25-dsv32-4l", "tiny-dsv32-4l", "tiny-dsv4", "tiny-dsv4-flash",
+                            "tiny-k25-dsv32-trained", "tiny-dsv32-trained", "tiny-k25-dsv32-trained-wide", "topo-k25", "topo-k25-bf16",
+                            "topo-dsv4-pro", "tiny-dsv4-trained", "tiny-k25-dsv4", "tiny-k25-dsv4-trained"}
     assert all(isinstance(v, str) and v and "\n" not in v for v in PRESETS.values())
 
 
@@ -34,7 +34,7 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(UsageError):
         build_fixture("tiny-k9", tmp_path / "a")
     with pytest.raises(UsageError):
-        build_fixture("tiny-k3", tmp_path / "a", size=1000)
+        build_fixture("tiny-k25-dsv32", tmp_path / "a", size=1000)
     with pytest.raises(UsageError):
         build_fixture("scale", tmp_path / "a")
     with pytest.raises(UsageError):
@@ -68,7 +68,7 @@ def test_empty_out_dir_is_accepted(tmp_path):
 
 
 # ---------------------------------------------------------------- layout
-@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-dsv32", "tiny-k3-fp8", "tiny-k3-int4", "scale"])
+@pytest.mark.parametrize("preset", ["tiny-k25-dsv32", "tiny-dsv32", "tiny-k25-dsv32-fp8", "tiny-k25-dsv32-int4", "scale"])
 def test_sharded_layout(checkpoint, preset):
     ck = build(checkpoint, preset)
     files = sorted(ck.glob("*.safetensors"))
@@ -111,7 +111,7 @@ def test_sharded_layout(checkpoint, preset):
 
 
 def test_kimi_published_names(checkpoint):
-    names = set(json.loads((checkpoint("tiny-k3") / "model.safetensors.index.json").read_text())["weight_map"])
+    names = set(json.loads((checkpoint("tiny-k25-dsv32") / "model.safetensors.index.json").read_text())["weight_map"])
     L = "language_model.model.layers"
     expected = {
         "language_model.model.embed_tokens.weight",
@@ -146,7 +146,7 @@ def test_kimi_published_names(checkpoint):
 
 @pytest.mark.parametrize(
     "preset,cls_name",
-    [("tiny-k3", "Kimi_K25ForConditionalGeneration"), ("tiny-dsv32", "DeepseekV32ForCausalLM")],
+    [("tiny-k25-dsv32", "Kimi_K25ForConditionalGeneration"), ("tiny-dsv32", "DeepseekV32ForCausalLM")],
 )
 def test_transformers_round_trip(checkpoint, preset, cls_name):
     from kconvert.fixtures.hf_build import build_model
@@ -165,8 +165,8 @@ def test_vision_wqkv_is_interleaved_rope_layout(checkpoint):
     transformers' q_proj/k_proj hold them half-split (x0..x_{h-1}, y0..y_{h-1}) per head."""
     from kconvert.fixtures.hf_build import build_model
 
-    tensors = read_all(checkpoint("tiny-k3"))
-    model = build_model("tiny-k3")
+    tensors = read_all(checkpoint("tiny-k25-dsv32"))
+    model = build_model("tiny-k25-dsv32")
     heads = model.config.vision_config.num_attention_heads
     attn = model.model.vision_tower.layers[1].attn
     dim = attn.q_proj.weight.shape[0]
@@ -203,8 +203,8 @@ def test_scale_uses_real_widths_when_size_allows():
 
 # ---------------------------------------------------------------- determinism, logits
 def test_deterministic(tmp_path, checkpoint):
-    a = checkpoint("tiny-k3")
-    b = build_fixture("tiny-k3", tmp_path / "again", seed=0)
+    a = checkpoint("tiny-k25-dsv32")
+    b = build_fixture("tiny-k25-dsv32", tmp_path / "again", seed=0)
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     for n in names:

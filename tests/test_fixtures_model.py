@@ -1,5 +1,5 @@
 """The fixtures as models: logits that are not degenerate with routers that spread, the tokenizer and
-chat template, and small-k3."""
+chat template, and small-k25-dsv32."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _logits(model, ids, hook_routers=False):
 
 
 def test_logits_are_not_degenerate_and_router_spreads(checkpoint):
-    model, _ = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k3"), dtype=torch.float32)
+    model, _ = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k25-dsv32"), dtype=torch.float32)
     ids = torch.randint(0, 768, (4, 64), generator=torch.Generator().manual_seed(0))
     logits, chosen = _logits(model, ids, hook_routers=True)
     vocab = logits.shape[-1]
@@ -42,7 +42,7 @@ def test_logits_are_not_degenerate_and_router_spreads(checkpoint):
         assert (counts > 0).sum() >= n_experts * 3 // 4, (i, counts)
         assert counts.max() <= 0.25 * counts.sum(), (i, counts)
     # Quantization is measurable: INT4 experts move the logits a little, not a lot.
-    int4_model, _ = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k3-int4"), dtype=torch.float32)
+    int4_model, _ = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k25-dsv32-int4"), dtype=torch.float32)
     logp, logq = logits.log_softmax(-1), _logits(int4_model, ids)[0].log_softmax(-1)
     kld = (logp.exp() * (logp - logq)).sum(-1).mean().item()
     same_top1 = (logp.argmax(-1) == logq.argmax(-1)).float().mean().item()
@@ -53,7 +53,7 @@ def test_logits_are_not_degenerate_and_router_spreads(checkpoint):
 def test_tokenizer(checkpoint):
     from kconvert.source.tokenizer import load_kimi_tokenizer
 
-    ck = checkpoint("tiny-k3")
+    ck = checkpoint("tiny-k25-dsv32")
     enc = load_kimi_tokenizer(ck)
     config = json.loads((ck / "config.json").read_text())
     assert enc.n_vocab == 1024 == config["text_config"]["vocab_size"]
@@ -91,7 +91,7 @@ def test_tokenizer(checkpoint):
 def test_chat_template(checkpoint):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    cfg = json.loads((checkpoint("tiny-k3") / "tokenizer_config.json").read_text())
+    cfg = json.loads((checkpoint("tiny-k25-dsv32") / "tokenizer_config.json").read_text())
     template = ImmutableSandboxedEnvironment().from_string(cfg["chat_template"])
     messages = [
         {"role": "system", "content": "You are Kimi."},
@@ -110,13 +110,13 @@ def test_chat_template(checkpoint):
     )
 
 
-# ---------------------------------------------------------------- small-k3 (~10-15 s on 2 cores)
-@pytest.mark.skipif(bool(os.environ.get("KCONVERT_FAST")), reason="KCONVERT_FAST set: small-k3 not built")
-def test_small_k3(checkpoint):
-    """Same architecture as tiny-k3 (whose transformers round trip is tested above), ~200M parameters."""
+# ---------------------------------------------------------------- small-k25-dsv32 (~10-15 s on 2 cores)
+@pytest.mark.skipif(bool(os.environ.get("KCONVERT_FAST")), reason="KCONVERT_FAST set: small-k25-dsv32 not built")
+def test_small_k25_dsv32(checkpoint):
+    """Same architecture as tiny-k25-dsv32 (whose transformers round trip is tested above), ~200M parameters."""
     from kconvert.fixtures.published_names import KIMI_PATTERN
 
-    ck = checkpoint("small-k3")
+    ck = checkpoint("small-k25-dsv32")
     index = json.loads((ck / "model.safetensors.index.json").read_text())
     assert all(KIMI_PATTERN.match(n) for n in index["weight_map"])
     assert 150e6 <= index["metadata"]["total_size"] / 2 <= 250e6

@@ -1,4 +1,4 @@
-"""Quantized fixture sources (tiny-k3-fp8, tiny-k3-int4): the stored layout and values against the bf16
+"""Quantized fixture sources (tiny-k25-dsv32-fp8, tiny-k25-dsv32-int4): the stored layout and values against the bf16
 fixture, and transformers loading them."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ FP8_KEEP = re.compile(r"(mlp\.gate\.weight|indexer\.weights_proj\.weight|norm\.w
 
 
 def test_fp8_layout_and_values(checkpoint):
-    fp8 = read_all(checkpoint("tiny-k3-fp8"))
-    ref = read_all(checkpoint("tiny-k3"))
+    fp8 = read_all(checkpoint("tiny-k25-dsv32-fp8"))
+    ref = read_all(checkpoint("tiny-k25-dsv32"))
     n_quant = 0
     for name, w in ref.items():
         is_target = w.ndim == 2 and ".model.layers." in name and not FP8_KEEP.search(name)
@@ -38,7 +38,7 @@ def test_fp8_layout_and_values(checkpoint):
         assert (err <= w.float().abs() * 2**-4 + scale * 2**-9 + 1e-12).all(), name
     # per layer: 5 MLA projections + indexer wq_b, wk; layer 0 dense MLP (3), layers 1-2: 16 experts x 3 + shared (3)
     assert n_quant == (7 + 3) + 2 * (7 + 16 * 3 + 3)
-    cfg = json.loads((checkpoint("tiny-k3-fp8") / "config.json").read_text())
+    cfg = json.loads((checkpoint("tiny-k25-dsv32-fp8") / "config.json").read_text())
     qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
     assert cfg["quantization_config"] == qc and cfg["text_config"]["quantization_config"] == qc
 
@@ -47,7 +47,7 @@ def test_fp8_loads_in_transformers(checkpoint):
     # transformers' FineGrainedFP8 quantizer needs `accelerate`; on a CPU-only machine it then
     # dequantizes to bf16 on load. Without accelerate it refuses (ImportError) before reading.
     pytest.importorskip("accelerate")
-    model, info = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k3-fp8"))
+    model, info = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k25-dsv32-fp8"))
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
@@ -60,8 +60,8 @@ def _unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
 def test_int4_layout_and_values(checkpoint):
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    int4 = read_all(checkpoint("tiny-k3-int4"))
-    ref = read_all(checkpoint("tiny-k3"))
+    int4 = read_all(checkpoint("tiny-k25-dsv32-int4"))
+    ref = read_all(checkpoint("tiny-k25-dsv32"))
     experts = [n for n in ref if re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", n)]
     assert len(experts) == 2 * 16 * 3
     for name, w in ref.items():
@@ -80,7 +80,7 @@ def test_int4_layout_and_values(checkpoint):
         deq = (q.float().view(rows, -1, 32) * scale.float()[..., None]).view(rows, cols)
         # half a step, plus what rounding the scale to bf16 (2^-8 relative) costs at the clamped end (+7.5 steps)
         assert ((deq - w).abs() <= scale.float().repeat_interleave(32, 1) * (0.5 + 2**-5)).all(), name
-    cfg = json.loads((checkpoint("tiny-k3-int4") / "config.json").read_text())
+    cfg = json.loads((checkpoint("tiny-k25-dsv32-int4") / "config.json").read_text())
     for qc in (cfg["quantization_config"], cfg["text_config"]["quantization_config"]):
         assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
         weights = qc["config_groups"]["group_0"]["weights"]
@@ -92,9 +92,9 @@ def test_int4_loads_in_transformers(checkpoint):
     """transformers (+ compressed-tensors) loads the INT4 experts on CPU, dequantized into its fused experts."""
     from kconvert.fixtures.hf_build import build_model
 
-    model, info = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k3-int4"))
+    model, info = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k25-dsv32-int4"))
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    ref, got = build_model("tiny-k3").state_dict(), model.state_dict()
+    ref, got = build_model("tiny-k25-dsv32").state_dict(), model.state_dict()
     for k in ref:
         if ".experts." in k:
             step = ref[k].float().abs().amax() / 7.5

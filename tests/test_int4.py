@@ -58,7 +58,7 @@ def test_clipping_search_never_loses_to_amax():
 @pytest.fixture(scope="module")
 def int4_tp2(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("int4") / "tp2"
-    run_cli("shard", checkpoint("tiny-k3"), out, "--tp", 2, "--quant", "int4", check=True)
+    run_cli("shard", checkpoint("tiny-k25-dsv32"), out, "--tp", 2, "--quant", "int4", check=True)
     return out
 
 
@@ -72,7 +72,7 @@ def test_shard_int4_stores_routed_experts_packed(int4_tp2, checkpoint):
     shared = "language_model.model.layers.2.mlp.shared_experts.up_proj.weight"
     assert by_name[shared]["dtype"] == "BF16"  # only routed experts by default
     tensors = load_file(int4_tp2 / by_name[e + "_packed"]["file"])
-    src = _source_tensor(checkpoint("tiny-k3"), e)
+    src = _source_tensor(checkpoint("tiny-k25-dsv32"), e)
     assert torch.equal(_dequant_by_the_doc(tensors[e + "_packed"], tensors[e + "_scale"]), qdq(src, "int4"))
 
 
@@ -83,7 +83,7 @@ def _source_tensor(root, name):
 
 
 def test_plan_counts_int4_bytes(checkpoint):
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     got = {}
     for q in ("none", "int4"):
         r = run_cli("plan", src, "--tp", 2, "--quant", q, "--json", check=True)
@@ -94,6 +94,6 @@ def test_plan_counts_int4_bytes(checkpoint):
 
 
 def test_bad_group_size(checkpoint, tmp_path):
-    proc = run_cli("shard", checkpoint("tiny-k3"), tmp_path / "o", "--tp", 2, "--quant", "int4", "--group-size", 96)
+    proc = run_cli("shard", checkpoint("tiny-k25-dsv32"), tmp_path / "o", "--tp", 2, "--quant", "int4", "--group-size", 96)
     assert_one_line_error(proc, "groups of 96")
     assert not (tmp_path / "o" / "kconvert.json").exists()

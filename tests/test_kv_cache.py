@@ -1,4 +1,4 @@
-"""The paged / quantized / tiered KV cache (engine/cache.py, kv_format.py, kv_tier.py): pages taken and
+"""The paged / quantized / tiered KV cache (engine/cache/latent.py, kv_format.py, kv_tier.py): pages taken and
 returned, ragged batches equal per-sequence runs, bf16/fp8 rows round-trip, the host tier changes no
 logit, and the engine's bytes per token are plan's."""
 
@@ -20,8 +20,8 @@ torch.set_num_threads(2)
 def model(checkpoint, tmp_path_factory):
     from engine.model import Model
 
-    out = tmp_path_factory.mktemp("kv") / "tiny-k3"
-    shard(ShardJob(str(checkpoint("tiny-k3")), str(out), tp=1))
+    out = tmp_path_factory.mktemp("kv") / "tiny-k25-dsv32"
+    shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(out), tp=1))
     return Model.from_converted(out, dtype=torch.float32)
 
 
@@ -43,7 +43,7 @@ def _ids(n, seed):
 
 
 def test_pages_taken_on_demand_returned_and_bounded(model):
-    from engine.cache import PAGE, KVCache, KVOptions
+    from engine.cache.latent import PAGE, KVCache, KVOptions
 
     per_token = KVCache(model.cfg, 1, 10, torch.float32).bytes_per_token
     cache = KVCache(model.cfg, 2, 1 << 20, torch.float32, kv=KVOptions(budget=5 * PAGE * per_token))
@@ -65,7 +65,7 @@ def test_pages_taken_on_demand_returned_and_bounded(model):
 @pytest.mark.parametrize("code", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize("width", [200, 256])  # a partial last tile, and whole tiles (the broadcast decode)
 def test_rows_round_trip(code, width):
-    from engine.kv_format import RowFormat
+    from engine.cache.row_format import RowFormat
     from kconvert.plan.kv_bytes import latent_bytes, row_bytes
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
@@ -94,7 +94,7 @@ def test_rows_round_trip(code, width):
 
 @pytest.mark.parametrize("width", [260, 132, 66, 33])  # rows of 8-, 4-, 2- and 1-byte words
 def test_row_gather_equals_indexing(width):
-    from engine.kv_tier import take_rows
+    from engine.cache.tier import take_rows
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     t = torch.randint(0, 256, (300, width), dtype=torch.uint8, generator=g)
@@ -111,7 +111,7 @@ def _greedy_run(model, cache, ids, steps, seqs=None):
 
 @pytest.mark.parametrize("kv_dtype", [None, "fp8-ds"])
 def test_ragged_batch_equals_per_sequence(model, kv_dtype):
-    from engine.cache import KVOptions
+    from engine.cache.latent import KVOptions
 
     kv = KVOptions(kv_dtype)
     lengths, steps = [5, 70, 23], 2
@@ -132,7 +132,7 @@ def test_ragged_batch_equals_per_sequence(model, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype,path", [(None, "dsa"), ("fp8-ds", "dsa"), ("int8", "dsa"), ("bf16", "dense")])
 def test_host_tier_changes_no_logit(model, kv_dtype, path, request):
-    from engine.cache import PAGE, KVOptions
+    from engine.cache.latent import PAGE, KVOptions
 
     m = request.getfixturevalue("dense") if path == "dense" else model
     ids, steps = _ids(4 * PAGE + 8, 7), 5
@@ -158,7 +158,7 @@ def test_host_tier_changes_no_logit(model, kv_dtype, path, request):
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int8", "fp8-ds"])
 def test_measured_bytes_per_token_equal_plan(model, kv_dtype):
-    from engine.cache import PAGE, KVOptions
+    from engine.cache.latent import PAGE, KVOptions
     from kconvert.plan.kv_bytes import kv_bytes
 
     plan = kv_bytes(model.mc.raw.get("text_config", model.mc.raw), kv_dtype).per_token
@@ -172,7 +172,7 @@ def test_measured_bytes_per_token_equal_plan(model, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "fp8-ds"])
 def test_8bit_kv_logits_close_to_native(model, kv_dtype):
-    from engine.cache import KVOptions
+    from engine.cache.latent import KVOptions
 
     ids = _ids(96, int(torch.randint(0, 1 << 30, ())))
     base = model.forward(ids, model.new_cache(1, 96)).log_softmax(-1)
@@ -184,7 +184,7 @@ def test_8bit_kv_logits_close_to_native(model, kv_dtype):
 def test_tier_reads_equal_flat_reads_under_cache_churn(model):
     """Random row sets read through a tier whose page cache is far smaller than the host side (pages
     evicted and refilled, rows cached partly) return the flat cache's bytes; a repeated read moves nothing."""
-    from engine.cache import PAGE, KVOptions
+    from engine.cache.latent import PAGE, KVOptions
 
     seed = int(torch.randint(0, 1 << 30, ()))
     g = torch.Generator().manual_seed(seed)
@@ -221,7 +221,7 @@ def test_tier_reads_equal_flat_reads_under_cache_churn(model):
 
 def _logical(cache, positions):
     """Logical rows of sequence 0's positions (its page table)."""
-    from engine.cache import PAGE
+    from engine.cache.latent import PAGE
 
     table = torch.tensor(cache.tables[0])
     return table[positions // PAGE] * PAGE + positions % PAGE

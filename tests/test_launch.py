@@ -25,7 +25,7 @@ def conversions(checkpoint, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("launch")
     for tp in (1, 2):
-        shard(ShardJob(str(checkpoint("tiny-k3")), str(root / f"tp{tp}"), tp=tp))
+        shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(root / f"tp{tp}"), tp=tp))
     return root
 
 
@@ -139,7 +139,7 @@ def test_help_documents_the_launcher():
 def test_the_runs_last_line_ends_an_answer_left_mid_line(monkeypatch, capsys):
     """A rank's error arriving while rank 0 streams an answer starts a line of its own, and an answer that
     ended its line gets no blank line before it."""
-    from engine import launch
+    from engine.runtime import launch
 
     monkeypatch.setattr(launch, "_cursor", None)  # restored at teardown: later tests print to a plain stdout
     for ended in (False, True):

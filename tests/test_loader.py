@@ -21,12 +21,12 @@ from kconvert.convert.shard import ShardJob, shard
 
 @pytest.fixture(scope="module")
 def conversions(checkpoint, tmp_path_factory):
-    """(quant, tp) -> converted dir of tiny-k3 (fp8 from the block-FP8 source: the lossless path)."""
+    """(quant, tp) -> converted dir of tiny-k25-dsv32 (fp8 from the block-FP8 source: the lossless path)."""
     base = tmp_path_factory.mktemp("conv")
     out = {}
     for quant in ("none", "fp8", "int8"):
         for tp in (1, 2):
-            src = checkpoint("tiny-k3-fp8" if quant == "fp8" else "tiny-k3")
+            src = checkpoint("tiny-k25-dsv32-fp8" if quant == "fp8" else "tiny-k25-dsv32")
             out[quant, tp] = Path(shard(ShardJob(str(src), str(base / f"{quant}-{tp}"), tp=tp, quant=quant)).out)
     return out
 

@@ -60,9 +60,9 @@ def test_topology_overrides_build_valid_checkpoints(checkpoint):
     assert (v4.model["layers"], v4.model["mtp_layers"]) == (3, 1) and formats["fp4_packed"] == 4 * 8 * 3
     assert formats["block_fp8"] > 0
     with pytest.raises(UsageError, match="topology presets"):
-        build_fixture("tiny-k3", "/nonexistent/x", layers=3)
+        build_fixture("tiny-k25-dsv32", "/nonexistent/x", layers=3)
     with pytest.raises(UsageError, match="topology presets"):  # widen: the same formats, larger tensors
-        build_fixture("tiny-k3", "/nonexistent/x", widen=2)
+        build_fixture("tiny-k25-dsv32", "/nonexistent/x", widen=2)
 
 
 def test_widened_topology_keeps_its_formats(tmp_path):
@@ -112,7 +112,7 @@ import contextlib, io, json, sys
 from cli.main import main
 seen = {{}}
 for args in (["inspect", {str(src)!r}], ["plan", {str(src)!r}, "--tp", "2", "--quant", "fp8"],
-             ["plan", "kimi-k3-3t", "--tp", "8", "--quant", "int4", "--device", "H200"]):
+             ["plan", "k25-dsv32-3t", "--tp", "8", "--quant", "int4", "--device", "H200"]):
     with contextlib.redirect_stdout(io.StringIO()):
         seen[args[0] + str(len(args))] = main(args)
 seen["heavy"] = [m for m in ("torch", "numpy", "safetensors", "transformers") if m in sys.modules]

@@ -35,13 +35,13 @@ def assert_install_line(p: subprocess.CompletedProcess, package: str, extra: str
 
 
 def test_fixture_without_transformers(tmp_path):
-    p = kconvert_without({"transformers"}, "fixture", "tiny-k3", tmp_path / "out")
+    p = kconvert_without({"transformers"}, "fixture", "tiny-k25-dsv32", tmp_path / "out")
     assert_install_line(p, "transformers==", "ref")
     assert not (tmp_path / "out" / "config.json").exists()
 
 
 def test_reference_without_transformers(checkpoint, tmp_path):
-    p = kconvert_without({"transformers"}, "reference", checkpoint("tiny-k3"), "--out", tmp_path / "ref.safetensors")
+    p = kconvert_without({"transformers"}, "reference", checkpoint("tiny-k25-dsv32"), "--out", tmp_path / "ref.safetensors")
     assert_install_line(p, "transformers==", "ref")
     assert not (tmp_path / "ref.safetensors").exists()
 

@@ -16,7 +16,7 @@ def test_wheel_install_finds_manifests(tmp_path):
                     str(wheel)], check=True, capture_output=True)
     probe = ("import kconvert.family.manifest as m, pathlib; d = m.manifests_dir(); "
              "assert str(d).startswith(%r), d; "
-             "print(sorted(p.name for p in d.rglob('*.toml')), (d / 'examples/kimi-k3-3t/config.json').exists())"
+             "print(sorted(p.name for p in d.rglob('*.toml')), (d / 'examples/k25-dsv32-3t/config.json').exists())"
              % str(tmp_path / "site"))
     r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                        env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})

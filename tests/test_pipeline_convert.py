@@ -18,7 +18,7 @@ from test_shard import deepseek_slice
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.dtypes import ITEMSIZE
 
-K3 = "kimi-k3-3t"
+BIG = "k25-dsv32-3t"
 
 
 # ------------------------------------------------------------------ tp x pp conversions of tiny fixtures
@@ -125,12 +125,12 @@ def test_pp1_is_todays_layout(checkpoint, converted):
     from kconvert.convert.shard_plan import plan_items
     from kconvert.source.checkpoint import Checkpoint
 
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     ck = Checkpoint.open(src)
     items = plan_items(ck, Layout.make(2), QuantPolicy("fp8"))
     pipe = plan_pipeline(items, 2, 1, ck.model.text.layer_count)
     assert pipe.items is items and pipe.stage_units == [["globals", "vision", "layer-0000", "layer-0001", "layer-0002"]]
-    one, two = converted("tiny-k3", 2, 1, "fp8"), converted("tiny-k3", 2, 2, "fp8")
+    one, two = converted("tiny-k25-dsv32", 2, 1, "fp8"), converted("tiny-k25-dsv32", 2, 2, "fp8")
     m1, m2 = (read_meta(d) for d in (one, two))
     assert m1["layout"]["pp"] == 1 and m1["layout"]["world_size"] == 2 and len(m1["layout"]["stages"]) == 1
     assert {rec["stage"] for rec in m1["files"].values()} == {0}
@@ -148,7 +148,7 @@ def test_pp1_is_todays_layout(checkpoint, converted):
 def test_a_stage_reads_only_its_own_files(converted, tmp_path):
     from kconvert.load.loader import open_converted
 
-    out = converted("tiny-k3", 2, 2, "fp8")
+    out = converted("tiny-k25-dsv32", 2, 2, "fp8")
     full = json.loads((out / "kconvert.json").read_text())
     for stage in (0, 1):
         lone = tmp_path / f"only-stage-{stage}"
@@ -217,7 +217,7 @@ def test_plan_splits_as_shard_does(checkpoint, converted):
     """plan (headers only) and shard (its work items) feed the same split the same bytes."""
     from kconvert.plan.memory import make_plan
 
-    src, out = checkpoint("tiny-k3"), converted("tiny-k3", 2, 2, "fp8")
+    src, out = checkpoint("tiny-k25-dsv32"), converted("tiny-k25-dsv32", 2, 2, "fp8")
     meta = read_meta(out)
     p = make_plan(str(src), 2, quant="fp8", pp=2, context=1024)
     assert p.pipeline["pp_layers"] == meta["job"]["pp_layers"]
@@ -236,13 +236,13 @@ def test_plan_splits_as_shard_does(checkpoint, converted):
 def test_3t_example_fits_with_balanced_stages(device):
     from kconvert.plan.memory import make_plan
 
-    p = make_plan(K3, 8, quant="fp8", device=device, context=128 * 1024)
+    p = make_plan(BIG, 8, quant="fp8", device=device, context=128 * 1024)
     best = p.pp_search["best"]
     assert best is not None and best["fits"] and best["tp"] <= 8  # tensor parallelism inside a node
     assert best["nodes"] == -(-best["tp"] * best["pp"] // 8) and best["pp"] > 1
     assert best["imbalance"] < 0.10
     # planning that layout directly gives the same stages, each fitting, KV only for its own layers
-    q = make_plan(K3, best["tp"], quant="fp8", device=device, context=128 * 1024, pp=best["pp"])
+    q = make_plan(BIG, best["tp"], quant="fp8", device=device, context=128 * 1024, pp=best["pp"])
     assert q.pipeline["pp_layers"] == best["pp_layers"] and q.memory["fits"]
     kv = q.kv_cache["bytes_per_token_per_layer"] * 128 * 1024
     assert [s["kv_bytes"] for s in q.pipeline["stages"]] == [kv * s["layer_count"] for s in q.pipeline["stages"]]
@@ -253,8 +253,8 @@ def test_3t_example_fits_with_balanced_stages(device):
 def test_plan_pp_cli():
     from kconvert.plan.memory import make_plan
 
-    proc = run_cli("plan", K3, "--tp", 8, "--pp", 3, "--quant", "fp8", "--context", "128k", check=True)
+    proc = run_cli("plan", BIG, "--tp", 8, "--pp", 3, "--quant", "fp8", "--context", "128k", check=True)
     assert "--pp-layers 0-20,21-40,41-60" in proc.stdout and "imbalance" in proc.stdout
     assert "smallest tp x pp that fits on H200" in proc.stdout
     with pytest.raises(UsageError, match="names 2 stages but --pp is 3"):
-        make_plan(K3, 8, quant="fp8", pp=3, pp_layers="0-20,21-40")
+        make_plan(BIG, 8, quant="fp8", pp=3, pp_layers="0-20,21-40")

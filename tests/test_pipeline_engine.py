@@ -3,7 +3,7 @@ logits (as tp 1 does), with and without micro-batched prefill; chat, `load --war
 layer, attribution on another stage) run them; two torchrun "nodes" over the loopback interface run
 tp 2 x pp 2 together; a world that does not match the layout is one line naming the launch to use.
 
-One 4-layer tiny-k3 (the presets have 3 layers: too few for 4 stages) and one conversion per layout,
+One 4-layer tiny-k25-dsv32 (the presets have 3 layers: too few for 4 stages) and one conversion per layout,
 shared by the module. fp32 compute; fresh random prompts every run (the seed is in the failure message)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ LAYOUTS = {"tp1": (1, 1), "tp2-pp2": (2, 2), "tp1-pp4": (1, 4)}
 
 @pytest.fixture(scope="module")
 def src(checkpoint):
-    """tiny-k3 with 4 decoder layers, written by the fixture code from transformers' own model."""
-    return checkpoint("tiny-k3-4l")
+    """tiny-k25-dsv32 with 4 decoder layers, written by the fixture code from transformers' own model."""
+    return checkpoint("tiny-k25-dsv32-4l")
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,9 @@ LENGTH, DECODE = 40, 3
 
 
 def check(out: Path, seed: int, save: Path, chunk: int | str = 16) -> list:
-    """engine.tp_check on `out`: prefill LENGTH tokens (in micro-batches of `chunk`), then DECODE single steps
+    """engine.runtime.tp_check on `out`: prefill LENGTH tokens (in micro-batches of `chunk`), then DECODE single steps
     (chunk "16,0": both, one after the other on the one loaded model, saved as {chunk: logits})."""
-    return ["-m", "engine.tp_check", out, "--seed", seed, "--length", LENGTH, "--decode", DECODE, "--chunk", chunk,
+    return ["-m", "engine.runtime.tp_check", out, "--seed", seed, "--length", LENGTH, "--decode", DECODE, "--chunk", chunk,
             "--save", save]
 
 
@@ -90,7 +90,7 @@ def mean_kld(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("layout", ["tp2-pp2", "tp1-pp4"])
 def test_tp_pp_logits_match_the_reference_as_tp1_does(layout, conv, reference, tmp_path):
-    from engine.tp_check import run
+    from engine.runtime.tp_check import run
 
     seed = int.from_bytes(os.urandom(4), "little")
     tp, pp = LAYOUTS[layout]
@@ -112,7 +112,7 @@ def test_tp_pp_logits_match_the_reference_as_tp1_does(layout, conv, reference, t
 
 def test_two_nodes_over_loopback_run_tp2_pp2(conv, tmp_path):
     """Two torchrun launches, --nnodes 2, 2 ranks each (node 0: stage 0, node 1: stage 1), one rendezvous."""
-    from engine.tp_check import run
+    from engine.runtime.tp_check import run
 
     seed = int.from_bytes(os.urandom(4), "little")
     save, port = tmp_path / "two-nodes.pt", free_port()
@@ -128,7 +128,7 @@ def test_two_nodes_over_loopback_run_tp2_pp2(conv, tmp_path):
 
 
 def test_a_world_that_does_not_match_the_layout_is_one_line(conv):
-    p = subprocess.run([sys.executable, "-m", "engine.tp_check", conv("tp2-pp2"), "--save", "/dev/null"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "engine.runtime.tp_check", conv("tp2-pp2"), "--save", "/dev/null"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     line, = [l for l in p.stderr.splitlines() if l.strip()]

@@ -80,7 +80,7 @@ def test_shard_and_export_count_an_int4_source_by_its_stored_bytes(checkpoint, t
     from kconvert.convert.shard_plan import plan_items
     from kconvert.source.checkpoint import Checkpoint
 
-    ck = Checkpoint.open(checkpoint("tiny-k3-int4"))
+    ck = Checkpoint.open(checkpoint("tiny-k25-dsv32-int4"))
     stored = sum(t.main.nbytes for t in ck.logical.values())
     assert any(t.format == "int4_packed" for t in ck.logical.values())
     for quant in ("none", "int4", "fp8"):

@@ -19,7 +19,7 @@ from kconvert.source.checkpoint import Checkpoint
 
 
 def test_inspect_counts_match_transformers_model(checkpoint):
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     r = run_cli("inspect", src, "--json", check=True)
     s = json.loads(r.stdout)
     assert s["family"] == "kimi_k25"
@@ -41,16 +41,16 @@ def test_inspect_counts_match_transformers_model(checkpoint):
 
 def test_inspect_other_families_and_formats(checkpoint):
     assert json.loads(run_cli("inspect", checkpoint("tiny-dsv32"), "--json", check=True).stdout)["family"] == "deepseek_v32"
-    fp8 = json.loads(run_cli("inspect", checkpoint("tiny-k3-fp8"), "--json", check=True).stdout)
+    fp8 = json.loads(run_cli("inspect", checkpoint("tiny-k25-dsv32-fp8"), "--json", check=True).stdout)
     assert {f["format"] for f in fp8["formats"]} >= {"block_fp8", "plain"}
-    int4 = json.loads(run_cli("inspect", checkpoint("tiny-k3-int4"), "--json", check=True).stdout)
+    int4 = json.loads(run_cli("inspect", checkpoint("tiny-k25-dsv32-int4"), "--json", check=True).stdout)
     assert any(f["format"] == "int4_packed" for f in int4["formats"])
-    bf16 = json.loads(run_cli("inspect", checkpoint("tiny-k3"), "--json", check=True).stdout)
+    bf16 = json.loads(run_cli("inspect", checkpoint("tiny-k25-dsv32"), "--json", check=True).stdout)
     assert fp8["total_params"] == int4["total_params"] == bf16["total_params"]
 
 
 def test_block_fp8_dequant_matches_independent_computation(checkpoint):
-    src = checkpoint("tiny-k3-fp8")
+    src = checkpoint("tiny-k25-dsv32-fp8")
     ck = Checkpoint.open(src)
     raw = load_source(src)
     names = [n for n, t in ck.logical.items() if t.format == "block_fp8"]
@@ -73,7 +73,7 @@ def test_block_fp8_dequant_matches_independent_computation(checkpoint):
 def test_int4_unpack_matches_compressed_tensors(checkpoint):
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    src = checkpoint("tiny-k3-int4")
+    src = checkpoint("tiny-k25-dsv32-int4")
     ck = Checkpoint.open(src)
     raw = load_source(src)
     names = [n for n, t in ck.logical.items() if t.format == "int4_packed"]
@@ -89,7 +89,7 @@ def test_int4_unpack_matches_compressed_tensors(checkpoint):
 
 
 def test_reads_are_lazy(checkpoint, monkeypatch):
-    ck = Checkpoint.open(checkpoint("tiny-k3"))
+    ck = Checkpoint.open(checkpoint("tiny-k25-dsv32"))
     seen = []
     real = safetensors_file.map_range
     monkeypatch.setattr(safetensors_file, "map_range", lambda p, b, n, **k: seen.append(n) or real(p, b, n, **k))
@@ -100,12 +100,12 @@ def test_reads_are_lazy(checkpoint, monkeypatch):
 
 def test_hub_repo_id_from_cache_and_offline_errors(checkpoint, tmp_path):
     cache = tmp_path / "hub"
-    snap = cache / "models--kimi--tiny-k3" / "snapshots" / ("a" * 40)
-    shutil.copytree(checkpoint("tiny-k3"), snap)
-    (cache / "models--kimi--tiny-k3" / "refs").mkdir()
-    (cache / "models--kimi--tiny-k3" / "refs" / "main").write_text("a" * 40)
+    snap = cache / "models--kimi--tiny-k25-dsv32" / "snapshots" / ("a" * 40)
+    shutil.copytree(checkpoint("tiny-k25-dsv32"), snap)
+    (cache / "models--kimi--tiny-k25-dsv32" / "refs").mkdir()
+    (cache / "models--kimi--tiny-k25-dsv32" / "refs" / "main").write_text("a" * 40)
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
-    r = run_cli("inspect", "kimi/tiny-k3", "--json", env=env, check=True)
+    r = run_cli("inspect", "kimi/tiny-k25-dsv32", "--json", env=env, check=True)
     assert json.loads(r.stdout)["family"] == "kimi_k25"
     assert_one_line_error(run_cli("inspect", "kimi/not-cached", env=env), "kimi/not-cached", "HF_HUB_OFFLINE")
 
@@ -129,13 +129,13 @@ Q_B = "language_model.model.layers.1.self_attn.q_b_proj.weight"
 
 
 def test_missing_config(checkpoint, copy_checkpoint):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     (src / "config.json").unlink()
     assert_one_line_error(run_cli("inspect", src), "config.json")
 
 
 def test_index_names_missing_file(checkpoint, copy_checkpoint):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     f = _file_of(src, Q_B)
     f.unlink()
     assert_one_line_error(run_cli("inspect", src), f.name)
@@ -143,7 +143,7 @@ def test_index_names_missing_file(checkpoint, copy_checkpoint):
 
 @pytest.mark.parametrize("bad", ["../escape.safetensors", "/etc/passwd"])
 def test_index_with_unsafe_path(checkpoint, copy_checkpoint, bad):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     index = _index(src)
     index["weight_map"][Q_B] = bad
     _write_index(src, index)
@@ -152,7 +152,7 @@ def test_index_with_unsafe_path(checkpoint, copy_checkpoint, bad):
 
 @pytest.mark.parametrize("bad", [["x.safetensors"], 7, None, ""])
 def test_index_file_name_not_a_string(checkpoint, copy_checkpoint, bad):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     index = _index(src)
     index["weight_map"][Q_B] = bad
     _write_index(src, index)
@@ -163,7 +163,7 @@ def test_index_file_name_not_a_string(checkpoint, copy_checkpoint, bad):
 @pytest.mark.parametrize("damage", ["moved", "extra", "twice"])
 def test_index_and_headers_disagree(checkpoint, copy_checkpoint, damage):
     """Every tensor where the index says, once, and the index naming no other: the first that is not, named."""
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     index = _index(src)
     a = index["weight_map"][Q_B]
     b = next(f for f in sorted(set(index["weight_map"].values())) if f != a)
@@ -188,14 +188,14 @@ def test_index_and_headers_disagree(checkpoint, copy_checkpoint, damage):
 
 
 def test_truncated_file(checkpoint, copy_checkpoint):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     f = _file_of(src, Q_B)
     f.write_bytes(f.read_bytes()[:-100])
     assert_one_line_error(run_cli("inspect", src), f.name, "truncated")
 
 
 def test_header_not_json(checkpoint, copy_checkpoint):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     f = _file_of(src, Q_B)
     data = bytearray(f.read_bytes())
     data[8] = ord("#")
@@ -204,7 +204,7 @@ def test_header_not_json(checkpoint, copy_checkpoint):
 
 
 def test_offsets_past_file(checkpoint, copy_checkpoint):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     f = _file_of(src, Q_B)
     start, header = header_offsets(f)
     data = f.read_bytes()
@@ -217,7 +217,7 @@ def test_offsets_past_file(checkpoint, copy_checkpoint):
 
 
 def test_shape_disagrees_with_config(checkpoint, copy_checkpoint):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     cfg = json.loads((src / "config.json").read_text())
     cfg["text_config"]["q_lora_rank"] += 8
     (src / "config.json").write_text(json.dumps(cfg))
@@ -241,7 +241,7 @@ def _rename_tensor(src: Path, old: str, new: str) -> Path:
 
 
 def test_unknown_tensor(checkpoint, copy_checkpoint):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     unknown = "language_model.model.layers.1.self_attn.q_c_proj.weight"
     f = _rename_tensor(src, Q_B, unknown)
     assert_one_line_error(run_cli("inspect", src), f.name, unknown, "not known")

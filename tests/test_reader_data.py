@@ -44,7 +44,7 @@ def _two_same_size(header: dict) -> tuple[str, str]:
 @pytest.mark.parametrize("damage,needle", [("alias", "overlap"), ("overlap", "overlap"), ("gap", "gap"),
                                            ("trailing", "after the last tensor")])
 def test_offsets_must_tile_the_data_region(checkpoint, copy_checkpoint, damage, needle):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     f = _file_of(src, Q_B)
     if damage == "trailing":
         with open(f, "ab") as out:
@@ -202,13 +202,13 @@ def _bytes_of(value: float, dtype: torch.dtype) -> bytes:
 
 
 @pytest.mark.parametrize("preset,tensor,value_bytes", [
-    ("tiny-k3", "language_model.model.norm.weight", _bytes_of(float("nan"), torch.bfloat16)),
-    ("tiny-k3", "language_model.lm_head.weight", _bytes_of(float("-inf"), torch.bfloat16)),
-    ("tiny-k3", "language_model.model.layers.1.mlp.gate.e_score_correction_bias", _bytes_of(float("inf"), torch.float32)),
-    ("tiny-k3-fp8", "language_model.model.layers.1.self_attn.q_b_proj.weight_scale_inv",
+    ("tiny-k25-dsv32", "language_model.model.norm.weight", _bytes_of(float("nan"), torch.bfloat16)),
+    ("tiny-k25-dsv32", "language_model.lm_head.weight", _bytes_of(float("-inf"), torch.bfloat16)),
+    ("tiny-k25-dsv32", "language_model.model.layers.1.mlp.gate.e_score_correction_bias", _bytes_of(float("inf"), torch.float32)),
+    ("tiny-k25-dsv32-fp8", "language_model.model.layers.1.self_attn.q_b_proj.weight_scale_inv",
      _bytes_of(float("nan"), torch.float32)),
-    ("tiny-k3-fp8", "language_model.model.layers.1.self_attn.q_b_proj.weight", b"\x7f"),  # e4m3fn NaN
-    ("tiny-k3-int4", "language_model.model.layers.1.mlp.experts.3.down_proj.weight_scale",
+    ("tiny-k25-dsv32-fp8", "language_model.model.layers.1.self_attn.q_b_proj.weight", b"\x7f"),  # e4m3fn NaN
+    ("tiny-k25-dsv32-int4", "language_model.model.layers.1.mlp.experts.3.down_proj.weight_scale",
      _bytes_of(float("inf"), torch.bfloat16)),
 ])
 def test_non_finite_source_values_refused_on_read(checkpoint, copy_checkpoint, preset, tensor, value_bytes):

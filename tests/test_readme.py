@@ -35,7 +35,7 @@ PROGRAMS = {"kconvert": [sys.executable, "-m", "cli.main"], "torchrun": [sys.exe
             "python": [sys.executable]}
 
 # presets whose `kconvert fixture` line is satisfied from the session's cache (training one takes minutes)
-LINKED_FIXTURES = ("tiny-k3-trained",)
+LINKED_FIXTURES = ("tiny-k25-dsv32-trained",)
 
 
 def needs_hub(argv: list[str]) -> bool:
@@ -76,7 +76,7 @@ def prepared(line: str) -> tuple[list[str] | None, str | None]:
     return argv, None
 
 
-# kconvert lines that run as processes: engine.launch makes the process that starts the ranks rank 0 (its
+# kconvert lines that run as processes: engine.runtime.launch makes the process that starts the ranks rank 0 (its
 # environment says so), which this test process must not become
 OWN_PROCESS = (r"\bload\b.*--warmup",)
 
@@ -105,7 +105,7 @@ def workdir(checkpoint, tmp_path_factory):
     from kconvert.verify.prompts import synthetic_image
 
     d = tmp_path_factory.mktemp("readme")
-    (d / "tiny-k3-fp8").symlink_to(checkpoint("tiny-k3-fp8"))
+    (d / "tiny-k25-dsv32-fp8").symlink_to(checkpoint("tiny-k25-dsv32-fp8"))
     for line in LINES:  # fixtures the session has built already are linked, not rebuilt (same preset and seed:
         argv = shlex.split(line, comments=True)  # the same bytes; tests/test_fixtures.py runs the command itself)
         if argv[:2] == ["kconvert", "fixture"] and argv[2] in LINKED_FIXTURES:

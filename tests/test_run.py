@@ -128,8 +128,8 @@ def test_the_bar_counts_a_file_when_it_is_durable(checkpoint, tmp_path):
     from kconvert.convert.export import ExportJob, export
     from kconvert.convert.shard import ShardJob, shard
 
-    for run in (lambda cb: shard(ShardJob(str(checkpoint("tiny-k3")), str(tmp_path / "s"), tp=2), progress=cb),
-                lambda cb: export(ExportJob(str(checkpoint("tiny-k3")), str(tmp_path / "e"), "fp8-block",
+    for run in (lambda cb: shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(tmp_path / "s"), tp=2), progress=cb),
+                lambda cb: export(ExportJob(str(checkpoint("tiny-k25-dsv32")), str(tmp_path / "e"), "fp8-block",
                                             max_shard_bytes=4_000_000), progress=cb)):
         events = []
         result = run(lambda event, **kw: events.append((event, kw)))

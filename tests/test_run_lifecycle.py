@@ -83,12 +83,12 @@ def tp2(checkpoint, tmp_path_factory):
     from kconvert.convert.shard import ShardJob, shard
 
     out = tmp_path_factory.mktemp("lifecycle") / "tp2"
-    shard(ShardJob(str(checkpoint("tiny-k3")), str(out), tp=2))
+    shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(out), tp=2))
     return out
 
 
 def test_wrong_nproc_starts_nothing(tp2):
-    from engine import chat
+    from engine.chat import session as chat
 
     before = set(os.listdir("/proc"))
     assert chat.main([str(tp2), "--nproc", "8", "--prompt", "hi"]) == 2

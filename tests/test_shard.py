@@ -65,7 +65,7 @@ def expand_blocks(scale: torch.Tensor, shape, block=128) -> torch.Tensor:
 
 @pytest.mark.parametrize("quant,scale_format", [("fp8", "fp32"), ("fp8", "ue8m0"), ("int8", "fp32")])
 def test_quantized_round_trip_error_bounds(checkpoint, tmp_path, quant, scale_format):
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     out = tmp_path / quant
     run_cli("shard", src, out, "--tp", 2, "--quant", quant, "--scale-format", scale_format, check=True)
     source = load_source(src)
@@ -110,7 +110,7 @@ def test_quantized_round_trip_error_bounds(checkpoint, tmp_path, quant, scale_fo
 
 
 def test_fp8_source_passthrough_is_lossless(checkpoint, tmp_path):
-    src = checkpoint("tiny-k3-fp8")
+    src = checkpoint("tiny-k25-dsv32-fp8")
     out = tmp_path / "fp8"
     run_cli("shard", src, out, "--tp", 2, "--quant", "fp8", check=True)
     source = load_source(src)
@@ -133,7 +133,7 @@ def test_fp8_source_passthrough_is_lossless(checkpoint, tmp_path):
 
 
 def test_int4_source_is_dequantized_then_requantized(checkpoint, tmp_path):
-    src = checkpoint("tiny-k3-int4")
+    src = checkpoint("tiny-k25-dsv32-int4")
     out = tmp_path / "int8"
     run_cli("shard", src, out, "--tp", 2, "--quant", "int8", check=True)
     meta = read_meta(out)
@@ -168,7 +168,7 @@ def test_resume_after_sigkill_is_byte_identical(checkpoint, tmp_path):
 
 
 def test_torchrun_two_processes_match_one(checkpoint, tmp_path):
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     one, two = tmp_path / "one", tmp_path / "two"
     alone = json.loads(run_cli("shard", src, one, "--tp", 2, "--quant", "int8", "--json", check=True).stdout)
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -184,7 +184,7 @@ def test_torchrun_two_processes_match_one(checkpoint, tmp_path):
 
 def test_verify_files_names_damaged_file_and_tensor(checkpoint, tmp_path):
     out = tmp_path / "o"
-    run_cli("shard", checkpoint("tiny-k3"), out, "--tp", 2, check=True)
+    run_cli("shard", checkpoint("tiny-k25-dsv32"), out, "--tp", 2, check=True)
     assert run_cli("verify-files", out).returncode == 0
     meta = read_meta(out)
     target = next(t for t in meta["tensors"] if t["name"].endswith("kv_b_proj.weight") and t["rank"] == 1)
@@ -204,7 +204,7 @@ def test_verify_files_names_damaged_file_and_tensor(checkpoint, tmp_path):
 
 def test_bad_inputs(checkpoint, tmp_path, copy_checkpoint):
     """Through the CLI's entry point in this process (cli_here): no interpreter start per case."""
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     assert_one_line_error(cli_here("shard", src, tmp_path / "a", "--tp", 8), "4 attention heads", "1, 2, 4")
     assert not (tmp_path / "a").exists()
     r = cli_here("shard", src, tmp_path / "b", "--tp", 2, "--quant", "int3")
@@ -222,7 +222,7 @@ def test_bad_inputs(checkpoint, tmp_path, copy_checkpoint):
 
 
 def test_nan_in_source_refuses_to_quantize(checkpoint, copy_checkpoint, tmp_path):
-    src = copy_checkpoint(checkpoint("tiny-k3"))
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32"))
     index = json.loads((src / "model.safetensors.index.json").read_text())
     name = "language_model.model.layers.1.self_attn.o_proj.weight"
     from helpers import header_offsets

@@ -21,10 +21,10 @@ def _outputs(items: dict) -> dict:
 
 
 CASES = [  # (preset, fixture options, tp, ep, --quant, --requantize, keep MTP layers)
-    ("tiny-k3", {}, 2, None, "fp8", False, False),
-    ("tiny-k3-fp8", {}, 2, None, "fp8", False, False),  # lossless block copies
-    ("tiny-k3-fp8", {}, 4, None, "fp8", True, False),  # some slices cut inside a block: requantized
-    ("tiny-k3-int4", {}, 2, 1, "int8", False, False),  # every expert split over the ranks
+    ("tiny-k25-dsv32", {}, 2, None, "fp8", False, False),
+    ("tiny-k25-dsv32-fp8", {}, 2, None, "fp8", False, False),  # lossless block copies
+    ("tiny-k25-dsv32-fp8", {}, 4, None, "fp8", True, False),  # some slices cut inside a block: requantized
+    ("tiny-k25-dsv32-int4", {}, 2, 1, "int8", False, False),  # every expert split over the ranks
     ("tiny-dsv32", {}, 2, None, "int4", False, True),
     ("tiny-dsv4-flash", {}, 2, None, "fp8", True, False),
     ("tiny-dsv4-flash", {}, 2, 1, "none", False, True),
@@ -47,7 +47,7 @@ def test_bucket_plan_is_the_name_plan(checkpoint, preset, kw, tp, ep, quant, req
     assert made and all(o.specs() == _specs(o.src, o.transform, o.shape, o.src_dtype, o.options) for o in outputs)
 
 
-@pytest.mark.parametrize("preset,tp,ep", [("tiny-k3-fp8", 4, None), ("tiny-dsv4-flash", 2, 1)])
+@pytest.mark.parametrize("preset,tp,ep", [("tiny-k25-dsv32-fp8", 4, None), ("tiny-dsv4-flash", 2, 1)])
 def test_a_bucket_the_plan_declines_is_refused_as_name_by_name(checkpoint, preset, tp, ep):
     """Slices cut inside a scale block (no --requantize): the bucket plan declines, and the refusal counts every
     such tensor and names the one a walk in stored order meets first."""

@@ -17,7 +17,7 @@ from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.tensor_groups import check_tensor
 
 PRESETS = [("topo-k25", {"layers": 3, "experts": 8}), ("topo-dsv4-pro", {"layers": 3, "experts": 8}),
-           ("tiny-k3-fp8", {}), ("tiny-dsv4-flash", {}), ("tiny-k3v4", {})]
+           ("tiny-k25-dsv32-fp8", {}), ("tiny-dsv4-flash", {}), ("tiny-k25-dsv4", {})]
 
 
 def _reopened(ck: Checkpoint, stored: dict) -> Checkpoint:
@@ -170,7 +170,7 @@ def test_rules_outside_may_overlap_generate_names_no_other_group_does():
                 seen.setdefault(n, []).append(rule)
         shared = [rules for rules in seen.values() if len(rules) > 1]
         assert all(id(r) in overlapping for rules in shared for r in rules), config.parent.name
-        assert overlapping, config.parent.name  # the examples do share keys (V4's two gates, K3's projector)
+        assert overlapping, config.parent.name  # the examples do share keys (V4's two gates, Kimi's projector)
 
 
 def test_rules_read_back_alike_are_classified_as_generated():

@@ -13,7 +13,7 @@ from kconvert.verify.prompts import HELD_OUT_FILES, heldout_prompts, stdlib_text
 
 
 def test_trained_fixture_learned_and_records_how(checkpoint):
-    src = checkpoint("tiny-k3-trained")
+    src = checkpoint("tiny-k25-dsv32-trained")
     rec = json.loads((src / "kconvert_training.json").read_text())
     assert rec["loss_first"] > 9 and rec["loss_last10_mean"] < rec["loss_first"] - 4, rec
     cfg = json.loads((src / "config.json").read_text())
@@ -22,7 +22,7 @@ def test_trained_fixture_learned_and_records_how(checkpoint):
 
 
 def test_both_trained_presets_share_the_text_model(checkpoint):
-    k3 = load_source(checkpoint("tiny-k3-trained"))
+    k3 = load_source(checkpoint("tiny-k25-dsv32-trained"))
     ds = load_source(checkpoint("tiny-dsv32-trained"))
     plain = load_source(checkpoint("tiny-dsv32"))
     name = "model.layers.1.self_attn.q_b_proj.weight"
@@ -60,21 +60,21 @@ def test_training_is_reproducible(monkeypatch):
 
 
 def test_fixture_cli_writes_the_trained_preset(checkpoint, tmp_path):
-    """`kconvert fixture tiny-k3-trained OUT` through the CLI's entry point, in this process so the training
+    """`kconvert fixture tiny-k25-dsv32-trained OUT` through the CLI's entry point, in this process so the training
     the session already did is reused (trained.trained_text_state caches it in-process; a new process would
     train again, ~2 minutes): it reports the training and writes the session's checkpoint byte for byte."""
-    built = checkpoint("tiny-k3-trained")
-    out = tmp_path / "tk3"
-    r = cli_here("fixture", "tiny-k3-trained", out)
+    built = checkpoint("tiny-k25-dsv32-trained")
+    out = tmp_path / "tk25"
+    r = cli_here("fixture", "tiny-k25-dsv32-trained", out)
     rec = json.loads((built / "kconvert_training.json").read_text())
     assert r.returncode == 0 and f"trained {rec['steps']} steps: loss {rec['loss_first']:.2f} ->" in r.stdout, r
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in built.iterdir())
     for f in built.iterdir():
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
-    assert [p.name for p in tmp_path.iterdir()] == ["tk3"]  # no partial directory left beside it
+    assert [p.name for p in tmp_path.iterdir()] == ["tk25"]  # no partial directory left beside it
 
 
 def test_fixture_cli_reports_training(tmp_path):
-    r = cli_here("fixture", "tiny-k3-trained", tmp_path / "x", "--seed", "-1")
+    r = cli_here("fixture", "tiny-k25-dsv32-trained", tmp_path / "x", "--seed", "-1")
     assert r.returncode == 2 and "seed" in r.stderr and not (tmp_path / "x").exists()
-    assert "tiny-k3-trained" in cli_here("fixture", "--help").stdout
+    assert "tiny-k25-dsv32-trained" in cli_here("fixture", "--help").stdout

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's long-context cache (engine/v4_cache.py, v4_store.py, v4_format.py): its rows' byte layouts, its
+"""DeepSeek-V4's long-context cache (engine/cache/compressed.py, v4_store.py, v4_format.py): its rows' byte layouts, its
 bytes against plan's exact formula at lengths that are not multiples of the rates, what a long prefill leaves
 behind, and --kv-dtype's logits (chunking changes nothing; 8-bit stays close to the compute-dtype cache)."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.cache import KVOptions
-from engine.v4_format import EntryFormat, key_format
+from engine.cache.latent import KVOptions
+from engine.cache.entry_format import EntryFormat, key_format
 from kconvert.plan.kv_bytes import KV_DTYPES, kv_bytes
 from test_engine_v4 import engine_model_of, ids_of
 from v4_reference import CONFIGS, engine_state, reference, text_config
@@ -117,7 +117,7 @@ def test_kv_dtype_logits(ref, monkeypatch, kv_dtype):
 def test_host_tier_fetches_only_the_chosen_entries(ref, monkeypatch):
     """--kv-device-budget: CSA entries in host memory; a decode step copies exactly index_topk rows per CSA layer
     and sequence, the logits equal the flat cache's bit for bit, and the device part is held to the budget."""
-    from engine.v4_config import CSA
+    from engine.models.deepseek_v4.config import CSA
     from kconvert.errors import EngineError
 
     model = engine_model_of(ref, monkeypatch)
@@ -147,7 +147,7 @@ def test_host_tier_fetches_only_the_chosen_entries(ref, monkeypatch):
 def test_a_long_prefill_runs_in_blocks_of_queries(ref, monkeypatch):
     """Score tensors bounded to a few thousand elements: the prompt runs in blocks of a few queries, with the
     logits of one block (the reference-matched path)."""
-    from engine.v4_attention import V4Attention
+    from engine.models.deepseek_v4.attention import V4Attention
 
     model = engine_model_of(ref, monkeypatch)
     ids = ids_of(ref, 40, seed=int(torch.randint(0, 1 << 30, ())))

@@ -1,4 +1,4 @@
-"""`kconvert verify` end to end on the trained tiny-k3: clean conversions are faithful to their
+"""`kconvert verify` end to end on the trained tiny-k25-dsv32: clean conversions are faithful to their
 fake-quantized reference and within their scheme's budget; damaged ones (consistent checksums, wrong
 numbers) FAIL as "the conversion is wrong" and --per-layer names the damaged layer and tensor; a
 budget that is too tight FAILs as "too lossy"; a flipped byte is an integrity failure before any
@@ -18,7 +18,7 @@ from kconvert.verify import damage
 
 @pytest.fixture(scope="module")
 def src(checkpoint):
-    return checkpoint("tiny-k3-trained")
+    return checkpoint("tiny-k25-dsv32-trained")
 
 
 def kconvert(*args) -> None:

@@ -12,7 +12,7 @@ from kconvert.verify.reference import load_reference
 
 
 def test_reference_full_and_topk(checkpoint, tmp_path):
-    src = checkpoint("tiny-k3")
+    src = checkpoint("tiny-k25-dsv32")
     full, top = tmp_path / "full.safetensors", tmp_path / "top.safetensors"
     run_cli("reference", src, "--out", full, "--hidden-states", check=True)
     run_cli("reference", src, "--out", top, "--top-k", "8", check=True)

@@ -7,7 +7,7 @@ Files are `model-0000K-of-0000N.safetensors` (at most --max-shard-size each), wr
 names and journalled when complete (OUT/.kconvert/), so a re-run resumes; config.json and then
 model.safetensors.index.json are written last: without the index, an unfinished export looks like no
 checkpoint at all (the run's skeleton: run.py). The index's metadata records the job and each file's size
-and CRC-32. Calibrated w4a16 (`calibrate`, as for shard: engine/calibrate.py) quantizes one tensor at a
+and CRC-32. Calibrated w4a16 (`calibrate`, as for shard: engine/calibrate/layerwise.py) quantizes one tensor at a
 time in order, each layer's GPTQ codes computed when its first tensor comes up.
 """
 
@@ -108,7 +108,7 @@ class ExportPolicy:
 def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     """Run `job`. `progress(event, **kw)`: ("start", total=bytes), ("working", n=bytes) as tensors are made,
     ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
-    `calibrate(ck, policy, progress)`: makes the calibration of an int4 format (engine/calibrate.py)."""
+    `calibrate(ck, policy, progress)`: makes the calibration of an int4 format (engine/calibrate/layerwise.py)."""
     run = Run(job.out, progress)
     out = run.out
     ck = Checkpoint.open(job.src)

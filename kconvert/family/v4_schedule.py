@@ -1,5 +1,5 @@
 """DeepSeek-V4's layer schedule as a running model reads it: each decoder layer's attention kind and each
-compressed kind's rate, and which layers route by hash. The engine (engine/v4_config.py) and the planner's
+compressed kind's rate, and which layers route by hash. The engine (engine/models/deepseek_v4/config.py) and the planner's
 KV-cache bytes (kconvert/plan/kv_bytes.py) both read it here.
 
 The attention kind comes from `layer_types` (names, as transformers 5.23 writes them), else the released

@@ -177,7 +177,7 @@ def compressor_state_bytes(rate: int, dim: int, overlap: bool) -> int:
 
 
 def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
-    """DeepSeek-V4's cache as the engine keeps it (engine/v4_cache.py). Per layer of rate m, for a sequence of L
+    """DeepSeek-V4's cache as the engine keeps it (engine/cache/compressed.py). Per layer of rate m, for a sequence of L
     tokens: L // m compressed entries (`v4_entry_bytes`), on CSA layers also L // m indexer keys; every layer
     its last `sliding_window - 1` keys (a ring of K=V rows in the entry's code) and each compressor's state
     (`compressor_state_bytes`): the last two are per sequence, whatever L. `latent_bytes` / `indexer_bytes`
@@ -209,8 +209,8 @@ TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (
 def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int) -> list[dict]:
     """Per KV format: bytes per token, the longest context the device's free bytes hold, and the context
     the host tier reaches: indexer keys of every token + 1/TIER_DEVICE_SHARE of the latent stay on the
-    device, the whole latent is in `host_bytes` of host memory (engine.cache with --kv-device-budget). DeepSeek-V4's
-    host tier (engine/v4_cache.py) keeps the CSA entries in host memory, everything else on the device."""
+    device, the whole latent is in `host_bytes` of host memory (engine.cache.latent with --kv-device-budget). DeepSeek-V4's
+    host tier (engine/cache/compressed.py) keeps the CSA entries in host memory, everything else on the device."""
     out = []
     free = max(free_bytes, 0)
     for dtype in KV_DTYPES:

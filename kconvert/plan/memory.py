@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kconvert import renamed
 from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
 from kconvert.errors import CheckpointError, UsageError
 from kconvert.io.side_files import MAX_CONFIG, read_json
@@ -73,7 +74,7 @@ class Plan:
 def _open(src: str, revision: str | None):
     """(source kind, ModelMap, groups) for SRC."""
     p = Path(src)
-    example = manifests_dir() / "examples" / src / "config.json"
+    example = manifests_dir() / "examples" / renamed.current(renamed.EXAMPLES, src) / "config.json"
     if not p.exists() and "/" not in src and example.is_file():
         p = example
     if p.is_dir() and not ((p / INDEX).exists() or (p / SINGLE).exists()) and (p / "config.json").is_file():

@@ -139,7 +139,7 @@ def synthetic_image(seed: int, width: int, height: int):
 def prompt_patches(prompt: dict, config: dict):
     """(patches [N, 3, p, p], (gh, gw), merge) of an image prompt's synthetic picture, preprocessed by the
     vision config's rules: the one place both the reference and the engine get their pixels from."""
-    from engine.image import ImageRules, preprocess
+    from engine.chat.image import ImageRules, preprocess
 
     vc = config["vision_config"]
     merge = (vc.get("merge_kernel_size") or [2, 2])[0]

@@ -25,8 +25,8 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
     kv: the command line's (--kv-dtype, --kv-budget, --kv-device-budget) texts, read on each rank (a fraction
     is of that rank's free memory); the KV cache every model.new_cache takes, so the KLD includes what KV
     quantization and the host tier add (default: the compute dtype, unbounded)."""
-    from engine.cache import KVOptions
-    from engine.kv_budget import kv_options
+    from engine.cache.latent import KVOptions
+    from engine.cache.budget import kv_options
     from engine.model import Model
     from kconvert.distributed import Group
 

@@ -1,0 +1,1 @@
+"""`python -m engine.chat`: arguments, tokenizer and template, images, streaming text, chat on a source."""

@@ -1,0 +1,107 @@
+"""The Kimi tokenizer (tiktoken.model + tokenizer_config.json) and its chat template, read from the checkpoint.
+
+Every tokenizer file must lie inside the checkpoint directory: a symlink leading out of it is refused, so a
+converted directory cannot make the engine read (and tokenize) an arbitrary file of this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.chat.template import render
+from kconvert.io.paths import contained
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
+from kconvert.errors import CheckpointError, EngineError, TokenizerError
+from kconvert.source.tokenizer import load_kimi_tokenizer
+
+IMAGE_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _inside(d: Path, name: str) -> Path:
+    """d/name, refused when it resolves (through symlinks) outside d: the one path rule, kconvert/io/paths.py."""
+    p = d / name
+    try:
+        return contained(d, name, named_in=p)
+    except CheckpointError:
+        raise TokenizerError(f"is a symlink to {p.resolve()}, outside the checkpoint: refused", file=str(p)) from None
+
+
+class Tokenizer:
+    def __init__(self, model_dir):
+        d = Path(model_dir)
+        paths = {name: _inside(d, name) for name in FILES}
+        if not paths["tiktoken.model"].exists():
+            raise TokenizerError("no tiktoken.model next to the checkpoint", file=str(d))
+        self.enc = load_kimi_tokenizer(d)
+        self.cfg = self._read_config(paths["tokenizer_config.json"])
+        self.specials = dict(self.enc._special_tokens)
+        self.template, self.template_where = self._find_template(paths)
+        self.media_pad = self.specials.get("<|media_pad|>")
+        self.stop_ids = {self.specials[t] for t in ("[EOS]", "<|im_end|>", "[EOT]") if t in self.specials}
+
+    @staticmethod
+    def _read_config(path: Path) -> dict:
+        if not path.exists():
+            return {}
+        cfg = read_json(path, limit=MAX_CONFIG, error=TokenizerError)
+        if not isinstance(cfg, dict):
+            raise TokenizerError("must be a JSON object", file=str(path))
+        return cfg
+
+    def _find_template(self, paths: dict) -> tuple[str | None, str]:
+        """tokenizer_config.json's `chat_template`, else chat_template.jinja (newer releases), else none."""
+        where = f"{paths['tokenizer_config.json']}: chat_template"
+        t = self.cfg.get("chat_template")
+        if isinstance(t, list):  # named templates [{"name", "template"}]: the default one
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        if t is not None and not isinstance(t, str):
+            raise TokenizerError("chat_template must be a string", file=str(paths["tokenizer_config.json"]))
+        if t is None and paths["chat_template.jinja"].exists():
+            p = paths["chat_template.jinja"]
+            t, where = read_text(p, limit=MAX_TEXT, error=TokenizerError), str(p)
+        return t, where
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode_bytes(self, ids, skip_special: bool = True) -> bytes:
+        limit = min(self.specials.values(), default=self.enc.n_vocab) if skip_special else self.enc.n_vocab
+        return self.enc.decode_bytes([int(i) for i in ids if int(i) < limit])
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The checkpoint's chat template (jinja, sandboxed and bounded: engine/chat/template.py) or, without
+        one, Kimi's turn format."""
+        if self.template:
+            context = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": None}
+            for key in ("bos_token", "eos_token"):
+                if isinstance(self.cfg.get(key), str):
+                    context[key] = self.cfg[key]
+            return render(self.template, context, self.template_where)
+        out = []
+        for m in messages:
+            role = m["role"]
+            tag = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(role, "<|im_system|>")
+            content = m["content"]
+            if not isinstance(content, str):
+                content = "".join(IMAGE_PLACEHOLDER if p["type"] in ("image", "image_url") else p.get("text", "")
+                                  for p in content)
+            out.append(f"{tag}{role}<|im_middle|>{content}<|im_end|>")
+        if add_generation_prompt:
+            out.append("<|im_assistant|>assistant<|im_middle|>")
+        return "".join(out)
+
+    def chat_ids(self, messages: list[dict], image_tokens: list[int]) -> list[int]:
+        """Token ids of the conversation, each image's single <|media_pad|> expanded to its token count."""
+        ids = self.encode(self.render(messages))
+        pads = [i for i, t in enumerate(ids) if t == self.media_pad]
+        if len(pads) != len(image_tokens):
+            raise EngineError(f"the prompt holds {len(pads)} image placeholders for {len(image_tokens)} image(s) "
+                              "(a <|media_pad|> typed in the text, or a template that drops images)")
+        out, prev = [], 0
+        for pos, n in zip(pads, image_tokens):
+            out += ids[prev:pos] + [self.media_pad] * n
+            prev = pos + 1
+        return out + ids[prev:]

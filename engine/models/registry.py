@@ -1,0 +1,115 @@
+"""Decoder layer kinds, by name: the one place a model family's layers are chosen.
+
+A family's manifest names its kinds in `[family.engine]` (`block`, `attention`, `dense_mlp`, `moe`; the
+defaults below are DeepSeek-V3/V3.2's); engine/config.py reads them into TextConfig. A family with new
+layers adds their module (an nn.Module whose attribute paths are the stored tensor names, weights declared
+with engine.layers.linear.LinearSlot / engine.layers.slots.slot) and one line in a table here; engine/model.py does not change.
+
+Every kind is constructed as `cls(cfg, layer, par)`: the TextConfig (its `section` holds the config.json
+keys a new kind reads), the decoder layer's index, the process group (tp rank and size). A block is called
+as `forward(x, start, cache_layer, cos, sin, par, ids=None)` (ids: the token ids, for kinds that route by
+them). A block kind's `stack` class says how the residual enters the decoder layers and leaves them, and
+which cache its layers keep (PlainStack below); engine/model.py asks it, never the family."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.deepseek_v3.mla import MLA
+from engine.cache.latent import KVCache
+from engine.config import TextConfig
+from engine.layers.linear import RMSNorm
+from engine.models.deepseek_v4.mhc import MHCBlock, MHCStack
+from engine.models.deepseek_v3.moe import MLP, MoE
+from engine.models.deepseek_v4.attention import V4Attention
+from engine.models.deepseek_v4.moe import V4MoE
+from kconvert.distributed import Group
+from kconvert.errors import EngineError
+
+ATTENTION: dict[str, type[nn.Module]] = {
+    "mla": MLA,  # DeepSeek MLA; with `index_topk` in the config, the DSA lightning indexer too
+    "v4": V4Attention,  # DeepSeek-V4: shared-KV MQA + sliding window + sinks; CSA / HCA compressed branches
+}
+FEED_FORWARD: dict[str, type[nn.Module]] = {
+    "swiglu": MLP,  # the first `first_k_dense_replace` layers
+    "deepseek_moe": MoE,  # sigmoid router + group-limited top-k + shared experts
+    "v4_moe": V4MoE,  # DeepSeek-V4: sqrt(softplus) or hash routing, SwiGLU clamp, shared expert
+}
+
+
+def kind(table: dict, name: str, what: str):
+    if name not in table:
+        raise EngineError(f"the engine has no {what} kind {name!r} (known: {', '.join(sorted(table))})",
+                          file="kconvert.json")
+    return table[name]
+
+
+class PlainStack:
+    """The residual is the hidden state itself, kept in the paged MLA cache (engine/cache/latent.py). A block kind
+    with another residual (several streams, a merge before the final norm) gives its own class, with:
+    `residual_shape` (per token: what pipeline stages send), `enter(x)` (from the embeddings),
+    `make_head()` (a module stored as `model.<head_name>` in the globals unit, or None) and `leave(head, x)`
+    (before the final norm), `new_cache(...)` (the cache of a stage's layers)."""
+
+    head_name: str | None = None
+
+    def __init__(self, cfg: TextConfig):
+        self.residual_shape = (cfg.hidden_size,)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def make_head(self) -> nn.Module | None:
+        return None
+
+    def leave(self, head: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv) -> KVCache:
+        return KVCache(cfg, batch, max_len, dtype, device, reserve, kv)
+
+
+class PreNormDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)): `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`."""
+
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.rms_norm_eps)
+        self.self_attn = kind(ATTENTION, cfg.attention_kind, "attention")(cfg, layer, par)
+        self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps)
+        mlp = cfg.moe_kind if cfg.is_moe(layer) else cfg.dense_mlp_kind
+        self.mlp = kind(FEED_FORWARD, mlp, "feed-forward")(cfg, layer, par)
+
+    stack = PlainStack
+
+    def forward(self, x: torch.Tensor, start: int, cache, cos: torch.Tensor, sin: torch.Tensor, par: Group,
+                ids: torch.Tensor | None = None):
+        x = x + par.all_reduce(self.self_attn.forward(self.input_layernorm(x), start, cache, cos, sin))
+        return x + par.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+
+
+class MHCDecoderLayer(MHCBlock):
+    """DeepSeek-V4's block (engine/models/deepseek_v4/mhc.py) around the attention and MoE kinds the manifest names."""
+
+    stack = MHCStack
+
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+        super().__init__(cfg, kind(ATTENTION, cfg.attention_kind, "attention")(cfg, layer, par),
+                         kind(FEED_FORWARD, cfg.moe_kind, "feed-forward")(cfg, layer, par))
+
+
+BLOCK: dict[str, type[nn.Module]] = {
+    "pre_norm": PreNormDecoderLayer,
+    "mhc": MHCDecoderLayer,  # hc_mult residual streams mixed by hyper-connections (DeepSeek-V4)
+}
+
+
+def block_stack(cfg: TextConfig):
+    """The residual hooks of the family's block kind (PlainStack or the kind's own)."""
+    return kind(BLOCK, cfg.block_kind, "decoder block").stack(cfg)
+
+
+def decoder_layer(cfg: TextConfig, layer: int, par: Group) -> nn.Module:
+    """Layer `layer`'s module, empty (its tensors arrive with its unit)."""
+    return kind(BLOCK, cfg.block_kind, "decoder block")(cfg, layer, par)

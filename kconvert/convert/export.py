@@ -31,7 +31,7 @@ from kconvert.convert.export_formats import (Exported, ignore_list, load, plan_t
 from kconvert.convert.export_table import EXPORT_FORMATS, FORMATS
 from kconvert.convert.quant_policy import source_scale_fmt
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
-from kconvert.convert.run import Run, RunResult, default_workers
+from kconvert.convert.run import ExportFigures, Run, RunResult, default_workers
 
 EXPORT_VERSION = 1
 # Beyond shard's side files: what a serving engine or `trust_remote_code` needs from the release.
@@ -109,7 +109,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     """Run `job`. `progress(event, **kw)`: ("start", total=bytes), ("working", n=bytes) as tensors are made,
     ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
     `calibrate(ck, policy, progress)`: makes the calibration of an int4 format (engine/calibrate/layerwise.py)."""
-    run = Run(job.out, progress)
+    run = Run(job.out, progress, details=ExportFigures(job.format))
     out = run.out
     ck = Checkpoint.open(job.src)
     check_paths(ck, out)
@@ -124,8 +124,9 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
         calibration = calibrate(ck, ExportPolicy(job.format, job.group_size), progress)
         identity["calibration"] = calibration.record
     result = run.result
-    result.details.update(format=job.format, files=len(files), tensors=sum(map(len, files)),
-                          quantized=sum(e.transform not in ("copy", "bf16") for f in files for e in f), workers=0)
+    figures = result.details
+    figures.files, figures.tensors = len(files), sum(map(len, files))
+    figures.quantized = sum(e.transform not in ("copy", "bf16") for f in files for e in f)
     if run.prepare(identity, job.overwrite, marker=INDEX,
                    job_of=lambda meta: (meta.get("metadata") or {}).get("kconvert_job")):
         return result
@@ -136,8 +137,8 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     bytes_of = {name: sum(e.bytes_in for e in f) for name, f in todo}
     result.files_resumed = len(files) - len(todo)
     largest = max((e.bytes_in for f in files for e in f), default=1)
-    workers = result.details["workers"] = 1 if calibration else \
-        job.workers or default_workers(largest, quantized=result.quantized > 0)
+    workers = figures.workers = 1 if calibration else \
+        job.workers or default_workers(largest, quantized=figures.quantized > 0)
     resume_from = _first_layer_after(ck, todo)
     run.start(sum(bytes_of.values()))
     with run.log("done-0000.jsonl", workers) as log:
@@ -150,7 +151,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
                lambda done: _write_index(ck, out, job, names, files, identity, scale_fmt, done))
     result.bytes_out = sum((out / n).stat().st_size for n in names)
     if calibration is not None:
-        result.details["calibration"] = {**calibration.record, "layers": calibration.figures}
+        figures.calibration = {**calibration.record, "layers": calibration.figures}
     return run.done()
 
 
@@ -177,7 +178,7 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
     def make(entry):
         e = entry[2]
         try:
-            if calibration is not None and e.scheme is not None and not e.copy_roles:
+            if calibration is not None and e.scheme is not None and e.copy is None:
                 L = _layer(ck, e.src)
                 codes = calibration.layer(L) if L is not None else {}
                 if e.src in codes:

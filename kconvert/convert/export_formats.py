@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -29,7 +28,8 @@ from kconvert.source.formats import LogicalTensor
 from kconvert.source.stored_parts import read_parts
 from kconvert.convert.quant_policy import selected, source_quant
 from kconvert.quant.registry import get_scheme
-from kconvert.quant.scheme import COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, Options, Scheme, copied_parts, input_bytes
+from kconvert.quant.scheme import (COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, LosslessCopy, Options, Scheme, input_bytes,
+                                  stored_output)
 from kconvert.convert.export_table import EXPORT_FORMATS
 
 
@@ -48,8 +48,7 @@ class Exported:
     scheme_name: str = ""  # quantized or copied: the registry's scheme; "" when kept unquantized
     encoding: str = KCONVERT
     scale_fmt: str = "fp32"
-    copy_roles: tuple[str, ...] = ()  # a lossless copy: the source parts written unchanged
-    recode: Callable[..., list[torch.Tensor]] | None = None  # ... or re-encoded exactly (FP4 experts as FP8)
+    copy: LosslessCopy | None = None  # a lossless copy: the source parts written unchanged or re-encoded exactly
 
     @property
     def scheme(self) -> Scheme | None:
@@ -109,27 +108,20 @@ def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: in
         return Exported(name, transform, shape, t.stored_dtype, group, (), scheme_name, encoding, scale_fmt)
     # a copied pack-quantized source keeps the dtypes it stores its scale and weight_shape in
     tags = tuple(t.parts[role].dtype for role in copy.roles[1:]) if f.encoding == COMPRESSED_TENSORS else ()
-    return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, scheme_name, encoding, scale_fmt,
-                    copy.roles, copy.recode)
+    return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, scheme_name, encoding, scale_fmt, copy)
 
 
 def load(ck: Checkpoint, e: Exported):
     """What `produce` needs: raw stored parts for the bit-exact copies, else the (dequantized) weight."""
     t = ck.logical[e.src]
-    if e.copy_roles:
-        return read_parts(t, e.copy_roles)  # checked as shard checks its copies (NaN/Inf, INT4 weight_shape)
+    if e.copy is not None:
+        return read_parts(t, e.copy.roles)  # checked as shard checks its copies (NaN/Inf, INT4 weight_shape)
     return ck.read(e.src)
 
 
 def produce(e: Exported, x) -> list[torch.Tensor]:
-    """The tensors of `e.specs()`, in that order."""
-    if e.recode is not None or e.copy_roles:  # stored parts as they are, or re-encoded exactly: as shard writes them
-        return copied_parts(x, [tag for _, tag, _ in e.specs()], e.recode, e.src)
-    scheme = e.scheme
-    if scheme is None:
-        return [(x.to(torch.bfloat16) if e.transform == "bf16" else x).contiguous()]
-    # each quantizer refuses NaN/Inf (found from its scales, no extra pass)
-    return scheme.quantize(x, Options(e.scale_fmt, e.group, "amax", e.encoding), e.src)
+    """The tensors of `e.specs()`, in that order (as shard writes them: quant.scheme.stored_output)."""
+    return stored_output(x, [tag for _, tag, _ in e.specs()], e.copy, e.scheme, e.options, e.transform == "bf16", e.src)
 
 
 # --------------------------------------------------------------------------- config.json

@@ -10,15 +10,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from kconvert.errors import CheckpointError, KConvertError, WriteError
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.stored_parts import read_parts
 from kconvert.convert.shard_outputs import Output, WorkItem
 from kconvert.convert.shard_stacks import Pairs, plan_jobs, write_stack
-from kconvert.quant.scheme import copied_parts
+from kconvert.quant.scheme import stored_output
 from kconvert.quant.stacked import NotStackable
 
 
@@ -193,11 +191,5 @@ def _encode(o: Output, codes_scale):
 
 def _produce(o: Output, x):
     specs = o.specs()
-    if o.copy is not None:  # stored parts as they are, or re-encoded exactly (FP4 experts as FP8)
-        yield from zip((name for name, _, _ in specs), copied_parts(x, [tag for _, tag, _ in specs], o.copy.recode, o.src))
-        return
-    scheme = o.scheme
-    if scheme is not None:  # each quantizer refuses NaN/Inf (found from its scales)
-        yield from zip((name for name, _, _ in specs), scheme.quantize(x, o.options, o.src))
-        return
-    yield o.src, (x.to(torch.bfloat16) if o.transform == "bf16" else x).contiguous()
+    return zip((name for name, _, _ in specs), stored_output(x, [tag for _, tag, _ in specs], o.copy, o.scheme,
+                                                             o.options, o.transform == "bf16", o.src))

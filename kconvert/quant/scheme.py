@@ -76,6 +76,23 @@ def copied_parts(parts, tags, recode: Callable[..., list[torch.Tensor]] | None =
     return out
 
 
+def stored_output(x, tags, copy: LosslessCopy | None, scheme: "Scheme | None", options: "Options", kept_as_bf16: bool,
+                  name: str = "") -> list:
+    """What one output stores, the one rule `shard` and `export` share: a lossless copy's parts (or their exact
+    re-encoding, copied_parts), else the scheme's quantized tensors (each quantizer refuses NaN/Inf, found from
+    its scales), else the tensor itself (cast to bf16 where the plan says `bf16`). `tags`: the planned dtype
+    tags of the output's tensors, in order."""
+    if copy is not None:
+        return copied_parts(x, tags, copy.recode, name)
+    if scheme is not None:
+        return scheme.quantize(x, options, name)
+    if kept_as_bf16:
+        import torch
+
+        x = x.to(torch.bfloat16)
+    return [x.contiguous()]
+
+
 class Scheme:
     name: str = ""  # `--quant` value, kconvert.json quantization.scheme and tensors[*].transform
     shard: bool = True  # offered by `kconvert shard` (the loader and engine read it)

@@ -19,11 +19,16 @@ def manifests_dir() -> Path:
 @functools.lru_cache(maxsize=None)
 def read_toml(path: Path) -> dict:
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError("manifest file not found", file=str(path)) from None
-    except tomllib.TOMLDecodeError as e:
+    return _parsed(path, data)
+
+
+def _parsed(path: Path, data: bytes) -> dict:
+    try:
+        return tomllib.loads(data.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"manifest is not valid TOML: {e}", file=str(path)) from None
 
 
@@ -34,9 +39,10 @@ _FAMILY_KEY = re.compile(rb"""(?m)^[ \t]*(\[{1,2}[ \t]*)?["']?family["']?[ \t]*[
 def families() -> tuple[tuple[str, dict], ...]:
     out = []
     for path in sorted(manifests_dir().glob("*.toml")):
-        if not _FAMILY_KEY.search(path.read_bytes()):  # no family key (devices, limits): not parsed to find one
+        data = path.read_bytes()  # read once: searched for a family key, then parsed from the same bytes
+        if not _FAMILY_KEY.search(data):  # no family key (devices, limits): not parsed to find one
             continue
-        spec = read_toml(path)
+        spec = _parsed(path, data)
         if "family" in spec:
             out.append((path.name, spec))
     return tuple(out)

@@ -11,7 +11,6 @@ DeepSeek's whole-expert layout; ep = 1 splits every expert over all ranks (vLLM'
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 from kconvert.errors import UsageError
@@ -82,30 +81,21 @@ def pieces(info: TensorInfo, shape: tuple[int, ...], layout: Layout, n_experts: 
     return [Piece(r, dim, i * step, (i + 1) * step) for i, r in enumerate(ranks)]
 
 
-def check(model: ModelMap, layout: Layout) -> None:
-    """Refuse, with the tp degrees that would work, a layout the model's dims do not divide."""
-    bad = layout_problem(model, layout)
+def check(model: ModelMap, layout: Layout, problem=None) -> None:
+    """Refuse, with the tp degrees that would work, a layout the model's dims do not divide. `problem(layout)`:
+    a caller's memo of layout_problem for this model (the plan's Sizing.problem), else layout_problem itself."""
+    problem = problem or (lambda lay: layout_problem(model, lay))
+    bad = problem(layout)
     if bad:
         # same expert mode at other degrees: whole experts (ep = tp), or the same ep where it divides tp
         candidates = [Layout(t, t if layout.ep == layout.tp else layout.ep) for t in TP_DEGREES]
-        works = [c.tp for c in candidates if c.tp % c.ep == 0 and not layout_problem(model, c)]
+        works = [c.tp for c in candidates if c.tp % c.ep == 0 and not problem(c)]
         raise UsageError(f"--tp {layout.tp} --ep {layout.ep} does not fit this model: {bad}; "
                          f"tp degrees that work: {', '.join(map(str, works)) or 'none'}")
 
 
-_problems: "weakref.WeakKeyDictionary[ModelMap, dict[Layout, str | None]]" = weakref.WeakKeyDictionary()
-
-
 def layout_problem(model: ModelMap, layout: Layout) -> str | None:
-    """Why the model's dims do not divide over `layout`, or None when they do (once per model and layout: plan's
-    tp table and pp search ask of every degree)."""
-    known = _problems.setdefault(model, {})
-    if layout not in known:
-        known[layout] = _layout_problem(model, layout)
-    return known[layout]
-
-
-def _layout_problem(model: ModelMap, layout: Layout) -> str | None:
+    """Why the model's dims do not divide over `layout`, or None when they do."""
     text = model.text
     heads = int(model.text_config.get("num_attention_heads") or 0)
     if heads and heads % layout.tp:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kconvert.convert.layout import Layout
+from kconvert.convert.layout import Layout, layout_problem
+from kconvert.family.manifest import ModelMap
 from kconvert.quant.policy import QuantPolicy
 from kconvert.plan.device_presets import GIB, DevicePreset
 from kconvert.plan.kv_bytes import KVBytes
@@ -53,7 +54,16 @@ class Sizing:
     context: int
     batch: int
     mem_fraction: float
+    model: ModelMap | None = field(default=None, compare=False, repr=False)  # whose dims a layout must divide
     _copies: dict = field(default_factory=dict, compare=False, repr=False)  # Layout -> copies(layout)
+    _problems: dict = field(default_factory=dict, compare=False, repr=False)  # Layout -> problem(layout)
+
+    def problem(self, layout: Layout) -> str | None:
+        """Why the model's dims do not divide over `layout` (convert.layout.layout_problem), once per layout: the
+        plan's check, tp table and pp search ask of every degree."""
+        if layout not in self._problems:
+            self._problems[layout] = layout_problem(self.model, layout)
+        return self._problems[layout]
 
     def copies(self, layout: Layout) -> list[list[int]]:
         """Every group's copy_bytes on `layout`, once: the tp table, the stage split and the pp search ask alike."""

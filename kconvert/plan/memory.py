@@ -38,7 +38,7 @@ from kconvert.plan.fit import MEM_FRACTION, Sizing, default_reserve, fit  # noqa
 from kconvert.plan.kv_bytes import kv_bytes, kv_options
 from kconvert.plan.pipeline import GPUS_PER_NODE, pipeline_fit, search, stage_inputs
 from kconvert.plan.rank_bytes import COMPONENTS, checkpoint_groups, config_groups
-from kconvert.convert.layout import TP_DEGREES, Layout, check, layout_problem
+from kconvert.convert.layout import TP_DEGREES, Layout, check
 from kconvert.family.manifest import ModelMap, manifests_dir
 from kconvert.quant.policy import QuantPolicy
 
@@ -101,7 +101,7 @@ def _tp_table(sz: Sizing, model: ModelMap, layout: Layout, dev: DevicePreset) ->
             row["reason"] = f"--ep {e} does not divide tp {t}"
             continue
         lay = Layout.make(t, e)
-        row["reason"] = layout_problem(model, lay)
+        row["reason"] = sz.problem(lay)
         if row["reason"]:
             continue
         w = max(sum(r.values()) for r in sz.per_rank(lay))
@@ -159,11 +159,11 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
     if quant == AUTO:  # the device preset says which formats its kernels run
         quant, reason = auto_quant(dev, tc, model.config)
     policy = QuantPolicy(quant)
-    check(model, layout)  # the one-line error naming the tp degrees that work
     max_pos = int(tc.get("max_position_embeddings") or 0)
     reserve = int(reserve_gb * GIB) if reserve_gb is not None else default_reserve(int(tc["hidden_size"]))
     sz = Sizing(groups, policy, model.text.expert_count, kv_bytes(tc, kv_dtype), reserve,
-                 context or max_pos or 4096, batch, mem_fraction)
+                 context or max_pos or 4096, batch, mem_fraction, model)
+    check(model, layout, sz.problem)  # the one-line error naming the tp degrees that work
 
     per_rank = sz.per_rank(layout)
     totals = [sum(r.values()) for r in per_rank]

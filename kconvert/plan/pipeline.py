@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kconvert.convert.layout import TP_DEGREES, Layout, layout_problem
+from kconvert.convert.layout import TP_DEGREES, Layout
 from kconvert.convert.stages import FIRST, LAST, edges_of, split_layers
 from kconvert.family.manifest import ModelMap
 from kconvert.plan.device_presets import DevicePreset
@@ -79,7 +79,7 @@ def search(sz: Sizing, model: ModelMap, layout: Layout, dev: DevicePreset, gpus_
         if t % e:
             continue
         lay = Layout(t, e)
-        row["reason"] = layout_problem(model, lay)
+        row["reason"] = sz.problem(lay)
         if row["reason"]:
             continue
         inputs = stage_inputs(sz, model, lay)

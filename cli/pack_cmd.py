@@ -13,11 +13,12 @@ from .params import Whole
 
 
 def _report(r, out: str, as_json: bool) -> None:
-    ratio = f" (ratio {r.bytes_in / r.bytes_out if r.bytes_out else 0.0:.3f})" if r.op == "pack" else ""
+    op = r.details.op
+    ratio = f" (ratio {r.bytes_in / r.bytes_out if r.bytes_out else 0.0:.3f})" if op == "pack" else ""
     print_run(r, str(Path(out)), as_json,
-              f"{r.op}ed {r.files_written} files ({r.files_resumed} resumed, {r.untouched} already {r.op}ed)",
+              f"{op}ed {r.files_written} files ({r.files_resumed} resumed, {r.details.untouched} already {op}ed)",
               [f"{fmt_bytes(r.bytes_in)} plain", f"{fmt_bytes(r.bytes_out)} on disk now{ratio}", rate(r)],
-              nothing=f"every file is already {'compressed' if r.op == 'pack' else 'plain'}")
+              nothing=f"every file is already {'compressed' if op == 'pack' else 'plain'}")
 
 
 @click.command()

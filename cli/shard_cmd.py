@@ -80,10 +80,10 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
     table = Table(title="bytes per rank")
     table.add_column("rank", justify="right")
     table.add_column("bytes", justify="right")
-    for rank, n in sorted(r.per_rank_bytes.items()):
+    for rank, n in sorted(r.details.per_rank_bytes.items()):
         table.add_row(str(rank), fmt_bytes(n))
     print_run(r, out, as_json, f"wrote {r.files_written} files ({r.files_resumed} resumed)", io_facts(r), table=table,
-              how=f" by {r.processes} processes together" if r.details.get("processes", 1) > 1 else "")
+              how=f" by {r.details.processes} processes together" if (r.details.processes or 1) > 1 else "")
 
 
 @click.command("verify-files")

@@ -113,7 +113,7 @@ def test_calibrated_shard_records_its_calibration(calibrated):
     q = Catalog.read(out).doc["quantization"]
     assert q["calibration"]["method"] == "gptq" and q["calibration"]["tokens"] == TOKENS
     assert q["calibration"]["seq"] == SEQ and q["calibration"]["data"] == "stdlib"
-    layers = result.details["calibration"]["layers"]
+    layers = result.details.calibration["layers"]
     assert [f["layer"] for f in layers] == [0, 1, 2] and layers[1]["calibrated"] == 48 + 3
     assert all(0 < f["output_rel_error"] < 0.1 for f in layers[1:]) and layers[0]["output_rel_error"] == 0
 
@@ -141,7 +141,7 @@ def test_sigkilled_calibration_resumes_to_the_same_bytes(calibrated, checkpoint,
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not (out / "kconvert.json").exists()
     r = _shard(checkpoint("tiny-k25-dsv32"), out)
-    assert r.files_resumed > 0 and [f["layer"] for f in r.details["calibration"]["layers"]] in ([1, 2], [2])
+    assert r.files_resumed > 0 and [f["layer"] for f in r.details.calibration["layers"]] in ([1, 2], [2])
     assert _files(out) == _files(calibrated[0])
 
 
@@ -170,7 +170,7 @@ def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tm
     src = checkpoint("tiny-k25-dsv32")
     r = export(ExportJob(str(src), str(tmp_path / "gptq"), "w4a16"),
                calibrate=calibration_factory("stdlib", TOKENS, SEQ, 0, None, ("minmax", "kimi")))
-    assert [f["layer"] for f in r.details["calibration"]["layers"]] == [0, 1, 2]
+    assert [f["layer"] for f in r.details.calibration["layers"]] == [0, 1, 2]
     export(ExportJob(str(src), str(tmp_path / "rtn"), "w4a16"))
     gptq, rtn = load_source(tmp_path / "gptq"), load_source(tmp_path / "rtn")
     index = json.loads((tmp_path / "gptq" / "model.safetensors.index.json").read_text())
@@ -218,7 +218,7 @@ def test_torchrun_splits_the_experts_and_writes_the_bytes_of_one_process(calibra
     assert _files(out) == _files(calibrated[0])
     run = json.loads(proc.stdout)  # rank 0's summary
     assert run["processes"] == 2
-    two, one = run["calibration"]["layers"], calibrated[1].details["calibration"]["layers"]
+    two, one = run["calibration"]["layers"], calibrated[1].details.calibration["layers"]
     # layers 1, 2: rank 0 has experts 0, 2, ..., 14 (8 x 3 weights) and the shared expert's 1st and 3rd linear
     assert [f["codes_computed_here"] for f in two] == [0, 26, 26]
     assert [f["codes_computed_here"] for f in one] == [0, 51, 51]

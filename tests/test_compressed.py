@@ -72,7 +72,7 @@ def test_shard_compress_loads_the_same_tensors_and_unpacks_to_the_plain_conversi
     copy = tmp_path / "z"
     shutil.copytree(z, copy)
     r = unpack(copy)
-    assert r.files == len(mp["files"])
+    assert r.details.files == len(mp["files"])
     same_tree(plain, copy)  # kconvert.json included, byte for byte
 
 
@@ -87,7 +87,7 @@ def test_pack_unpack_in_place_is_byte_identical(convs, tmp_path):
     assert all(rec["stored"]["level"] == 3 for rec in meta["files"].values())
     verify_files(out)
     again = pack(out)
-    assert again.files == 0 and again.untouched == 10
+    assert again.details.files == 0 and again.details.untouched == 10
     for f in meta["files"]:  # a plain safetensors reader refuses a compressed shard rather than misreading it
         with pytest.raises(Exception):
             load_file(out / f)
@@ -113,7 +113,7 @@ def test_pack_resumes_and_the_loader_refuses_a_half_packed_directory(convs, tmp_
     assert_one_line_error(run_cli("load", out), "unfinished `kconvert pack`")
     assert "unfinished `kconvert pack`" in one_line(lambda: unpack(out))
     r = pack(out)
-    assert r.resumed == 2 and r.files == len(files) - 2
+    assert r.details.resumed == 2 and r.details.files == len(files) - 2
     verify_files(out)
     unpack(out)
     same_tree(plain, out)

@@ -191,11 +191,11 @@ def test_interrupted_export_resumes_and_never_looks_complete(checkpoint, tmp_pat
     assert not (out / "model.safetensors.index.json").exists() and not (out / "config.json").exists()
     assert not list(out.glob(".*.tmp-*"))
     r = export(job)
-    assert r.files_resumed >= 1 and r.files_written + r.files_resumed == r.files >= 3
+    assert r.files_resumed >= 1 and r.files_written + r.files_resumed == r.details.files >= 3
     fresh = export(ExportJob(str(src), str(tmp_path / "fresh"), "w8a8-int8", max_shard_bytes=2_000_000))
     for f in sorted(out.glob("model-*.safetensors")):
         assert f.read_bytes() == (tmp_path / "fresh" / f.name).read_bytes(), f.name
-    assert export(job).already_complete and fresh.files == r.files
+    assert export(job).already_complete and fresh.details.files == r.details.files
 
 
 def test_nan_in_source_is_one_line_naming_the_tensor(checkpoint, copy_checkpoint, tmp_path):

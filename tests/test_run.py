@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kconvert.convert.run import Run, RunResult
+from kconvert.convert.run import ExportFigures, PackFigures, Run, RunResult, ShardFigures
 from kconvert.errors import KConvertError
 from kconvert.io.window import ordered_window
 
@@ -79,14 +79,18 @@ def test_stopping_early_waits_for_running_work():
         assert finished == [0, 1]  # waited for (nothing it uses is freed under it); item 2 never ran
 
 
-def test_run_result_json_is_flat_and_details_read_as_attributes():
-    r = RunResult("out", files_written=2, bytes_in=10, details={"per_rank_bytes": {0: 5}, "op": "pack"})
-    assert r.to_json() == {"out": "out", "files_written": 2, "files_resumed": 0, "bytes_in": 10, "bytes_out": 0,
-                           "seconds": 0.0, "peak_rss_bytes": 0, "already_complete": False,
-                           "per_rank_bytes": {0: 5}, "op": "pack"}
-    assert r.per_rank_bytes == {0: 5} and r.op == "pack"
-    with pytest.raises(AttributeError):
-        r.workers
+def test_run_result_json_is_flat_with_each_commands_own_figures():
+    common = {"out": "out", "files_written": 2, "files_resumed": 0, "bytes_in": 10, "bytes_out": 0, "seconds": 0.0,
+              "peak_rss_bytes": 0, "already_complete": False}
+    shard = RunResult("out", files_written=2, bytes_in=10, details=ShardFigures({0: 5}))
+    assert shard.to_json() == {**common, "per_rank_bytes": {0: 5}}  # processes, calibration: None, left out
+    shard.details.processes = 2
+    assert shard.to_json() == {**common, "per_rank_bytes": {0: 5}, "processes": 2}
+    pack = RunResult("out", files_written=2, bytes_in=10, details=PackFigures("pack", untouched=3))
+    assert list(pack.to_json())[len(common):] == ["op", "untouched", "files", "resumed", "plain_bytes", "stored_bytes"]
+    assert pack.details.op == "pack" and pack.to_json()["untouched"] == 3
+    assert list(RunResult("out", details=ExportFigures("w4a16")).to_json())[len(common):] == [
+        "format", "files", "tensors", "quantized", "workers"]
 
 
 def test_a_run_finishes_only_when_every_process_journalled_every_file(tmp_path):

@@ -24,7 +24,7 @@ from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import check_size, file_crc32, first_bad_tensor
 from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE
-from kconvert.convert.run import Run, RunResult
+from kconvert.convert.run import PackFigures, Run, RunResult
 
 LOG = "pack-done.jsonl"
 
@@ -40,7 +40,7 @@ def unpack(out: str | Path, *, threads: int | None = None, progress=None) -> Run
 
 
 def _convert(out: Path, op: str, level: int | None, threads: int | None, progress) -> RunResult:
-    run = Run(out, progress, logs=LOG, op=op, untouched=0)
+    run = Run(out, progress, logs=LOG, details=PackFigures(op))
     result = run.result
     threads = threads or min(8, os.cpu_count() or 1)
     cat = Catalog.read(out)
@@ -62,7 +62,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
                          file=str(out))
     want_stored = op == "pack"
     todo = [rel for rel, rec in cat.files.items() if bool(rec.get("stored")) != want_stored]
-    result.details["untouched"] = len(cat.files) - len(todo)
+    result.details.untouched = len(cat.files) - len(todo)
     if not todo:
         shutil.rmtree(journal, ignore_errors=True)
         result.already_complete = True
@@ -104,8 +104,9 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
 def _pack_names(result: RunResult) -> RunResult:
     """The names `kconvert pack --json` has always printed, beside the common ones: files converted by
     this run, resumed, plain bytes of the files converted and their size afterwards."""
-    result.details.update(files=result.files_written, resumed=result.files_resumed, plain_bytes=result.bytes_in,
-                          stored_bytes=result.bytes_out)
+    figures = result.details
+    figures.files, figures.resumed = result.files_written, result.files_resumed
+    figures.plain_bytes, figures.stored_bytes = result.bytes_in, result.bytes_out
     return result
 
 

@@ -38,9 +38,42 @@ from kconvert.io.gc_pause import frozen_gc
 
 
 @dataclass
+class ShardFigures:
+    """`shard`'s own figures."""
+
+    per_rank_bytes: dict[int, int] = field(default_factory=dict)  # global rank -> bytes it stores
+    processes: int | None = None  # the processes that wrote it together (torchrun); None: nothing was run
+    calibration: dict | None = None  # --calibrate: the calibration's record and its per-layer figures
+
+
+@dataclass
+class ExportFigures:
+    """`export`'s own figures."""
+
+    format: str
+    files: int = 0
+    tensors: int = 0
+    quantized: int = 0  # tensors stored quantized (not copied, not kept in bf16)
+    workers: int = 0
+    calibration: dict | None = None
+
+
+@dataclass
+class PackFigures:
+    """`pack` / `unpack`'s own figures, under the names `kconvert pack --json` has always printed."""
+
+    op: str  # pack | unpack
+    untouched: int = 0  # files already in the wanted form
+    files: int = 0  # converted by this run
+    resumed: int = 0  # converted by an interrupted run
+    plain_bytes: int = 0  # of the files converted
+    stored_bytes: int = 0  # their size afterwards
+
+
+@dataclass
 class RunResult:
-    """What a run did. `details` holds the command's own figures (per-rank bytes, the export format,
-    pack's operation ...); they read as attributes too (`result.per_rank_bytes`)."""
+    """What a run did: the figures every journalled command has, and its own (`details`: ShardFigures,
+    ExportFigures or PackFigures). `--json` prints both as one flat object (a figure that is None left out)."""
 
     out: str
     files_written: int = 0  # by this run
@@ -50,24 +83,19 @@ class RunResult:
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     already_complete: bool = False  # nothing was left to do
-    details: dict = field(default_factory=dict)
-
-    def __getattr__(self, name: str):
-        details = self.__dict__.get("details") or {}
-        if name in details:
-            return details[name]
-        raise AttributeError(name)
+    details: ShardFigures | ExportFigures | PackFigures | None = None
 
     def to_json(self) -> dict:
         doc = asdict(self)
-        details = doc.pop("details")
-        return {**doc, **details}
+        details = doc.pop("details") or {}
+        return {**doc, **{k: v for k, v in details.items() if v is not None}}
 
 
 class Run:
     """One run into `out`: its clock, result, progress events, journal and completion."""
 
-    def __init__(self, out: str | Path, progress=None, *, logs: str = "done-*.jsonl", **details):
+    def __init__(self, out: str | Path, progress=None, *, logs: str = "done-*.jsonl",
+                 details: ShardFigures | ExportFigures | PackFigures | None = None):
         self.t0 = time.perf_counter()
         self.out = Path(path_name(out, "OUT")).resolve()  # a 256-byte name fails at the first write otherwise
         self.progress = progress

@@ -32,7 +32,7 @@ from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
 from kconvert.convert.shard_pipeline import Pipeline, plan_pipeline
 from kconvert.convert.shard_outputs import WorkItem
 from kconvert.convert.shard_plan import plan_items
-from kconvert.convert.run import Run, RunResult, default_workers
+from kconvert.convert.run import Run, RunResult, ShardFigures, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
 from kconvert.io.gc_pause import frozen_gc, keep_to_exit, paused_gc
 from kconvert.io.safetensors_write import commit_all
@@ -77,7 +77,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("working", n=bytes) as tensors are made,
     ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
     `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 job."""
-    run = Run(job.out, progress, per_rank_bytes={})
+    run = Run(job.out, progress, details=ShardFigures())
     out = run.out
     with paused_gc():  # the source's headers frozen before the collector resumes (else its next pass walks them all)
         ck = Checkpoint.open(job.src)
@@ -153,7 +153,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     # under torchrun each process wrote its share: the summary totals every process's
     shares = dist.all_gather_object((result.files_written, result.files_resumed, result.bytes_in))
     result.files_written, result.files_resumed, result.bytes_in = (sum(s[i] for s in shares) for i in range(3))
-    result.details["processes"] = dist.world
+    result.details.processes = dist.world
     cat = None
     if dist.rank == 0:
         with paused_gc():  # the journal's records and every tensor's row: 100k+ each, no cycles
@@ -163,10 +163,11 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     dist.barrier()
     cat = cat or Catalog.read(out)  # the other ranks read what rank 0 wrote
     for rec in cat.files.values():
-        result.per_rank_bytes[rec["rank"]] = result.per_rank_bytes.get(rec["rank"], 0) + Catalog.stored_bytes(rec)
-    result.bytes_out = sum(result.per_rank_bytes.values())
+        per_rank = result.details.per_rank_bytes
+        per_rank[rec["rank"]] = per_rank.get(rec["rank"], 0) + Catalog.stored_bytes(rec)
+    result.bytes_out = sum(result.details.per_rank_bytes.values())
     if calibration is not None:
-        result.details["calibration"] = {**calibration.record, "layers": calibration.figures}
+        result.details.calibration = {**calibration.record, "layers": calibration.figures}
     keep_to_exit(ck, pipe, cat)
     return run.done()
 

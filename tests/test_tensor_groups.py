@@ -173,28 +173,6 @@ def test_rules_outside_may_overlap_generate_names_no_other_group_does():
         assert overlapping, config.parent.name  # the examples do share keys (V4's two gates, Kimi's projector)
 
 
-def test_rules_read_back_alike_are_classified_as_generated():
-    """group_tensors does not classify the groups of rules `read_back_alike` names: every name such a rule generates,
-    classified one by one, is that rule at that layer and expert, on every group of every example config; and the
-    rules it names include the per-expert ones (what the shortcut is for)."""
-    import json
-
-    from kconvert.family.families import manifests_dir
-    from kconvert.family.manifest import bind
-    from kconvert.source.tensor_groups import may_overlap, read_back_alike
-
-    for config in sorted((manifests_dir() / "examples").glob("*/config.json")):
-        model = bind(json.loads(config.read_text()))
-        alike = read_back_alike(model, may_overlap(model))
-        assert any("{E}" in r.pattern for p in model.parts for r in p.rules if id(r) in alike), config.parent.name
-        for rule, layer, _, names in model.expected_groups():
-            if id(rule) in alike:
-                for e, n in enumerate(names):
-                    info = model.classify(n)
-                    assert (info.rule, info.layer, info.expert) == \
-                        (rule, layer, e if "{E}" in rule.pattern else None), (config.parent.name, n)
-
-
 def test_read_back_alike_leaves_out_shared_keys_and_numbers_not_between_dots():
     """A rule sharing its key with another, or with a number not between dots (whose name keys differ from layer to
     layer, so `classify` may not find the rule), is classified a group at a time."""

@@ -29,6 +29,26 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def conversion(checkpoint, tmp_path_factory):
+    """conversion("tiny-k25-dsv32", tp=2, quant="fp8") -> Path of `shard` of that preset with those ShardJob
+    options, converted once per session and shared by every test module that asks for the same one (a family's
+    tests pay for each conversion once). Read-only: a test that damages one copies it first (copy_checkpoint)."""
+    from kconvert.convert.shard import ShardJob, shard
+
+    built: dict[tuple, Path] = {}
+
+    def get(preset: str, **job) -> Path:
+        key = (preset, tuple(sorted(job.items())))
+        if key not in built:
+            name = "-".join([preset] + [f"{k}{v}" for k, v in sorted(job.items())])
+            out = tmp_path_factory.mktemp("conversion") / name
+            built[key] = Path(shard(ShardJob(str(checkpoint(preset)), str(out), **job)).out)
+        return built[key]
+
+    return get
+
+
 @pytest.fixture
 def copy_checkpoint(tmp_path):
     """copy_checkpoint(src) -> a private copy under tmp_path that a test may damage."""

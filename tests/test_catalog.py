@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_line_error, read_meta, rewrite_catalog, run_cli
-from kconvert.convert.shard import ShardJob, shard
 from kconvert.converted.catalog import Catalog, digest_of
 from kconvert.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
-def converted(checkpoint, tmp_path_factory):
-    base = tmp_path_factory.mktemp("catalog")
-    return Path(shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "tp2"), tp=2, quant="int8")).out)
+def converted(conversion):
+    return conversion("tiny-k25-dsv32", tp=2, quant="int8")
 
 
 @pytest.fixture

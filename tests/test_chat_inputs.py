@@ -181,12 +181,8 @@ def test_tokenizer_symlink_leading_out_is_refused(tok_copy, tmp_path):
 
 # ---- end to end: python -m engine.chat -----------------------------------------------------------
 @pytest.fixture(scope="module")
-def converted(checkpoint, tmp_path_factory):
-    from kconvert.convert.shard import ShardJob, shard
-
-    out = tmp_path_factory.mktemp("chatin") / "tiny-k25-dsv32-tp1"
-    shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(out), tp=1))
-    return out
+def converted(conversion):
+    return conversion("tiny-k25-dsv32", tp=1)
 
 
 def chat(*args, stdin=None):

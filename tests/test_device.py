@@ -34,12 +34,12 @@ def standin_on():
 
 
 @pytest.fixture(scope="module")
-def converted(checkpoint, tmp_path_factory):
+def converted(checkpoint, conversion, tmp_path_factory):
     """name -> converted dir: fp8 tp1 (lossless from block-FP8), int8 tp2, none tp1 packed (zstd)."""
     base = tmp_path_factory.mktemp("device")
-    out = {"fp8": shard(ShardJob(str(checkpoint("tiny-k25-dsv32-fp8")), str(base / "fp8"), tp=1, quant="fp8")).out,
-           "int8-tp2": shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "int8"), tp=2, quant="int8")).out,
-           "packed": shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "packed"), tp=1, quant="none")).out}
+    out = {"fp8": conversion("tiny-k25-dsv32-fp8", tp=1, quant="fp8"),
+           "int8-tp2": conversion("tiny-k25-dsv32", tp=2, quant="int8"),
+           "packed": shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "packed"), tp=1, quant="none")).out}  # packed in place: its own
     pack(out["packed"])
     return {k: Path(v) for k, v in out.items()}
 

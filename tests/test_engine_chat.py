@@ -10,14 +10,11 @@ import pytest
 import torch
 
 from helpers import ROOT
-from kconvert.convert.shard import ShardJob, shard
 
 
 @pytest.fixture(scope="module")
-def tiny_converted(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("chat") / "tiny-k25-dsv32-tp1"
-    shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(out), tp=1))
-    return out
+def tiny_converted(conversion):
+    return conversion("tiny-k25-dsv32", tp=1)
 
 
 def chat(*args, stdin=None, timeout=120):

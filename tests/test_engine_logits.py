@@ -12,7 +12,6 @@ import torch
 
 from engine.models.deepseek_v3.dsa_indexer import top_keys
 from engine.layers.linear import BY_TRANSFORM
-from kconvert.convert.shard import ShardJob, shard
 
 TOL = 1e-4  # max |Δ| relative to the reference's max |logit|
 
@@ -65,19 +64,9 @@ def indexer_ties_by_position():
 
 
 @pytest.fixture(scope="module")
-def converted(checkpoint, tmp_path_factory):
-    """converted(preset, tp, quant) -> Path of a conversion (cached for the module)."""
-    done = {}
-
-    def get(preset: str, tp: int = 1, quant: str = "none"):
-        key = (preset, tp, quant)
-        if key not in done:
-            out = tmp_path_factory.mktemp("conv") / f"{preset}-tp{tp}-{quant}"
-            shard(ShardJob(str(checkpoint(preset)), str(out), tp=tp, quant=quant))
-            done[key] = out
-        return done[key]
-
-    return get
+def converted(conversion):
+    """converted(preset, tp, quant) -> Path of a conversion (the session's, conftest.conversion)."""
+    return lambda preset, tp=1, quant="none": conversion(preset, tp=tp, quant=quant)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import torch
 from engine.models import registry as layers
 from engine.layers.linear import BY_TRANSFORM, PlainLinear, StoredLinear
 from engine.model import Model
-from kconvert.convert.shard import ShardJob, shard
 from kconvert.convert.stages import StageSplit
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError
@@ -19,16 +18,8 @@ from kconvert.load.loader import open_converted
 
 
 @pytest.fixture(scope="module")
-def conv(checkpoint, tmp_path_factory):
-    done = {}
-
-    def get(quant: str):
-        if quant not in done:
-            done[quant] = tmp_path_factory.mktemp("conv") / quant
-            shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(done[quant]), tp=1, quant=quant))
-        return done[quant]
-
-    return get
+def conv(conversion):
+    return lambda quant: conversion("tiny-k25-dsv32", tp=1, quant=quant)
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int4"])

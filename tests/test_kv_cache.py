@@ -10,19 +10,16 @@ import math
 import pytest
 import torch
 
-from kconvert.convert.shard import ShardJob, shard
 from kconvert.errors import EngineError
 
 torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="module")
-def model(checkpoint, tmp_path_factory):
+def model(conversion):
     from engine.model import Model
 
-    out = tmp_path_factory.mktemp("kv") / "tiny-k25-dsv32"
-    shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(out), tp=1))
-    return Model.from_converted(out, dtype=torch.float32)
+    return Model.from_converted(conversion("tiny-k25-dsv32", tp=1), dtype=torch.float32)
 
 
 @pytest.fixture

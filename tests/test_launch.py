@@ -20,18 +20,13 @@ PROMPT = ["--prompt", "The quick brown fox", "--max-new-tokens", "6", "--dtype",
 
 
 @pytest.fixture(scope="module")
-def conversions(checkpoint, tmp_path_factory):
-    from kconvert.convert.shard import ShardJob, shard
-
-    root = tmp_path_factory.mktemp("launch")
-    for tp in (1, 2):
-        shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(root / f"tp{tp}"), tp=tp))
-    return root
+def conversions(conversion):
+    return {f"tp{tp}": conversion("tiny-k25-dsv32", tp=tp) for tp in (1, 2)}
 
 
 @pytest.fixture(scope="module")
 def tp1_answer(conversions):
-    one = chat(conversions / "tp1", *PROMPT)
+    one = chat(conversions["tp1"], *PROMPT)
     assert one.returncode == 0, one.stderr
     return answer(one.stdout)
 
@@ -66,15 +61,15 @@ def assert_no_ranks_left(path) -> None:
 
 
 def test_chat_on_tp2_starts_its_ranks_and_matches_tp1(conversions, tp1_answer):
-    two = chat(conversions / "tp2", *PROMPT)
+    two = chat(conversions["tp2"], *PROMPT)
     assert two.returncode == 0 and "6 tokens" in two.stdout and two.stderr == "", two.stderr
     assert answer(two.stdout) == tp1_answer  # greedy, fp32: the two ranks really split the model
-    assert_no_ranks_left(conversions / "tp2")
+    assert_no_ranks_left(conversions["tp2"])
 
 
 def test_a_failing_rank_ends_every_rank_with_one_line(conversions, tmp_path):
     bad = tmp_path / "bad"
-    shutil.copytree(conversions / "tp2", bad)
+    shutil.copytree(conversions["tp2"], bad)
     victim = bad / "rank-001" / "layer-0001.safetensors"
     victim.write_bytes(victim.read_bytes()[:100])  # only rank 1 can notice
     p = chat(bad, *PROMPT)
@@ -87,7 +82,7 @@ def test_a_failing_rank_ends_every_rank_with_one_line(conversions, tmp_path):
 def test_ctrl_c_ends_every_rank(conversions):
     # SIGINT as a terminal leaves it, however the suite was started (a shell's background job ignores SIGINT, and
     # a child inherits that: Python then installs no KeyboardInterrupt handler)
-    p = subprocess.Popen([sys.executable, "-m", "engine.chat", str(conversions / "tp2"), "--max-new-tokens", "3"],
+    p = subprocess.Popen([sys.executable, "-m", "engine.chat", str(conversions["tp2"]), "--max-new-tokens", "3"],
                          cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     p.stdin.write("hello\n")
@@ -100,17 +95,17 @@ def test_ctrl_c_ends_every_rank(conversions):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err.strip() == "interrupted", (p.returncode, err)
     assert (seen + out).endswith("\n"), (seen + out)[-80:]  # the "> " line is ended: "interrupted" is on its own
-    assert_no_ranks_left(conversions / "tp2")
+    assert_no_ranks_left(conversions["tp2"])
 
 
 def test_nproc_that_does_not_match_is_one_line(conversions):
-    p = chat(conversions / "tp2", "--nproc", "1", *PROMPT)
+    p = chat(conversions["tp2"], "--nproc", "1", *PROMPT)
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "kconvert.json" in lines[0] and "tp 2" in lines[0], p.stderr
 
 
 def test_load_warmup_without_rank_runs_every_rank(conversions):
-    p = run_cli("load", conversions / "tp2", "--warmup", "1", "--device", "cpu", "--kv-dtype", "fp8", "--json",
+    p = run_cli("load", conversions["tp2"], "--warmup", "1", "--device", "cpu", "--kv-dtype", "fp8", "--json",
                 timeout=300)
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)
@@ -119,13 +114,13 @@ def test_load_warmup_without_rank_runs_every_rank(conversions):
     assert sec["start_ranks"] > 0 and sec["start_ranks"] > sec["open"], sec
     assert abs(sec["ready"] - (sec["start_ranks"] + sec["open"] + sec["load"] + sec["warmup"])) < 1e-6
     assert report["kv"] == {"dtype": "fp8", "budget": None, "device_budget": None}  # the KV options echoed
-    q = run_cli("load", conversions / "tp2", "--warmup", "1", "--rank", "1", "--device", "cpu")
+    q = run_cli("load", conversions["tp2"], "--warmup", "1", "--rank", "1", "--device", "cpu")
     assert q.returncode == 2 and "drop --rank" in q.stderr and "Traceback" not in q.stderr, q.stderr
 
 
 def test_torchrun_still_works(conversions, tp1_answer):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "engine.chat",
-                        str(conversions / "tp2"), *PROMPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        str(conversions["tp2"]), *PROMPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
     assert answer(p.stdout) == tp1_answer

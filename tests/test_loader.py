@@ -16,19 +16,13 @@ from helpers import assert_one_line_error, run_cli, rewrite_catalog
 from kconvert.load import loader as loader_mod
 from kconvert.errors import LoaderError
 from kconvert.load.loader import open_converted
-from kconvert.convert.shard import ShardJob, shard
 
 
 @pytest.fixture(scope="module")
-def conversions(checkpoint, tmp_path_factory):
+def conversions(conversion):
     """(quant, tp) -> converted dir of tiny-k25-dsv32 (fp8 from the block-FP8 source: the lossless path)."""
-    base = tmp_path_factory.mktemp("conv")
-    out = {}
-    for quant in ("none", "fp8", "int8"):
-        for tp in (1, 2):
-            src = checkpoint("tiny-k25-dsv32-fp8" if quant == "fp8" else "tiny-k25-dsv32")
-            out[quant, tp] = Path(shard(ShardJob(str(src), str(base / f"{quant}-{tp}"), tp=tp, quant=quant)).out)
-    return out
+    return {(quant, tp): conversion("tiny-k25-dsv32-fp8" if quant == "fp8" else "tiny-k25-dsv32", tp=tp, quant=quant)
+            for quant in ("none", "fp8", "int8") for tp in (1, 2)}
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8", "int8"])

@@ -79,12 +79,8 @@ def test_stopped_rank_is_noticed():
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoint, tmp_path_factory):
-    from kconvert.convert.shard import ShardJob, shard
-
-    out = tmp_path_factory.mktemp("lifecycle") / "tp2"
-    shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(out), tp=2))
-    return out
+def tp2(conversion):
+    return conversion("tiny-k25-dsv32", tp=2)
 
 
 def test_wrong_nproc_starts_nothing(tp2):

@@ -1,17 +1,28 @@
-"""The shared ways bench scripts run commands (bench only): `cli` runs `kconvert` as a user does, a fresh process of
-this tree's CLI; `measured` runs any command and reports its own CPU time and peak RSS."""
+"""What the bench scripts share (bench only). Importing it puts this tree first on sys.path, so a script imports it
+before kconvert, engine or cli. `cli` runs `kconvert` as a user does (a fresh process of this tree's CLI:
+`KCONVERT_CMD`), `in_process` in this process; `measured` runs any command and reports its own CPU time and peak
+RSS; `timed_shard` times one `shard`; `fixture` and `conversion` build a bench's inputs into its work folder once."""
 
 from __future__ import annotations
 
+import io
 import json
-import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# This tree's kconvert, engine and cli, not whichever ones the venv installed (a bench may compare two trees): first
+# on sys.path, before a script imports any of them. Scripts run as `python bench/X.py`, so bench/ is on sys.path
+# and `from _cli import ...` works as their first import.
+sys.path.insert(0, str(ROOT))
+
+# `KCONVERT_CMD ARGS` with cwd=ROOT: this tree's CLI in a fresh process (`python -m cli.main`)
+KCONVERT_CMD = [sys.executable, "-m", "cli.main"]
 # `python -c ENTRY ARGS` from a tree's root runs that tree's CLI through the console script's entry point
 ENTRY = "import sys; from cli.main import entry; sys.argv[0] = 'kconvert'; entry()"
 
@@ -38,10 +49,22 @@ def compiled(root: Path = ROOT) -> None:
 
 def cli(*args, check: bool = False) -> subprocess.CompletedProcess:
     """`kconvert ARGS` from this tree, output captured; `check`: exit with its stderr when it fails."""
-    r = subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([*KCONVERT_CMD, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
     if check and r.returncode != 0:
         raise SystemExit(f"kconvert {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stderr}")
     return r
+
+
+def in_process(*args) -> subprocess.CompletedProcess:
+    """`kconvert ARGS` in this process, through cli.main.main (what turns errors into an exit code and a message),
+    its stdout and stderr captured: for a bench that runs hundreds of commands to compare what they produce, not
+    how long they take to start."""
+    from cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([*map(str, args)])
+    return subprocess.CompletedProcess(["kconvert", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def measured(cmd: list, cwd: Path = ROOT, stdout=subprocess.PIPE) -> dict:
@@ -55,3 +78,37 @@ def measured(cmd: list, cwd: Path = ROOT, stdout=subprocess.PIPE) -> dict:
         wall = time.perf_counter() - t
         use = json.loads(report.read() or '{"cpu": 0, "peak_rss": 0}')  # empty: the launcher itself failed
     return {"returncode": proc.returncode, "stdout": proc.stdout or "", "stderr": proc.stderr, "wall": wall, **use}
+
+
+def timed_shard(src: Path, out: Path, *args) -> dict:
+    """`kconvert shard SRC OUT ARGS --json` into a fresh `out`, in its own process as a user runs it: its JSON
+    report plus "wall", the seconds the command took from outside (start-up included). Exits when it fails."""
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    r = cli("shard", src, out, *args, "--json", check=True)
+    return {**json.loads(r.stdout), "wall": time.perf_counter() - t}
+
+
+def fixture(preset: str, path: Path, **kwargs) -> Path:
+    """`preset` built into `path` (build_fixture's keywords: size, seed, layers ...) unless it is there already:
+    benches keep their inputs in a work folder between runs. build_fixture writes into a temporary folder and
+    renames it into place at the end, so a config.json at `path` (every preset writes one) means a complete
+    checkpoint; anything else there (an older, in-place build cut short) is removed and built again."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    from kconvert.fixtures import build_fixture
+
+    return build_fixture(preset, path, **kwargs)
+
+
+def conversion(src: Path, out: Path, tp: int = 1, **options) -> Path:
+    """`src` sharded into `out` in this process (ShardJob's options) unless that conversion is there already: shard
+    writes kconvert.json last, so its presence means complete (without it, shard resumes the run)."""
+    out = Path(out)
+    if not (out / "kconvert.json").exists():
+        from kconvert.convert.shard import ShardJob, shard
+
+        shard(ShardJob(str(src), str(out), tp=tp, **options))
+    return out

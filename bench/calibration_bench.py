@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
-import time
 from pathlib import Path
 
-from _cli import cli  # bench/ is the script's folder: on sys.path
+from _cli import cli, timed_shard  # bench/ is the script's folder: on sys.path
 METHODS = {"round to nearest (amax)": ["--int4-scales", "amax"],
            "clipping search (default)": [],
            "GPTQ (--calibrate stdlib)": ["--calibrate", "stdlib"],
@@ -52,12 +50,8 @@ def main() -> None:
             extra = extra + ["--calibration-tokens", args.tokens, "--calibration-seq", args.seq]
         extra = extra + shlex.split(args.shard_args)
         out = work / f"out-{src.name}-{i}"
-        shutil.rmtree(out, ignore_errors=True)
-        t = time.perf_counter()
-        r = cli("shard", src, out, "--tp", args.tp, "--quant", "int4", *extra, "--json")
-        secs = time.perf_counter() - t
-        assert r.returncode == 0, r.stderr
-        run = json.loads(r.stdout)
+        run = timed_shard(src, out, "--tp", args.tp, "--quant", "int4", *extra)
+        secs = run["wall"]
         r = cli("verify", out, "--reference", ref, "--json")
         rep = json.loads(r.stdout)
         rows.append((label, rep, secs, run))

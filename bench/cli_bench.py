@@ -12,16 +12,17 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _cli import KCONVERT_CMD, ROOT
+
+# each a fresh interpreter run from this tree's root; the kconvert ones are `python -m cli.main ...` (KCONVERT_CMD)
 CASES = (
-    ("python -c pass", ["-c", "pass"]),
-    ("python -c 'import torch'", ["-c", "import torch"]),
-    ("kconvert --help", ["-m", "cli.main", "--help"]),
-    ("kconvert --version", ["-m", "cli.main", "--version"]),
-    ("kconvert shrad (typo)", ["-m", "cli.main", "shrad"]),
-    ("kconvert shard --help", ["-m", "cli.main", "shard", "--help"]),
+    ("python -c pass", [sys.executable, "-c", "pass"]),
+    ("python -c 'import torch'", [sys.executable, "-c", "import torch"]),
+    ("kconvert --help", [*KCONVERT_CMD, "--help"]),
+    ("kconvert --version", [*KCONVERT_CMD, "--version"]),
+    ("kconvert shrad (typo)", [*KCONVERT_CMD, "shrad"]),
+    ("kconvert shard --help", [*KCONVERT_CMD, "shard", "--help"]),
 )
 
 
@@ -31,9 +32,9 @@ def main() -> None:
     a = ap.parse_args()
     times: dict[str, list[float]] = {name: [] for name, _ in CASES}
     for _ in range(a.repeat):
-        for name, args in CASES:
+        for name, cmd in CASES:
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True)
+            subprocess.run(cmd, cwd=ROOT, capture_output=True)
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["python -c pass"])
     print(f"| command | median s ({a.repeat} rounds) | minus python start-up |")

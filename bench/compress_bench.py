@@ -21,7 +21,6 @@ files with posix_fadvise(DONTNEED) (no root needed; the disk still has its own c
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import subprocess
@@ -32,8 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _cli import ROOT, fixture  # first: this tree's kconvert on sys.path
 
 LOAD = """
 import json, sys, time
@@ -118,7 +116,7 @@ def dtype_bytes(files: list[Path]) -> dict[str, tuple[int, np.ndarray]]:
     return {d: (ITEMSIZE[d], np.concatenate(v)) for d, v in acc.items()}
 
 
-def real_sets(path: Path, work: Path) -> dict[str, dict[str, torch.Tensor]]:
+def real_sets(path: Path, work: Path) -> dict[str, dict]:
     import torch
     from safetensors.torch import load
 
@@ -152,18 +150,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     import torch
-    from safetensors.torch import save_file
 
     from cli.units import fmt_bytes
-    from kconvert.fixtures import build_fixture
     from kconvert.convert.pack import pack
     from kconvert.convert.shard import ShardJob, shard
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    src = work / args.preset
-    if not (src / "config.json").exists():
-        build_fixture(args.preset, src)
+    src = fixture(args.preset, work / args.preset)
     print(f"zstandard {__import__('zstandard').__version__}, {os.cpu_count()} cpus; GB/s are of plain bytes, one core")
     rows = []
     convs = {}
@@ -203,9 +197,9 @@ def main() -> None:
     t = time.perf_counter()
     r = pack(z)
     pack_s = time.perf_counter() - t
-    print(f"\npack {args.preset} (bf16, tp 1): {fmt_bytes(r.plain_bytes)} -> {fmt_bytes(r.stored_bytes)} "
-          f"(ratio {r.plain_bytes / r.stored_bytes:.3f}) in {pack_s:.2f} s "
-          f"({r.plain_bytes / pack_s / 1e9:.2f} GB/s, {min(8, os.cpu_count() or 1)} threads)")
+    print(f"\npack {args.preset} (bf16, tp 1): {fmt_bytes(r.details.plain_bytes)} -> {fmt_bytes(r.details.stored_bytes)} "
+          f"(ratio {r.details.plain_bytes / r.details.stored_bytes:.3f}) in {pack_s:.2f} s "
+          f"({r.details.plain_bytes / pack_s / 1e9:.2f} GB/s, {min(8, os.cpu_count() or 1)} threads)")
 
     def evict(d: Path) -> None:
         for f in d.rglob("*.safetensors"):
@@ -226,11 +220,11 @@ def main() -> None:
             times.append(json.loads(p.stdout.strip().splitlines()[-1])["s"])
         return min(times)
 
-    print(f"time-to-ready, kconvert.load.loader to cpu (4 threads), {fmt_bytes(r.plain_bytes)} plain bytes:")
+    print(f"time-to-ready, kconvert.load.loader to cpu (4 threads), {fmt_bytes(r.details.plain_bytes)} plain bytes:")
     for cold in (False, True):
         a, b = ready(plain, cold), ready(z, cold)
-        print(f"  page cache {'evicted' if cold else 'warm   '}: plain {a:.3f} s ({r.plain_bytes / a / 1e9:.2f} GB/s)  "
-              f"compressed {b:.3f} s ({r.plain_bytes / b / 1e9:.2f} GB/s)  compressed/plain {b / a:.2f}x")
+        print(f"  page cache {'evicted' if cold else 'warm   '}: plain {a:.3f} s ({r.details.plain_bytes / a / 1e9:.2f} GB/s)  "
+              f"compressed {b:.3f} s ({r.details.plain_bytes / b / 1e9:.2f} GB/s)  compressed/plain {b / a:.2f}x")
 
 
 if __name__ == "__main__":

@@ -25,11 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from _cli import measured  # noqa: E402
-from cli.units import fmt_bytes, parse_size  # noqa: E402
+from _cli import KCONVERT_CMD, fixture, measured  # first: this tree's kconvert and cli on sys.path
+from cli.units import fmt_bytes, parse_size
 
 
 def timed(cmd: list[str], out: Path) -> dict:
@@ -65,7 +62,6 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    from kconvert.fixtures import build_fixture
     from kconvert.source.checkpoint import Checkpoint
 
     convert_py = Path(args.deepseek) / "convert.py" if args.deepseek else None
@@ -73,13 +69,10 @@ def main() -> None:
         print(f"DeepSeek's convert.py not given or not found ({convert_py}): its column is skipped "
               f"(pass --deepseek PATH/TO/DeepSeek-V3/inference)")
         convert_py = None
-    kc = [sys.executable, "-m", "cli.main"]
+    kc = KCONVERT_CMD  # this tree's CLI, run from its root (measured's cwd)
     results: dict[str, dict[str, dict]] = {}
     for size_text in args.sizes.split(","):
-        src = work / f"scale-{size_text}"
-        if not (src / "model.safetensors.index.json").exists():
-            shutil.rmtree(src, ignore_errors=True)
-            build_fixture("scale", src, size=parse_size(size_text))
+        src = fixture("scale", work / f"scale-{size_text}", size=parse_size(size_text))
         experts = Checkpoint.open(src).config["n_routed_experts"]
         subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)
         out = work / "out"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _cli import conversion, fixture  # first: this tree's kconvert and engine on sys.path
 
 
 def parse_ctx(s: str) -> int:
@@ -71,15 +71,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from engine.model import Model
-    from kconvert.fixtures import build_fixture
-    from kconvert.convert.shard import ShardJob, shard
 
     work = Path(a.work or tempfile.mkdtemp(prefix="decode-bench-"))
-    src, conv = work / a.preset, work / f"{a.preset}-tp1"
-    if not (src / "config.json").exists():
-        build_fixture(a.preset, src)
-    if not (conv / "kconvert.json").exists():
-        shard(ShardJob(str(src), str(conv), tp=1))
+    src = fixture(a.preset, work / a.preset)
+    conv = conversion(src, work / f"{a.preset}-tp1")
     contexts = [parse_ctx(c) for c in a.contexts.split(",")]
     model = Model.from_converted(conv, dtype=torch.float32)
     model.materialize(torch.float32)

@@ -36,8 +36,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/, for _cli also where a test loads this file by path
+from _cli import ROOT, conversion, fixture  # noqa: E402  (first: this tree's kconvert on sys.path)
 
 import torch  # noqa: E402
 
@@ -115,32 +115,23 @@ def h2d(dev, nbytes: int) -> dict:
 
 
 def build(work: Path, scale_size: int, fixtures: list[str], steps: set[str], n_devices: int) -> dict:
-    from kconvert.convert.shard import ShardJob, shard
-    from kconvert.fixtures import build_fixture
     from kconvert.verify.prompts import prompts_for
     from kconvert.verify.reference import run_reference
 
-    def once(path: Path, make):
-        if not (path / ("kconvert.json" if "conv" in path.name else "config.json")).exists():
-            make()
-        return path
-
-    built = {}
-    src = once(work / "scale-src", lambda: build_fixture("scale", work / "scale-src", size=scale_size))
-    built["scale"] = once(work / "scale-conv", lambda: shard(ShardJob(str(src), str(work / "scale-conv"), tp=1,
-                                                                     workers=2)))
+    built = {}  # each built once into `work` (bench/_cli.py): a later run reuses it
+    src = fixture("scale", work / "scale-src", size=scale_size)
+    built["scale"] = conversion(src, work / "scale-conv", workers=2)
     for fx in fixtures:  # bf16 source: verified as converted (none) and quantized (fp8)
-        src = once(work / f"{fx}-src", lambda fx=fx: build_fixture(fx, work / f"{fx}-src"))
+        src = fixture(fx, work / f"{fx}-src")
         for quant in ("none", "fp8") if "verify" in steps else ("none",):
-            built[f"{fx}-{quant}"] = once(work / f"{fx}-{quant}-conv", lambda s=src, d=work / f"{fx}-{quant}-conv",
-                                          q=quant: shard(ShardJob(str(s), str(d), tp=1, quant=q)))
+            built[f"{fx}-{quant}"] = conversion(src, work / f"{fx}-{quant}-conv", quant=quant)
         ref = work / f"{fx}.ref.safetensors"
         if "verify" in steps and not ref.exists():
             run_reference(str(src), ref, prompts_for(json.loads((src / "config.json").read_text())))
         built[f"{fx}-ref"] = ref
     if "tp2" in steps and n_devices >= 2:
-        built["tiny-k25-dsv32-tp2"] = once(work / "tiny-k25-dsv32-tp2-conv", lambda: shard(
-            ShardJob(str(work / "tiny-k25-dsv32-src"), str(work / "tiny-k25-dsv32-tp2-conv"), tp=2, quant="fp8")))
+        built["tiny-k25-dsv32-tp2"] = conversion(work / "tiny-k25-dsv32-src", work / "tiny-k25-dsv32-tp2-conv", tp=2,
+                                                 quant="fp8")
     return {"built": {k: str(v) for k, v in built.items()}, "paths": built}
 
 

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cli.units import fmt_bytes, parse_size  # noqa: E402
+from _cli import fixture  # first: this tree's kconvert and cli on sys.path
+from cli.units import fmt_bytes, parse_size
 
 
 def main() -> None:
@@ -27,16 +24,12 @@ def main() -> None:
     ap.add_argument("--quant", default="none")
     args = ap.parse_args()
     from kconvert.convert.shard import ShardJob, shard
-    from kconvert.fixtures import build_fixture
     from kconvert.io.safetensors_read import read_tensor
     from kconvert.source import formats
     from kconvert.source.checkpoint import Checkpoint
 
     work = Path(args.workdir)
-    src = work / f"scale-{args.size}"
-    if not (src / "model.safetensors.index.json").exists():
-        shutil.rmtree(src, ignore_errors=True)
-        build_fixture("scale", src, size=parse_size(args.size))
+    src = fixture("scale", work / f"scale-{args.size}", size=parse_size(args.size))
     ck = Checkpoint.open(src)
     nbytes = sum(e.nbytes for e in ck.stored.values())
 

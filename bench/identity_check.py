@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import re
 import shutil
 import sys
 import tempfile
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this tree's kconvert, not whichever one the venv installed (comparing two trees)
+from _cli import in_process  # first: this tree's kconvert, not whichever one the venv installed (comparing two trees)
 
 PRESETS = ("tiny-k25-dsv32", "tiny-dsv32", "tiny-k25-dsv32-fp8", "tiny-k25-dsv32-int4", "tiny-k25-dsv32-4l", "tiny-dsv32-4l")
 SHARDS = (
@@ -49,14 +46,12 @@ EXPORTS = (("fp8-block", []), ("w4a16", []), ("w8a8-int8", []), ("fp8-channel", 
 LOGITS = ("tp1-none", "tp1-fp8", "tp1-int4", "tp1-int8")  # one process: tp 1 conversions
 
 
-def run_cli(args: list[str]) -> int:
-    from cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = main(args)
+def run_cli(args: list[str]) -> int | str:
+    r = in_process(*args)
+    if r.returncode == 0:
+        return 0
     # a refusal is part of the fingerprint: its exit code and message, without the work folder
-    return code if code == 0 else f"{code}: {err.getvalue().strip()}".replace(str(Path(args[2]).parent), "<work>")
+    return f"{r.returncode}: {r.stderr.strip()}".replace(str(Path(args[2]).parent), "<work>")
 
 
 def digest(folder: Path) -> dict:

@@ -30,9 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _cli import ENTRY, ROOT, compiled  # a sibling module: bench/ is this script's folder
 
-from _cli import ENTRY, compiled  # noqa: E402 (a sibling script: bench/ is this script's folder)
 _READ = """
 import json, struct, sys
 raws = []

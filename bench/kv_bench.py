@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kv_quality import bootstrap_ci, breakdown, granularity, key_errors, kld, simulated, windows  # noqa: E402
+from _cli import fixture  # first: this tree's kconvert and engine on sys.path
+from kv_quality import bootstrap_ci, breakdown, granularity, key_errors, kld, simulated, windows
 
 
 def parse_ctx(s: str) -> int:
@@ -46,20 +46,17 @@ def load(preset: str, work: Path, indexer_steps: int | None = None):
     distillation (0: the seeded indexer), in a directory of its own."""
     from engine.model import Model
     from kconvert.convert.shard import ShardJob, shard
-    from kconvert.fixtures import build_fixture
 
     name = preset if indexer_steps is None else f"{preset}-indexer{indexer_steps}"
     src, conv = work / name, work / f"{name}-conv"
     if not conv.exists():
-        if not src.exists():
-            if indexer_steps is not None:
-                from kconvert.fixtures import trained
-                from kconvert.fixtures.presets import TRAINED_PRESETS, TRAINED_TEXT
+        if indexer_steps is not None:  # the recipe a build of `src` below follows
+            from kconvert.fixtures import trained
+            from kconvert.fixtures.presets import TRAINED_PRESETS, TRAINED_TEXT
 
-                text = TRAINED_TEXT[TRAINED_PRESETS[preset]]
-                trained.RECIPE_OVERRIDES[text] = {**trained.RECIPE_OVERRIDES[text], "indexer_steps": indexer_steps}
-            build_fixture(preset, src)
-        shard(ShardJob(str(src), str(conv), tp=1))
+            text = TRAINED_TEXT[TRAINED_PRESETS[preset]]
+            trained.RECIPE_OVERRIDES[text] = {**trained.RECIPE_OVERRIDES[text], "indexer_steps": indexer_steps}
+        shard(ShardJob(str(fixture(preset, src)), str(conv), tp=1))
     model = Model.from_converted(conv, dtype=torch.float32)
     model.materialize()
     return model, conv

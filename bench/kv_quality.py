@@ -1,16 +1,14 @@
 """The quality half of bench/kv_bench.py: the KLD each KV-cache format adds (real prefill over held-out
 text windows and random ids, against the fp32 and the bf16 cache), where it comes from (per layer,
 latent vs indexer keys), simulated codes (with a Hadamard rotation of the indexer keys) and the 8-bit
-scale granularity. kv_bench.py runs these and prints them."""
+scale granularity. kv_bench.py runs these and prints them. Its importers import bench/_cli.py first, which puts
+this tree's kconvert and engine first on sys.path (the functions here import them when called)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's kconvert and engine
 
 # label -> (--kv-dtype, indexer key code override): the shipped formats first, then the mixes that split
 # the error between the latent and the indexer keys

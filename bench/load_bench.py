@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from _cli import measured  # noqa: E402
+from _cli import conversion, fixture, measured  # first: this tree's kconvert on sys.path
 
 KCONVERT = """
 import json, sys, time
@@ -73,21 +69,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="best of N for each contender")
     args = ap.parse_args()
     from cli.units import fmt_bytes, parse_size
-    from kconvert.fixtures import build_fixture
-    from kconvert.convert.shard import ShardJob, shard
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for spec in args.presets.split(","):
         preset, _, size = spec.partition(":")
-        src = work / spec.replace(":", "-")
-        if not (src / "config.json").exists():
-            shutil.rmtree(src, ignore_errors=True)
-            build_fixture(preset, src, size=parse_size(size) if size else None)
-        out = work / (src.name + "-tp1")
-        if not (out / "kconvert.json").exists():
-            shard(ShardJob(str(src), str(out), tp=1, quant="none", overwrite=True))
+        src = fixture(preset, work / spec.replace(":", "-"), size=parse_size(size) if size else None)
+        out = conversion(src, work / (src.name + "-tp1"), quant="none", overwrite=True)
         files = sorted(out.glob("rank-000/*.safetensors"))
         nbytes = sum(f.stat().st_size for f in files)
         subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)  # warm the cache

@@ -37,10 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _cli import ENTRY, ROOT, compiled, fixture, measured  # first: this tree's kconvert on sys.path
 
-from _cli import ENTRY, compiled, measured  # noqa: E402
 WIDE = {"widen": 16, "layers": 3, "experts": 96}  # the data-time checkpoint: same formats, large tensors
 FIXED = {"widen": 1, "layers": 2, "experts": 8}  # shard's fixed cost: the same formats, hardly any tensors
 
@@ -92,14 +90,20 @@ def tensor_bytes(src: Path) -> int:
     return total
 
 
+def source(work: Path, preset: str, layers: int | None = None, experts: int | None = None) -> Path:
+    """The checkpoint measured, in `work` (reused; named by its counts, L / E: the preset's own), built by
+    `kconvert fixture` in a process of its own (not in this one, whose peak RSS the last line prints)."""
+    src = work / f"{preset}-{layers or 'L'}-{experts or 'E'}"
+    if not (src / "config.json").exists():
+        kconvert("fixture", preset, src, *(["--layers", layers] if layers else []),
+                 *(["--experts", experts] if experts else []))
+    return src
+
+
 def variant(preset: str, work: Path, v: dict) -> Path:
     """`preset` at v's widths and counts, in `work` (reused)."""
-    from kconvert.fixtures import build_fixture
-
-    out = work / f"{preset}-x{v['widen']}-{v['layers']}-{v['experts']}"
-    if not (out / "config.json").exists():
-        build_fixture(preset, out, layers=v["layers"], experts=v["experts"], widen=v["widen"])
-    return out
+    return fixture(preset, work / f"{preset}-x{v['widen']}-{v['layers']}-{v['experts']}", layers=v["layers"],
+                   experts=v["experts"], widen=v["widen"])
 
 
 _FLOOR = """
@@ -149,11 +153,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     compiled()
-    tag = f"{a.preset}-{a.layers or 'L'}-{a.experts or 'E'}"
-    src = a.work / tag
-    if not (src / "config.json").exists():
-        extra = [*(["--layers", a.layers] if a.layers else []), *(["--experts", a.experts] if a.experts else [])]
-        kconvert("fixture", a.preset, src, *extra)
+    src = source(a.work, a.preset, a.layers, a.experts)
     source_bytes = tensor_bytes(src)
     big, fixed_src = variant(a.preset, a.work, WIDE), variant(a.preset, a.work, FIXED)
     big_bytes = tensor_bytes(big)
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         f"best of {a.rounds}; {(r['cpu'] - startup['cpu']) / floor:.2f}x the floor")
     out = {}
     for quant in ("none", "fp8"):
-        out[quant] = a.work / f"{tag}-tp{a.tp}-{quant}"
+        out[quant] = a.work / f"{src.name}-tp{a.tp}-{quant}"
         rounds = [shard_round(ROOT, quant, a.tp, (src, fixed_src, big), out[quant], startup["cpu"], source_bytes / big_bytes)
                   for _ in range(a.rounds)]
         n_out = written_tensors(out[quant])

@@ -18,9 +18,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from metadata_bench import (FIXED, ROOT, WIDE, json_floor, kconvert, shard_round, tensor_bytes, variant,
-                             written_tensors)
-from _cli import compiled
+from _cli import ROOT, compiled  # first: this tree's kconvert on sys.path
+from metadata_bench import (FIXED, WIDE, json_floor, kconvert, shard_round, source, tensor_bytes, variant,
+                            written_tensors)
 
 
 def main(argv=None) -> int:
@@ -32,9 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shard", default="", help="Also shard with these --quant modes (comma-separated).")
     a = ap.parse_args(argv)
-    src = a.work / f"{a.preset}-L-E"  # metadata_bench.py's name for the preset at its own size
-    if not (src / "config.json").exists():
-        kconvert("fixture", a.preset, src)
+    src = source(a.work, a.preset)  # metadata_bench.py's, the preset at its own size (built if absent)
     trees = {"other": a.other.resolve(), "this": ROOT}
     for root in trees.values():
         compiled(root)

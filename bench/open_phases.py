@@ -3,7 +3,7 @@
 In one process, with the cycle collector paused as `inspect` runs: the bare `json.loads` of every header
 (the floor), then Checkpoint.open's phases (index, headers, merge with the index check, family binding,
 canonical names, folding into logical tensors), validation and inspect's summary. Best of --rounds, so a
-busy 2-core machine's slow rounds drop out; the README's "what remains" figures come from it.
+busy 2-core machine's slow rounds drop out; the "what remains" figures in docs/BENCHMARKS.md come from it.
 
     .venv/bin/python bench/open_phases.py /tmp/kmeta/topo-k25-L-E
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import struct
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _cli  # first: importing it puts this tree's kconvert first on sys.path, all this script needs of it
+
+del _cli
 
 
 def one_round(root: Path) -> dict[str, float]:

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _cli import ROOT  # first: this tree's kconvert and engine on sys.path
 
 
 def worker(a) -> None:

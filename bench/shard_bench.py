@@ -1,4 +1,4 @@
-"""Conversion throughput and memory, side by side in one run (numbers for the README).
+"""Conversion throughput and memory, side by side in one run (numbers for docs/BENCHMARKS.md).
 
 For each source size: generate a `scale` checkpoint, then time `cp -r` of it and
 `kconvert shard --tp 8` with --quant none and fp8 on the same disk (page cache warm for all three:
@@ -14,28 +14,15 @@ import argparse
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from _cli import cli  # noqa: E402
-from cli.units import fmt_bytes, parse_size  # noqa: E402
+from _cli import fixture, timed_shard  # first: this tree's kconvert and cli on sys.path
+from cli.units import fmt_bytes, parse_size
 
 
 def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def shard(src: Path, out: Path, quant: str, workers: int) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    t = time.perf_counter()
-    r = cli("shard", src, out, "--tp", 8, "--quant", quant, "--workers", workers, "--json", check=True)
-    res = json.loads(r.stdout)
-    res["wall"] = time.perf_counter() - t
-    return res
 
 
 def main() -> None:
@@ -47,15 +34,11 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     from kconvert.source.checkpoint import Checkpoint
-    from kconvert.fixtures import build_fixture
 
     rows = []
     for size_text in args.sizes.split(","):
         size = parse_size(size_text)
-        src = work / f"scale-{size_text}"
-        if not (src / "model.safetensors.index.json").exists():
-            shutil.rmtree(src, ignore_errors=True)
-            build_fixture("scale", src, size=size)
+        src = fixture("scale", work / f"scale-{size_text}", size=size)
         largest = max(e.nbytes for e in Checkpoint.open(src).stored.values())
         nbytes = du(src)
         subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm
@@ -69,7 +52,7 @@ def main() -> None:
         shutil.rmtree(work / "cp")
         subprocess.run(["sync"], check=True)
         for quant in ("none", "fp8"):
-            r = shard(src, work / f"out-{quant}", quant, args.workers)
+            r = timed_shard(src, work / f"out-{quant}", "--tp", 8, "--quant", quant, "--workers", args.workers)
             shutil.rmtree(work / f"out-{quant}")
             rows.append({"size": size_text, "bytes": nbytes, "quant": quant, "cp_GBps": nbytes / cp_s / 1e9,
                          "cp_sync_GBps": nbytes / cp_sync_s / 1e9, "shard_GBps": nbytes / r["wall"] / 1e9,

@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import collections
 import shutil
-import sys
 import tempfile
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from metadata_bench import written_tensors  # noqa: E402 (a sibling script: bench/ is this script's folder)
+# a sibling script (bench/ is this script's folder), which imports bench/_cli.py first: this tree's kconvert first
+# on sys.path
+from metadata_bench import written_tensors
 
 
 class SyncPool:

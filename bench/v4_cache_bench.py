@@ -28,9 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from _cli import conversion, fixture  # first: this tree's kconvert and engine on sys.path
 
 DTYPES = ("bf16", "fp8", "int8", "fp8-ds")
 
@@ -48,15 +46,8 @@ def rss_mib() -> float:
 
 
 def converted(preset: str, work: Path) -> Path:
-    from kconvert.convert.shard import ShardJob, shard
-    from kconvert.fixtures import build_fixture
-
-    src, conv = work / preset, work / f"{preset}-tp1"
-    if not (src / "config.json").exists():
-        build_fixture(preset, src)
-    if not (conv / "kconvert.json").exists():
-        shard(ShardJob(str(src), str(conv), tp=1))
-    return conv
+    """`preset` and its tp 1 conversion in `work` (each built once: later runs reuse them)."""
+    return conversion(fixture(preset, work / preset), work / f"{preset}-tp1")
 
 
 def fill(model, cache, ctx: int, prefill_max: int, chunk: int) -> str:

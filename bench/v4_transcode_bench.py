@@ -16,12 +16,9 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
-import time
 from pathlib import Path
 
-from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
-sys.path.insert(0, str(ROOT))
+from _cli import timed_shard  # first: this tree's kconvert on sys.path (bench/ is the script's folder)
 
 WIDTHS = {"hidden_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 32, "q_lora_rank": 256,
           "o_lora_rank": 128, "num_attention_heads": 8, "head_dim": 128}
@@ -55,17 +52,6 @@ def build(work: Path) -> tuple[Path, Path]:
     return flash, twin
 
 
-def shard(src: Path, out: Path, quant: str) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    t = time.perf_counter()
-    r = cli("shard", src, out, "--tp", 1, "--quant", quant, "--json")
-    if r.returncode:
-        raise SystemExit(f"shard {src.name} --quant {quant} failed:\n{r.stderr}")
-    res = json.loads(r.stdout)
-    res["wall"] = time.perf_counter() - t
-    return res
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/kv4bench")
@@ -80,7 +66,7 @@ def main() -> None:
             ("release storage --quant none (dequantized to bf16)", flash, "none")]
     out = {}
     for label, src, quant in rows:
-        runs = [shard(src, work / "out", quant) for _ in range(a.runs)]
+        runs = [timed_shard(src, work / "out", "--tp", 1, "--quant", quant) for _ in range(a.runs)]
         out[label] = {"wall_s": statistics.median(r["wall"] for r in runs),
                       "seconds": statistics.median(r.get("seconds", r["wall"]) for r in runs),
                       "bytes_written": runs[0].get("bytes_out")}

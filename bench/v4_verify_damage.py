@@ -1,5 +1,5 @@
 """Damaged fp8 conversions of the trained DeepSeek-V4 fixture must FAIL verify's faithfulness check with the
-damaged layer named (the README's V4 damage figures). Run after bench/verify_bench.py made the clean tp 2 fp8
+damaged layer named (the V4 damage figures in docs/BENCHMARKS.md). Run after bench/verify_bench.py made the clean tp 2 fp8
 conversion and the reference in --workdir:
 
     .venv/bin/python bench/verify_bench.py --preset tiny-dsv4-trained --tp 2 --schemes fp8 --workdir /tmp/kverify-v4
@@ -11,15 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
-sys.path.insert(0, str(ROOT))
-
-from kconvert.verify import damage  # noqa: E402
+from _cli import cli  # first: this tree's kconvert on sys.path (bench/ is the script's folder)
+from kconvert.verify import damage
 
 
 def flip_row(t, n):  # e4m3 has no negation kernel: flip the sign bits of one output row

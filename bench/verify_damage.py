@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
-from _cli import ROOT, cli  # noqa: E402  (bench/ is the script's folder: on sys.path)
-sys.path.insert(0, str(ROOT))
-
-from kconvert.verify.damage import CASES  # noqa: E402
+from _cli import cli  # first: this tree's kconvert on sys.path (bench/ is the script's folder)
+from kconvert.verify.damage import CASES
 
 CLEAN = {"none": [], "fp8": ["--quant", "fp8"], "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"],
          "int8": ["--quant", "int8"], "int4": ["--quant", "int4"]}

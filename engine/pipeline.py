@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 # Tokens per prefill micro-batch under pp > 1. Smaller chunks shrink the pipeline bubble but run smaller
-# matrix products; bench/pp_bench.py measures the trade-off (README "Multi-node").
+# matrix products; bench/pp_bench.py measures the trade-off (docs/COMMANDS.md "Multi-node").
 PREFILL_CHUNK = 256
 
 

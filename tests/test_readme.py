@@ -1,12 +1,15 @@
-"""The README's Commands section, run as written, so it cannot drift from the CLI.
+"""The README's tour and docs/COMMANDS.md's examples, run as written, so neither can drift from the CLI.
 
-Every command line of its ```bash block runs in order, in one temporary directory (each line may use what
-an earlier one made, as a reader following along would), with `kconvert` = this checkout's CLI (its entry
+Two documents (DOCS): the README's "## A five-command tour" section and the whole of docs/COMMANDS.md. Every
+command line of their ```bash blocks (a line ending in a backslash goes on with the next) is its own test case.
+A document's lines run in order, in one temporary directory of its own (each line may use what an earlier one
+of the same document made, as a reader following along would), with `kconvert` = this checkout's CLI (its entry
 point, in this process: run_line), `torchrun` = torch.distributed.run and `python` = this interpreter.
-What a line needs and a reader would already have is made first (PRECONDITIONS); a line that cannot run
-here is skipped only by a rule in SKIP, with its reason; a flag that needs an uninstalled optional package
-is dropped by a rule in DROP. Every `kconvert` command named in the section's table must exist, and every
-option the table names must be in its --help."""
+What a document's lines need and a reader would already have is made first (PRECONDITIONS); a `kconvert
+fixture` line of a preset in LINKED_FIXTURES is met by the session's cached build, linked, not rebuilt; a line
+that cannot run here is skipped only by a rule in SKIP, with its reason; a flag that needs an uninstalled
+optional package is dropped by a rule in DROP. Every `kconvert` command named in docs/COMMANDS.md's table must
+exist, and every option the table names must be in its --help."""
 
 from __future__ import annotations
 
@@ -21,10 +24,13 @@ import pytest
 
 from helpers import ROOT, cli_here, one_thread
 
+# document -> (file, the section whose bash blocks run: a "## " heading, or None for the whole file)
+DOCS = {"tour": ("README.md", "## A five-command tour"), "commands": ("docs/COMMANDS.md", None)}
+
 # line pattern -> why it cannot run in this test (keep short: each one is a line nobody checks)
 SKIP = {
-    r"\bSRC\b|\bOUT\b": "placeholders, not paths (the torchrun line: --tp 8 needs more heads than any CPU-sized "
-                        "fixture has; multi-process shard is tested in tests/test_shard.py)",
+    r"\bSRC\b|\bOUT\b": "placeholders, not paths (the torchrun lines: --tp 8 needs more heads than any CPU-sized "
+                        "fixture has, and two nodes; multi-process shard is tested in tests/test_shard.py)",
     r"--device (cuda|musa)": "needs a GPU",
 }  # and any line with a Hub repo id (owner/name) as an argument: needs_hub()
 # flag pattern -> (module it needs, why it is dropped when that module is missing)
@@ -44,16 +50,20 @@ def needs_hub(argv: list[str]) -> bool:
                and not a.endswith((".png", ".safetensors")) for a in argv[1:])
 
 
-def commands_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Commands")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+def section(doc: str) -> str:
+    path, heading = DOCS[doc]
+    text = (ROOT / path).read_text()
+    if heading is None:
+        return text
+    start = text.index("\n" + heading + "\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
 
 
-def command_lines() -> list[str]:
+def command_lines(doc: str) -> list[str]:
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", commands_section(), re.S):
+    for block in re.findall(r"```bash\n(.*?)```", section(doc), re.S):
+        block = re.sub(r"\\\n\s*", " ", block)  # a continued line is one command
         lines += [l.strip() for l in block.splitlines() if l.strip() and not l.strip().startswith("#")]
     return lines
 
@@ -72,7 +82,7 @@ def prepared(line: str) -> tuple[list[str] | None, str | None]:
     argv = shlex.split(line, comments=True)
     if needs_hub(argv):
         return None, "needs the Hugging Face Hub"
-    assert argv[0] in PROGRAMS, f"README command with an unknown program: {line}"
+    assert argv[0] in PROGRAMS, f"documented command with an unknown program: {line}"
     return argv, None
 
 
@@ -96,39 +106,64 @@ def run_line(argv: list[str], workdir) -> subprocess.CompletedProcess:
                           env=env)
 
 
-LINES = command_lines()
+def linked_fixture(line: str) -> tuple[str, str] | None:
+    """(preset, OUT) of a `kconvert fixture` line that LINKED_FIXTURES satisfies, else None."""
+    words = shlex.split(line, comments=True)
+    if words[:2] == ["kconvert", "fixture"] and len(words) > 3 and words[2] in LINKED_FIXTURES:
+        return words[2], words[3]
+    return None
+
+
+def commands_preconditions(d, checkpoint) -> None:
+    """What docs/COMMANDS.md's examples take as given (its Examples section says so): a block-FP8 checkpoint."""
+    (d / "tiny-k25-dsv32-fp8").symlink_to(checkpoint("tiny-k25-dsv32-fp8"))
+
+
+# document -> what a reader brings before its first line (the tour starts in an empty directory)
+PRECONDITIONS = {"commands": commands_preconditions}
+
+LINES = {doc: command_lines(doc) for doc in DOCS}
+CASES = [pytest.param(doc, line, id=f"{doc}: {line}") for doc, lines in LINES.items() for line in lines]
 
 
 @pytest.fixture(scope="module")
-def workdir(checkpoint, tmp_path_factory):
-    """Where the lines run, holding what a reader would bring: a block-FP8 checkpoint and a picture."""
-    from kconvert.verify.prompts import synthetic_image
+def workdirs(checkpoint, tmp_path_factory):
+    """workdirs(doc) -> the directory a document's lines run in, made once with its PRECONDITIONS and its
+    linked fixtures (the session's builds of the same preset and seed: the same bytes;
+    tests/test_fixtures.py runs the command itself)."""
+    made = {}
 
-    d = tmp_path_factory.mktemp("readme")
-    (d / "tiny-k25-dsv32-fp8").symlink_to(checkpoint("tiny-k25-dsv32-fp8"))
-    for line in LINES:  # fixtures the session has built already are linked, not rebuilt (same preset and seed:
-        argv = shlex.split(line, comments=True)  # the same bytes; tests/test_fixtures.py runs the command itself)
-        if argv[:2] == ["kconvert", "fixture"] and argv[2] in LINKED_FIXTURES:
-            (d / argv[3]).symlink_to(checkpoint(argv[2]))
-    synthetic_image(3, 84, 56).save(d / "picture.png")
-    return d
+    def get(doc: str):
+        if doc not in made:
+            d = tmp_path_factory.mktemp(f"readme-{doc}")
+            if doc in PRECONDITIONS:
+                PRECONDITIONS[doc](d, checkpoint)
+            for line in LINES[doc]:
+                if (linked := linked_fixture(line)) is not None:
+                    preset, out = linked
+                    (d / out).symlink_to(checkpoint(preset))
+            made[doc] = d
+        return made[doc]
+
+    return get
 
 
-def test_the_section_has_commands():
-    assert len(LINES) >= 8, LINES
+def test_the_documents_have_commands():
+    assert len(LINES["commands"]) >= 8, LINES["commands"]
+    assert len(LINES["tour"]) == 5, LINES["tour"]  # the README promises a five-command tour
 
 
-@pytest.mark.parametrize("line", LINES)
-def test_readme_line_runs(line, workdir):
-    words = shlex.split(line, comments=True)
-    if words[:2] == ["kconvert", "fixture"] and words[2] in LINKED_FIXTURES:
-        assert (workdir / words[3]).is_dir()  # built by the session's fixture (see workdir)
+@pytest.mark.parametrize("doc,line", CASES)
+def test_documented_line_runs(doc, line, workdirs):
+    workdir = workdirs(doc)
+    if (linked := linked_fixture(line)) is not None:
+        assert (workdir / linked[1]).is_dir()  # built by the session's fixture (see workdirs)
         return
     argv, why = prepared(line)
     if argv is None:
         pytest.skip(why)
     p = run_line(argv, workdir)
-    assert p.returncode == 0, f"README line failed ({p.returncode}): {line}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, f"{DOCS[doc][0]} line failed ({p.returncode}): {line}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr, p.stderr
 
 
@@ -137,10 +172,12 @@ def test_table_commands_and_options_exist():
 
     from cli.main import app
 
-    rows = re.findall(r"^\| `kconvert ([a-z-]+)([^`]*)`", commands_section(), re.M)
+    text = section("commands")
+    table = text[text.index("\n## The commands\n"):text.index("\n## ", text.index("\n## The commands\n") + 1)]
+    rows = re.findall(r"^\| `kconvert ([a-z-]+)([^`]*)`", table, re.M)
     assert len(rows) >= 8, rows
     for name, rest in rows:
         result = CliRunner().invoke(app, [name, "--help"])
         assert result.exit_code == 0, (name, result.output)
         for option in re.findall(r"--[a-z][a-z-]*", rest):
-            assert option in result.output, f"README names `kconvert {name} {option}`, which --help lacks"
+            assert option in result.output, f"docs/COMMANDS.md names `kconvert {name} {option}`, which --help lacks"

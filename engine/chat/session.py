@@ -5,7 +5,7 @@
     python -m engine.chat OUT --device cuda                     one GPU per rank (nccl; mccl on musa)
     torchrun --nproc-per-node 2 -m engine.chat OUT              also works (torchrun starts the ranks)
     torchrun --nnodes 2 --node-rank I --master-addr HOST --master-port 29500 --nproc-per-node 8 \\
-        -m engine.chat OUT --device cuda                        tp 8 x pp 2 across two machines (README "Multi-node")
+        -m engine.chat OUT --device cuda                        tp 8 x pp 2 across two machines (docs/COMMANDS.md "Multi-node")
 
 A checkpoint converted with --tp T --pp P runs as T x P processes (stage by stage: global rank = stage x T
 + tp rank): this command starts them itself (one per rank on cpu, one per device on cuda/musa); this

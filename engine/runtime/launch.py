@@ -1,5 +1,5 @@
 """Start the ranks of a multi-process run from one command, so `python -m engine.chat OUT` on a tp x pp
-conversion needs no torchrun (on one machine; across machines torchrun starts them: README "Multi-node").
+conversion needs no torchrun (on one machine; across machines torchrun starts them: docs/COMMANDS.md "Multi-node").
 
 This process becomes rank 0 and keeps the terminal (stdin, stdout, Ctrl-C); ranks 1..N-1 (N = tp x pp) are the same
 command started again with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, as torchrun would, in

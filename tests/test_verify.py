@@ -93,7 +93,7 @@ def test_fp8_per_layer_reports_both_curves(fp8_tp2, ref, fp8_faithful):
 # The damage cases (kconvert/verify/damage.py: tensors changed, checksums re-recorded) run on three of the
 # nine held-out prompts: the attribution of a faulty layer runs that layer once per tensor (61) over every
 # prompt, so its time follows the token count (350 of 2611 here). Each case FAILs and is located on the
-# three as on all nine, where bench/verify_damage.py runs them (the README's damage table).
+# three as on all nine, where bench/verify_damage.py runs them (the damage table in docs/BENCHMARKS.md).
 FEW = ("short-1", "chat-1", "image-1")  # every one past 3 x index_topk tokens: sparse attention selects
 
 

@@ -49,8 +49,9 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
     m = s.model
     con.print(f"{m['layers']} layers ({m['dense_layers']} dense, {m['mtp_layers']} MTP), hidden {m['hidden_size']}, "
               f"{m['attention_heads']} heads, {m['routed_experts']} routed experts ({m['experts_per_token']} per token) "
-              f"+ {m['shared_experts']} shared, vocab {m['vocab_size']}, indexer top-k {m['sparse_attention_topk']}, "
-              f"vision layers {m['vision_layers']}")
+              f"+ {m['shared_experts']} shared, vocab {m['vocab_size']}"
+              + (f", indexer top-k {m['sparse_attention_topk']}" if m['sparse_attention_topk'] else "")
+              + f", vision layers {m['vision_layers']}")
     for kinds in (m.get("layer_kinds") or {}).values():
         con.print("layers by kind: " + ", ".join(f"{k} {n}" for k, n in kinds.items()))
     t = Table(title="Parameters by component")

@@ -59,6 +59,8 @@ class TextConfig:
     dense_mlp_kind: str = "swiglu"
     moe_kind: str = "deepseek_moe"
     section: dict = field(default_factory=dict, compare=False, repr=False)  # the config.json text section as is
+    # per-layer kinds the family manifest schedules (name -> kind per layer: Kimi Linear's kda / mla ...)
+    schedules: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def qk_head_dim(self) -> int:
@@ -182,10 +184,12 @@ def model_config(config: dict, family: str) -> ModelConfig:
     if family not in known:
         raise EngineError(f"the engine does not run family {family!r} (known: {', '.join(sorted(known))})",
                           file="kconvert.json")
-    fam = bind(config).family  # with its text model's traits: Kimi over DeepSeek-V4 runs V4's layer kinds
+    names = bind(config)
+    fam = names.family  # with its text model's traits: Kimi over DeepSeek-V4 runs V4's layer kinds
     engine = fam["engine"]
     section = _section(config, fam.get("text_config", "."), family)
-    text = replace(_text(section), section=section, **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
+    text = replace(_text(section), section=section, schedules=names.text.schedules,
+                   **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
     vision = None
     if engine.get("vision_config"):
         v = _section(config, engine["vision_config"], family)

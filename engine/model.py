@@ -237,7 +237,8 @@ class Model(nn.Module):
         if max_len is None:
             max_len = self.cfg.max_position_embeddings
         cfg = replace(self.cfg, num_layers=len(self.stage_layers))  # a stage holds only its layers' KV
-        return self.stack.new_cache(cfg, batch, max_len, self.dtype, self.device, reserve, kv or self.kv)
+        return self.stack.new_cache(cfg, batch, max_len, self.dtype, self.device, reserve, kv or self.kv,
+                                    layers=self.stage_layers)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: this rank's rows of the embeddings, the rest summed in from the others."""

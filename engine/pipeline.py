@@ -35,7 +35,8 @@ def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs
         if par.first:
             x = first[:, lo:hi]
         else:
-            x = par.recv_prev((B, hi - lo, *model.stack.residual_shape), model.dtype, model.device)
+            x = par.recv_prev((B, hi - lo, *model.stack.residual_shape_at(model.stage_layers[0])), model.dtype,
+                              model.device)
         x = model.run_layers(x, step.positions, cache, ids[:, lo:hi])
         cache.commit(step)
         if not par.last:

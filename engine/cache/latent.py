@@ -81,7 +81,8 @@ class KVCache:
         self.latent_bytes_per_token = cfg.num_layers * self.lat_fmt.row_bytes
         self.bytes_per_token = self.latent_bytes_per_token + cfg.num_layers * (
             self.idx_fmt.row_bytes if self.idx_fmt else 0)
-        self.max_pages = None if kv.budget is None else kv.budget // (PAGE * self.bytes_per_token)
+        # (a stage of KDA layers only keeps no rows: nothing for a budget to bound)
+        self.max_pages = None if kv.budget is None or not self.bytes_per_token else kv.budget // (PAGE * self.bytes_per_token)
         if self.max_pages is not None and self.max_pages < batch:
             raise UsageError(f"--kv-budget {kv.budget} B holds {self.max_pages} pages of {PAGE} tokens "
                              f"({PAGE * self.bytes_per_token} B each): less than one per sequence")
@@ -92,6 +93,7 @@ class KVCache:
         self.step: Step | None = None
         self.placement = Placement(self)
         self.layers = [LayerKV(self) for _ in range(cfg.num_layers)]
+        self.latent_layers = list(self.layers)  # the paged ones (a hybrid cache keeps other layers' states too)
         if reserve:
             self.ensure(reserve)
 
@@ -125,7 +127,7 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes allocated (device + host + hot pages): grows with the tokens in use, up to the budget."""
-        return sum(l.index.numel() + l.tier.nbytes() for l in self.layers)
+        return sum(l.index.numel() + l.tier.nbytes() for l in self.latent_layers)
 
     def bytes_in_use(self) -> int:
         return self.pages_in_use * PAGE * self.bytes_per_token

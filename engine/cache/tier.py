@@ -94,14 +94,14 @@ class Placement:
             slot = int(self.where[old])
             host = self.host_free.pop() if self.host_free else self.host_next
             self.host_next = max(self.host_next, host + 1)
-            for layer in self.cache.layers:
+            for layer in self.cache.latent_layers:
                 layer.tier.move_to_host(slot, host)
             self.where[old] = -host - 1
         if self.where.shape[0] <= pid:
             self.where = grow_rows(self.where, pid + 1, self.cache.device)
         self.where[pid] = slot
         self.resident[pid] = None
-        for layer in self.cache.layers:
+        for layer in self.cache.latent_layers:
             layer.tier.grow(slot)
 
     def free(self, pid: int) -> None:
@@ -111,7 +111,7 @@ class Placement:
             self.resident.pop(pid, None)
         else:
             self.host_free.append(-w - 1)
-        for layer in self.cache.layers:
+        for layer in self.cache.latent_layers:
             layer.tier.forget(torch.tensor([pid], device=self.cache.device))
 
 

@@ -24,17 +24,23 @@ from engine.models.deepseek_v4.mhc import MHCBlock, MHCStack
 from engine.models.deepseek_v3.moe import MLP, MoE
 from engine.models.deepseek_v4.attention import V4Attention
 from engine.models.deepseek_v4.moe import V4MoE
+from engine.models.kimi_linear.block import KimiDecoderLayer, kimi_attention
+from engine.models.kimi_linear.config import kimi_config
+from engine.models.kimi_linear.moe import KimiMLP, KimiMoE
 from kconvert.distributed import Group
 from kconvert.errors import EngineError
 
 ATTENTION: dict[str, type[nn.Module]] = {
     "mla": MLA,  # DeepSeek MLA; with `index_topk` in the config, the DSA lightning indexer too
     "v4": V4Attention,  # DeepSeek-V4: shared-KV MQA + sliding window + sinks; CSA / HCA compressed branches
+    "kimi_linear": kimi_attention,  # Kimi Linear / K3: KDA or gated NoPE MLA, by the layer's scheduled kind
 }
 FEED_FORWARD: dict[str, type[nn.Module]] = {
     "swiglu": MLP,  # the first `first_k_dense_replace` layers
     "deepseek_moe": MoE,  # sigmoid router + group-limited top-k + shared experts
     "v4_moe": V4MoE,  # DeepSeek-V4: sqrt(softplus) or hash routing, SwiGLU clamp, shared expert
+    "kimi_mlp": KimiMLP,  # Kimi Linear / K3: SiTU (or SwiGLU) dense feed-forward
+    "kimi_moe": KimiMoE,  # Kimi Linear / K3: sigmoid router on the full hidden, experts in the latent width
 }
 
 
@@ -48,14 +54,21 @@ def kind(table: dict, name: str, what: str):
 class PlainStack:
     """The residual is the hidden state itself, kept in the paged MLA cache (engine/cache/latent.py). A block kind
     with another residual (several streams, a merge before the final norm) gives its own class, with:
-    `residual_shape` (per token: what pipeline stages send), `enter(x)` (from the embeddings),
-    `make_head()` (a module stored as `model.<head_name>` in the globals unit, or None) and `leave(head, x)`
-    (before the final norm), `new_cache(...)` (the cache of a stage's layers)."""
+    `residual_shape` (per token), `residual_shape_at(layer)` (what a pipeline stage starting at `layer` receives,
+    for a residual that grows along the layers), `reported(x)` (what verify compares per layer), `enter(x)` (from
+    the embeddings), `make_head()` (a module stored as `model.<head_name>` in the globals unit, or None) and
+    `leave(head, x)` (before the final norm), `new_cache(..., layers)` (the cache of a stage's layers)."""
 
     head_name: str | None = None
 
     def __init__(self, cfg: TextConfig):
         self.residual_shape = (cfg.hidden_size,)
+
+    def residual_shape_at(self, layer: int) -> tuple[int, ...]:
+        return self.residual_shape
+
+    def reported(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -66,7 +79,7 @@ class PlainStack:
     def leave(self, head: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv) -> KVCache:
+    def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv, layers=None) -> KVCache:
         return KVCache(cfg, batch, max_len, dtype, device, reserve, kv)
 
 
@@ -99,9 +112,20 @@ class MHCDecoderLayer(MHCBlock):
                          kind(FEED_FORWARD, cfg.moe_kind, "feed-forward")(cfg, layer, par))
 
 
+class KimiLinearDecoderLayer(KimiDecoderLayer):
+    """Kimi Linear's block (engine/models/kimi_linear/block.py) around the attention kind (KDA or MLA by layer) and
+    the feed-forward kind (dense or MoE by layer) the manifest names."""
+
+    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+        ffn = cfg.moe_kind if kimi_config(cfg).is_moe(layer) else cfg.dense_mlp_kind
+        super().__init__(cfg, layer, kind(ATTENTION, cfg.attention_kind, "attention")(cfg, layer, par),
+                         kind(FEED_FORWARD, ffn, "feed-forward")(cfg, layer, par))
+
+
 BLOCK: dict[str, type[nn.Module]] = {
     "pre_norm": PreNormDecoderLayer,
     "mhc": MHCDecoderLayer,  # hc_mult residual streams mixed by hyper-connections (DeepSeek-V4)
+    "kimi_linear": KimiLinearDecoderLayer,  # KDA / MLA + MoE; Kimi K3's block attention residuals
 }
 
 

@@ -68,9 +68,12 @@ def check_part(part: str, config: Mapping, env: Mapping, defaults: Mapping, *, p
     """A part's config keys against their bounds, then the part's relations (on `env`: config + defaults)."""
     spec = limits(limits_path).get("part", {}).get(part, {})
     for key, bound in spec.get("bounds", {}).items():
-        if key not in config or (config[key] is None and key in defaults):
+        head, _, tail = key.partition(".")  # "section.key": a key inside a nested config section
+        where = config.get(head) if tail else config
+        name = tail or key
+        if not isinstance(where, Mapping) or name not in where or (where[name] is None and key in defaults):
             continue
-        check_value(prefix + key, config[key], bound, file=file)
+        check_value(prefix + key, where[name], bound, file=file)
     for name, expr in spec.get("relations", {}).items():
         try:
             ok = evaluate(expr, env)

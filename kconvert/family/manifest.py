@@ -84,7 +84,7 @@ class BoundPart:
 
     def __init__(self, name: str, spec: dict, prefix: str, config: dict, *, section: str = ".",
                  config_file: str = "config.json", decoder_only: bool = False, engine_prefix: str | None = None,
-                 names: dict[str, str] | None = None):
+                 names: dict[str, str] | None = None, family_defaults: dict | None = None):
         self.name, self.prefix, self.config = name, prefix, config
         # where the engine's module tree holds this part's `reference` / `engine` names (Kimi keeps its text
         # model under "language_model." whatever the stored names under it); None: at the root
@@ -95,9 +95,15 @@ class BoundPart:
         self.group = head.get("group", name)
         self.traits: dict = head.get("family", {})  # a text model's family traits (engine kinds, shard modes)
         self.kinds: dict[str, str] = spec.get("layer_kinds", {})
-        defaults = spec.get("defaults", {})
+        # a family may fix a shared part's defaults for its own models (`defaults` in its [[parts]] entry)
+        defaults = {**spec.get("defaults", {}), **(family_defaults or {})}
         # null for a key with a default means "not set" (DeepSeek configs write q_lora_rank: null)
-        self._env = {**defaults, **{k: v for k, v in config.items() if not (v is None and k in defaults)}}
+        self._env = {**{k: v for k, v in defaults.items() if "." not in k},
+                     **{k: v for k, v in config.items() if not (v is None and k in defaults)}}
+        for key, value in defaults.items():  # "section.key": a default inside a nested config section
+            section_key, _, tail = key.partition(".")
+            if tail and isinstance(self._env.get(section_key), dict) and self._env[section_key].get(tail) is None:
+                self._env[section_key] = {**self._env[section_key], tail: value}
         check_part(name, config, self._env, defaults, prefix="" if section == "." else f"{section}.",
                    file=config_file, limits_path=manifests_dir() / LIMITS_FILE)
         schedules = read_schedules(spec.get("schedules", {}), self._env,
@@ -112,6 +118,9 @@ class BoundPart:
         self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
         self.extra_layers = int(self._eval(head["extra_layers"])) if "extra_layers" in head else 0
         self.expert_count = int(self._eval(head["expert_count"])) if "expert_count" in head else 0
+        # the routed experts a token reaches and the shared experts beside them (inspect, plan), each family's keys
+        self.experts_per_token = int(self._eval(head["experts_per_token"])) if "experts_per_token" in head else 0
+        self.shared_experts = int(self._eval(head["shared_experts"])) if "shared_experts" in head else 0
         self.rules: list[Rule] = []
         for t in spec.get("tensor", []):
             if not self._eval(t.get("when", "True")):
@@ -285,5 +294,6 @@ def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
         part_spec = read_toml(manifests_dir() / "parts" / f"{p['use']}.toml")
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
                                config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False)),
-                               engine_prefix=p.get("engine_prefix"), names=p.get("names")))
+                               engine_prefix=p.get("engine_prefix"), names=p.get("names"),
+                               family_defaults=p.get("defaults")))
     return ModelMap(spec["family"], parts, config)

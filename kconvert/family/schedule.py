@@ -16,6 +16,13 @@ transformers' fallback default is not the released schedule, so guessing would b
     names_length = "num_hidden_layers"
     count_key = "num_hash_layers"        # the first N layers are kinds[1], the rest kinds[0]
     extra_kind = 0                       # the kind of layers past a names/count list (MTP)
+
+Kimi Linear and Kimi K3 list the layers of each kind instead, counting from 1 (`linear_attn_config`'s
+`kda_layers` and `full_attn_layers`):
+
+    members = { kda = "linear_attn_config.kda_layers", mla = "linear_attn_config.full_attn_layers" }
+    members_base = 1                     # the lists count layers from 1
+    # each layer in exactly one list; a kind whose list is absent takes the layers no list names
 """
 
 from __future__ import annotations
@@ -58,8 +65,13 @@ def _read(name: str, spec: Mapping, env: Mapping, prefix: str, file: str) -> lis
         if not _is_int(count) or not 0 <= count <= length:
             raise ManifestError(f"{prefix}{key} = {_show(count)}: must be an integer in [0, {length}]", file=file)
         found.append((key, [1] * count + [extra] * (length - count)))
+    members = {kind: (path, _lookup(env, path)) for kind, path in (spec.get("members") or {}).items()}
+    if any(value is not None for _, value in members.values()):
+        field = " / ".join(prefix + path for path, value in members.values() if value is not None)
+        found.append((field, _from_members(members, kinds, length, int(spec.get("members_base", 0)), prefix, file)))
     if not found:
-        spellings = " or ".join(prefix + spec[k] for k in ("values_key", "count_key", "names_key") if spec.get(k))
+        spellings = " or ".join([prefix + spec[k] for k in ("values_key", "count_key", "names_key") if spec.get(k)]
+                                + [prefix + path for path, _ in members.values()])
         raise ManifestError(f"config has no {spellings}: the {name} of each layer is unknown (a default would not be "
                             "the released schedule)", file=file)
     (first, kinds_of), *others = found
@@ -98,3 +110,37 @@ def _from_names(names, kinds: list, n: int, length: int, extra: int, field: str,
             raise ManifestError(f"{field}[{i}] = {_show(v)}: must be one of {', '.join(kinds)}", file=file)
         out.append(kinds.index(v))
     return out + [extra] * (length - n)
+
+
+def _lookup(env: Mapping, path: str):
+    """env["a"]["b"] for "a.b" (None where a level is absent)."""
+    value = env
+    for key in path.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _from_members(members: Mapping, kinds: list, length: int, base: int, prefix: str, file: str) -> list[int]:
+    """Each layer's kind from lists of the layers of each kind (counted from `base`): every layer in one list at
+    most; the layers no list names go to the one kind whose list is absent, else they are an error."""
+    out: list[int | None] = [None] * length
+    for kind, (path, layers) in members.items():
+        if layers is None:
+            continue
+        if not isinstance(layers, list) or not all(_is_int(v) for v in layers):
+            raise ManifestError(f"{prefix}{path} = {_show(layers)}: must be a list of layer numbers", file=file)
+        for v in layers:
+            if not base <= v < length + base:
+                raise ManifestError(f"{prefix}{path} names layer {v}: layers are {base}..{length - 1 + base}", file=file)
+            if out[v - base] is not None:
+                raise ManifestError(f"{prefix}{path}: layer {v} is listed twice or in two kinds' lists", file=file)
+            out[v - base] = kinds.index(kind)
+    absent = [kinds.index(kind) for kind, (_, layers) in members.items() if layers is None]
+    if None in out:
+        if len(absent) != 1:
+            paths = " / ".join(prefix + path for path, _ in members.values())
+            raise ManifestError(f"{paths}: layer {out.index(None) + base} is in no list", file=file)
+        out = [absent[0] if k is None else k for k in out]
+    return out

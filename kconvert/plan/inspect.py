@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 
 from kconvert.source.checkpoint import Checkpoint
 
-COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
-              "hash_router", "norm", "embed", "head", "mtp", "vision", "projector")
-TEXT_ACTIVE = ("attention", "compressor", "indexer", "mhc", "shared_experts", "dense_mlp", "router", "hash_router",
-               "norm", "embed", "head")
+COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts",
+              "dense_mlp", "router", "hash_router", "norm", "embed", "head", "mtp", "vision", "projector")
+TEXT_ACTIVE = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "latent", "shared_experts", "dense_mlp",
+               "router", "hash_router", "norm", "embed", "head")
 
 
 @dataclass
@@ -49,12 +49,11 @@ def summarize(ck: Checkpoint) -> Summary:
         row["params"] += numel
         row["bytes"] += t.stored_bytes * count
     tc = ck.text_config
-    n_experts = int(tc.get("n_routed_experts") or 0)
-    per_tok = int(tc.get("num_experts_per_tok") or 0)
+    text = ck.model.text
+    n_experts, per_tok = text.expert_count, text.experts_per_token
     active = sum(params[c] for c in TEXT_ACTIVE)
     if n_experts:
         active += params["routed_experts"] * per_tok // n_experts
-    text = ck.model.text
     vision = next((p for p in ck.model.parts if p.group == "vision"), None)
     model = {
         "layers": text.layer_count,
@@ -64,7 +63,7 @@ def summarize(ck: Checkpoint) -> Summary:
         "attention_heads": tc.get("num_attention_heads"),
         "routed_experts": n_experts,
         "experts_per_token": per_tok,
-        "shared_experts": tc.get("n_shared_experts"),
+        "shared_experts": text.shared_experts,
         "vocab_size": tc.get("vocab_size"),
         "sparse_attention_topk": tc.get("index_topk"),
         "vision_layers": vision.layer_count if vision else 0,
@@ -95,5 +94,9 @@ def _quantization(ck: Checkpoint) -> dict | None:
     if fmt == "none":
         return None
     qc = ck.quantization_config
-    return {"format": fmt or f"{qc.get('quant_method')}/{qc.get('format')}",
-            "scheme": EXPORT_FORMATS[fmt].scheme if fmt in EXPORT_FORMATS else None}
+    scheme = EXPORT_FORMATS[fmt].scheme if fmt in EXPORT_FORMATS else RELEASE_FORMATS.get(qc.get("format"))
+    return {"format": fmt or f"{qc.get('quant_method')}/{qc.get('format')}", "scheme": scheme}
+
+
+# quantized release formats that are no export format, by the registry scheme they are another encoding of
+RELEASE_FORMATS = {"mxfp4-pack-quantized": "fp4"}  # Kimi K3's routed experts

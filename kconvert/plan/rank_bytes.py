@@ -16,8 +16,8 @@ from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.quant.policy import QuantPolicy
 from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE
 
-COMPONENTS = ("attention", "compressor", "indexer", "mhc", "routed_experts", "shared_experts", "dense_mlp", "router",
-              "hash_router", "norm", "embed", "head", "vision", "projector")
+COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts",
+              "dense_mlp", "router", "hash_router", "norm", "embed", "head", "vision", "projector")
 
 
 class TensorGroup(NamedTuple):

@@ -2,7 +2,8 @@
 each stored form is and reads it).
 
 A released checkpoint stores 70k-200k tensors, so folding runs in bulk where the checkpoint is uniform: INT4's
-`weight_packed` / `weight_scale` / `weight_shape` triples, block-FP8's `weight_scale_inv` pairs and plain
+`weight_packed` / `weight_scale` / `weight_shape` triples, MXFP4's `weight_packed` / `weight_scale` pairs (Kimi
+K3's routed experts), block-FP8's `weight_scale_inv` pairs and plain
 weights are matched and wrapped by C-level map/zip/set operations. Anything else (a missing companion, mixed
 companion kinds, V4's `.scale` sidecars, FP8 or INT8 weights with a compressed-tensors scale) takes the
 per-name path, which names what is wrong. Both give the same tensors in the same order.
@@ -142,15 +143,24 @@ def fold(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
 
 
 def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, used: set) -> bool:
-    """All INT4 triples or all block-FP8 pairs, each complete and well-formed: fold them at once (True).
-    False leaves the per-name path to fold them, or to name the one that is wrong."""
+    """All INT4 triples, all MXFP4 pairs or all block-FP8 pairs, each complete and well-formed: fold them at once
+    (True). False leaves the per-name path to fold them, or to name the one that is wrong."""
     if all(map(str.endswith, named, repeat(".weight_packed"))):
         bases = list(map(str.removesuffix, named, repeat("_packed")))
         scale_keys, shape_keys = list(map(add, bases, repeat("_scale"))), list(map(add, bases, repeat("_shape")))
         packed = list(map(stored.__getitem__, named))
         scales, shapes = list(map(stored.get, scale_keys)), list(map(stored.get, shape_keys))
-        if None in scales or None in shapes or set(map(_DTYPE, packed)) != {"I32"} \
-                or set(map(len, map(_SHAPE, packed))) != {2}:
+        if None in scales or set(map(len, map(_SHAPE, packed))) != {2}:
+            return False
+        if set(map(_DTYPE, packed)) == {"U8"} and shapes.count(None) == len(shapes):  # MXFP4: no weight_shape
+            if set(map(_DTYPE, scales)) != {"U8"} or any(map(_mxfp4_misfit, packed, scales)):
+                return False
+            logical = [(s[0], s[1] * 2) for s in map(_SHAPE, packed)]
+            parts = [{"weight": p, "scale": s._replace(dtype="F8_E8M0")} for p, s in zip(packed, scales)]
+            out.update(zip(bases, _bulk(zip(bases, logical, repeat("fp4_packed"), parts))))
+            used.update(named, scale_keys)
+            return True
+        if None in shapes or set(map(_DTYPE, packed)) != {"I32"}:
             return False
         logical = [(s[0], s[1] * 8) for s in map(_SHAPE, packed)]
         parts = [{"packed": p, "scale": s, "shape": h} for p, s, h in zip(packed, scales, shapes)]
@@ -179,7 +189,11 @@ def _named_one_by_one(stored: dict[str, TensorEntry], named: list[str], out: dic
 
     for name in named:
         e = stored[name]
-        if name.endswith(".weight_packed"):
+        if name.endswith(".weight_packed") and e.dtype == "U8" and name[: -len("_packed")] + "_shape" not in stored:
+            base = name[: -len("_packed")]
+            out[base] = _mxfp4(base, e, need(base, "_scale", name))
+            used.update((name, base + "_scale"))
+        elif name.endswith(".weight_packed"):
             base = name[: -len("_packed")]
             scale, shape_t = need(base, "_scale", name), need(base, "_shape", name)
             if e.dtype != "I32" or len(e.shape) != 2:
@@ -237,3 +251,25 @@ def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:
                       f"per {FP4_GROUP} inputs, is {scale.dtype}{list(scale.shape)}")
         return _new((w.name, (rows, cols), "fp4_packed", {"weight": w, "scale": scale}))
     raise bad(f"a .scale sidecar belongs to an F8_E4M3 or packed-FP4 int8 weight, not {w.dtype}{list(w.shape)}")
+
+
+def _mxfp4_misfit(packed: TensorEntry, scale: TensorEntry) -> str | None:
+    """What is wrong with a compressed-tensors MXFP4 pair's shapes (None: packed [R, C/2], scale [R, C/32])."""
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    if len(packed.shape) != 2 or cols % FP4_GROUP or tuple(scale.shape) != (rows, cols // FP4_GROUP):
+        return (f"MXFP4 weight_packed {list(packed.shape)} (two e2m1 codes a byte) needs a U8 e8m0 weight_scale "
+                f"[{rows}, {cols // FP4_GROUP}] (one per {FP4_GROUP} inputs), is {scale.dtype}{list(scale.shape)}")
+    return None
+
+
+def _mxfp4(base: str, packed: TensorEntry, scale: TensorEntry) -> LogicalTensor:
+    """compressed-tensors `mxfp4-pack-quantized`: the same arithmetic as DeepSeek-V4's FP4 experts (e2m1 code pairs,
+    low nibble the even element; e8m0 per 32 inputs), so it folds to the same fp4_packed weight, its U8 scale
+    bytes read as the e8m0 they are (byte 255, NaN, refused by every reader)."""
+    misfit = _mxfp4_misfit(packed, scale) if scale.dtype == "U8" and len(packed.shape) == 2 else \
+        f"MXFP4 weight_packed must be U8 2-D with a U8 weight_scale, is {packed.dtype}{list(packed.shape)} + " \
+        f"{scale.dtype}{list(scale.shape)}"
+    if misfit:
+        raise CheckpointError(misfit, file=str(scale.file), tensor=scale.name)
+    return _new((base, (packed.shape[0], packed.shape[1] * 2), "fp4_packed",
+                 {"weight": packed, "scale": scale._replace(dtype="F8_E8M0")}))

@@ -32,12 +32,13 @@ def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tens
     if par.first:
         x = model.stage_input(ids.to(model.device), image_embeds)
     else:
-        x = par.recv_prev((1, T, *model.stack.residual_shape), model.dtype, model.device)
-    out = {model.stage_layers[0]: x[0].float()}
+        x = par.recv_prev((1, T, *model.stack.residual_shape_at(model.stage_layers[0])), model.dtype, model.device)
+    reported = model.stack.reported  # what is compared per layer (K3's attention residuals: the partial sum)
+    out = {model.stage_layers[0]: reported(x)[0].float()}
     ids = ids.to(model.device)
     for L in model.stage_layers:  # ids: for layers that route by token (DeepSeek-V4's hash layers)
         x = model.layer(L).forward(x, 0, cache.layers[model.slot[L]], cos[None], sin[None], par, ids=ids)
-        out[L + 1] = x[0].float()
+        out[L + 1] = reported(x)[0].float()
     if par.last:
         out[model.cfg.num_layers] = model.final_norm(x)[0].float()
     else:
@@ -57,7 +58,7 @@ def hidden_states(model, ids: torch.Tensor, image_embeds, writer: int = 0):
     if par.pp == 1:
         return (list(mine.values()), logits) if par.rank == writer else (None, None)
     T, V = ids.shape[1], model.cfg.vocab_size
-    residual = tuple(model.stack.residual_shape)  # per token: the hidden state, or several streams (mHC)
+    residual = tuple(model.stack.reported(torch.empty(1, *model.stack.residual_shape)).shape[1:])  # per token
     if par.rank == writer:
         got = dict(mine)
         for s, layers in enumerate(model.stages):  # each stage's tp rank 0 sends what it computed, in order

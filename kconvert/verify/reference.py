@@ -106,7 +106,12 @@ def _with_tie_rule(module: torch.nn.Module) -> None:
 
 def reference_model(ck: Checkpoint, dtype: torch.dtype):
     """The transformers class the family manifest names, loaded from the source checkpoint, its DSA
-    indexers (if any) selecting with the documented tie rule."""
+    indexers (if any) selecting with the documented tie rule; or, for a family no transformers release runs
+    (`reference_backend = "mlx"`: Kimi K3), mlx-lm's model (verify/mlx_reference.py)."""
+    if ck.model.family.get("reference_backend") == "mlx":
+        from kconvert.verify.mlx_reference import MlxReference
+
+        return MlxReference(ck.root, dtype)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()

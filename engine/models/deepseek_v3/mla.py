@@ -24,9 +24,12 @@ GATHER_BUDGET = 1 << 26  # elements of gathered latent rows held at once during 
 
 class MLA(nn.Module):
     """Stored as `q_a_proj`, `q_a_layernorm`, `q_b_proj` (or `q_proj` without a q LoRA), `kv_a_proj_with_mqa`,
-    `kv_a_layernorm`, `kv_b_proj`, `o_proj` and, with DSA, `indexer`."""
+    `kv_a_layernorm`, `kv_b_proj`, `o_proj` and, with DSA, `indexer`. Kimi Linear's MLA (engine/models/kimi_linear)
+    builds it with `nope` (the rope slice of queries and keys is not rotated), `gated` (the attention output times
+    σ(`g_proj` x) before o_proj) and its own layernorm eps."""
 
-    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, nope: bool = False, gated: bool = False,
+                 norm_eps: float | None = None):
         super().__init__()
         for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             if not getattr(cfg, key):
@@ -34,7 +37,8 @@ class MLA(nn.Module):
         if cfg.num_heads % par.tp:
             raise EngineError(f"{cfg.num_heads} heads do not split over tp={par.tp}")
         self.cfg, self.heads = cfg, cfg.num_heads // par.tp
-        self.eps = cfg.rms_norm_eps
+        self.eps = cfg.rms_norm_eps if norm_eps is None else norm_eps
+        self.nope = nope
         if cfg.q_lora_rank:
             self.q_a_proj = LinearSlot()
             self.q_a_layernorm = RMSNorm(self.eps)
@@ -45,8 +49,9 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.eps)
         self.kv_b_proj = LinearSlot()
         self.o_proj = LinearSlot()
+        self.g_proj = LinearSlot() if gated else None
         self.indexer = Indexer(cfg) if cfg.index_topk else None
-        self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+        self.scale = cfg.qk_head_dim ** -0.5 if nope else softmax_scale(cfg.rope, cfg.qk_head_dim)
 
     def forward(self, x: torch.Tensor, start: int, cache: LayerKV, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B,S,hidden] at positions start..start+S-1; returns this rank's partial o_proj output."""
@@ -60,10 +65,14 @@ class MLA(nn.Module):
         else:
             q_lat, q = None, self.q_proj(x)
         q = q.view(B, S, self.heads, nope + rope)
-        q_rope = rotate_interleaved(q[..., nope:], cos[:, :, None], sin[:, :, None])
         kv = self.kv_a_proj_with_mqa(x)
+        if self.nope:
+            q_rope, k_rope = q[..., nope:], kv[..., lat:]
+        else:
+            q_rope, k_rope = rotate_interleaved(q[..., nope:], cos[:, :, None], sin[:, :, None]), rotate_interleaved(
+                kv[..., lat:], cos, sin)
         step = cache.step_for(start, B, S)
-        cache.write(step, self.kv_a_layernorm(kv[..., :lat]), rotate_interleaved(kv[..., lat:], cos, sin))
+        cache.write(step, self.kv_a_layernorm(kv[..., :lat]), k_rope)
 
         wkv = self.kv_b_proj.dense(dt).view(self.heads, nope + c.v_head_dim, lat)
         q_abs = torch.einsum("bshd,hdc->bshc", q[..., :nope], wkv[:, :nope])  # [B,S,h,lat]
@@ -72,8 +81,10 @@ class MLA(nn.Module):
             o_lat = self._sparse(q_abs, q_rope, cache, step.rows, idx, valid)
         else:
             o_lat = self._dense(q_abs, q_rope, cache, step)
-        o = torch.einsum("bshc,hvc->bshv", o_lat, wkv[:, nope:])
-        return self.o_proj(o.reshape(B, S, self.heads * c.v_head_dim))
+        o = torch.einsum("bshc,hvc->bshv", o_lat, wkv[:, nope:]).reshape(B, S, self.heads * c.v_head_dim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
 
     def _sparse(self, q_abs, q_rope, cache: LayerKV, rows, idx, valid):
         """Only the selected latent rows are read (and, with the host tier, fetched)."""

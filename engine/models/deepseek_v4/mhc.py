@@ -111,6 +111,12 @@ class MHCStack:
         self.c = v4_config(cfg)
         self.residual_shape = (self.c.hc_mult, cfg.hidden_size)
 
+    def residual_shape_at(self, layer: int) -> tuple[int, ...]:
+        return self.residual_shape
+
+    def reported(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, :, None].expand(-1, -1, self.c.hc_mult, -1).contiguous()
 
@@ -120,5 +126,5 @@ class MHCStack:
     def leave(self, head: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
         return head(x)
 
-    def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv) -> V4Cache:
+    def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv, layers=None) -> V4Cache:
         return V4Cache(cfg.num_layers, batch, max_len, device, kv)

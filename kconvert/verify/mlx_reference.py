@@ -1,0 +1,83 @@
+"""The MLX reference (a family whose manifest says `reference_backend = "mlx"`: Kimi K3): Apple's MLX on its
+Linux CPU backend runs mlx-lm's own model of the family, loaded from the source checkpoint as released (its
+`sanitize` reads the released names and MXFP4 experts; a strict load refuses any tensor it does not know).
+No transformers release runs Kimi K3, so this is the independent implementation verify compares against.
+
+`MlxReference(ck, dtype)` answers as a transformers model does for reference.py: `model(input_ids=[1, T],
+output_hidden_states=...)` -> `.logits` [1, T, V] and `.hidden_states`: the embeddings, the residual after
+each layer (with block attention residuals: the running partial sum, what the engine reports too), and the
+final norm's output. The layers run under mlx-lm's own classes; only the loop over them is here, so the
+states between layers can be read (tests/test_kimi_k3.py checks the loop gives the model's own logits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kconvert.errors import UsageError
+
+PINS = ("mlx==0.32.4", "mlx-cpu==0.32.4", "mlx-lm==0.32.2", "mlx-vlm==0.7.10")  # what the reference was checked with
+INSTALL = "pip install " + " ".join(f"'{p}'" for p in PINS)
+
+
+def _mlx():
+    try:
+        import mlx.core as mx
+        from mlx_lm.utils import load_model
+    except ImportError:
+        raise UsageError(f"the MLX reference is not installed: {INSTALL}  (or the `mlx` extra)") from None
+    return mx, load_model
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None
+
+
+class MlxReference:
+    """mlx-lm's model of a checkpoint directory, in float32 / bfloat16 / float64."""
+
+    def __init__(self, root: Path, dtype: torch.dtype):
+        mx, load_model = _mlx()
+        self.mx = mx
+        self.model, _ = load_model(Path(root), strict=True)
+        self.dtype = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float64: mx.float64}[dtype]
+        self.model.set_dtype(self.dtype)  # floating weights only: packed MXFP4 codes and their scales stay
+        self.torch_dtype = dtype
+
+    def eval(self) -> "MlxReference":
+        return self
+
+    def _to_torch(self, a) -> torch.Tensor:
+        import numpy as np
+
+        return torch.from_numpy(np.array(a.astype(self.mx.float32 if self.dtype != self.mx.float64 else self.dtype)))
+
+    def __call__(self, input_ids: torch.Tensor, output_hidden_states: bool = False, **kwargs) -> Output:
+        if kwargs.get("pixel_values") is not None:
+            raise UsageError("the MLX text reference takes no image (mlx-lm's Kimi K3 is text only)")
+        from mlx_lm.models.base import create_attention_mask
+        from mlx_lm.models.kimi_k3 import ResidualBlocks, _attn_res_mix
+
+        mx = self.mx
+        lm = self.model.language_model
+        tm = lm.model
+        h = tm.embed_tokens(mx.array(input_ids.numpy()))
+        mask = create_attention_mask(h, None, return_array=True)
+        blocks = ResidualBlocks(tm.args.rms_norm_eps) if tm.use_attn_res else None
+        states = []
+        for layer in tm.layers:
+            states.append(h)
+            h, blocks = layer(h, mask=None if layer.is_linear else mask, cache=None, blocks=blocks)
+        if blocks is not None:
+            w = tm.output_attn_res_norm.weight.astype(mx.float32) * tm.output_attn_res_proj.weight.reshape(-1)
+            h = _attn_res_mix(blocks, h, w, tm.args.rms_norm_eps, False)
+        out = tm.norm(h)
+        states.append(out)
+        logits = lm.lm_head(out) if lm.lm_head is not None else tm.embed_tokens.as_linear(out)
+        mx.eval(logits, *states)
+        hidden = tuple(self._to_torch(s) for s in states) if output_hidden_states else None
+        return Output(self._to_torch(logits), hidden)

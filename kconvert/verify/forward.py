@@ -22,8 +22,9 @@ def engine_inputs(prompt: dict, tokens: torch.Tensor, model, config: dict):
 
 
 def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tensor]:
-    """This stage's states by reported position k (k = 0: embeddings; k = L + 1: after layer L; the last
-    position is the final norm of the last layer's output). A stage's entries include the input of each
+    """This stage's residuals by reported position k (k = 0: embeddings; k = L + 1: after layer L; the last
+    position is the final norm of the last layer's output), whole (a layer's input, for attribution; verify
+    compares the stack's `reported` part of them). A stage's entries include the input of each
     of its layers (the first one received from the previous stage). Every rank of the run calls this."""
     par = model.par
     T = ids.shape[1]
@@ -33,12 +34,11 @@ def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tens
         x = model.stage_input(ids.to(model.device), image_embeds)
     else:
         x = par.recv_prev((1, T, *model.stack.residual_shape_at(model.stage_layers[0])), model.dtype, model.device)
-    reported = model.stack.reported  # what is compared per layer (K3's attention residuals: the partial sum)
-    out = {model.stage_layers[0]: reported(x)[0].float()}
+    out = {model.stage_layers[0]: x[0].float()}
     ids = ids.to(model.device)
     for L in model.stage_layers:  # ids: for layers that route by token (DeepSeek-V4's hash layers)
         x = model.layer(L).forward(x, 0, cache.layers[model.slot[L]], cos[None], sin[None], par, ids=ids)
-        out[L + 1] = reported(x)[0].float()
+        out[L + 1] = x[0].float()
     if par.last:
         out[model.cfg.num_layers] = model.final_norm(x)[0].float()
     else:
@@ -51,7 +51,9 @@ def hidden_states(model, ids: torch.Tensor, image_embeds, writer: int = 0):
     ..., after layer N-2, final-norm(after layer N-1)], the positions transformers' output_hidden_states
     reports. Every rank of the run calls this."""
     par = model.par
-    mine = stage_states(model, ids, image_embeds)
+    mine = stage_states(model, ids, image_embeds)  # whole residuals: what is compared is the stack's `reported` part
+    final = model.cfg.num_layers
+    mine = {k: v if k == final else model.stack.reported(v) for k, v in mine.items()}
     logits = None
     if par.last:  # one pass gives both: the logits are the head of the last (final-norm) state
         logits = par.all_gather_last(model.head(mine[model.cfg.num_layers][None].to(model.dtype))).float()

@@ -153,11 +153,17 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
         _stage_table(con, p.pipeline)
     kv = p.kv_cache
     latent = "MLA latent" if kv.get("cache", "mla") == "mla" else "compressed K=V entries, layer average"
-    con.print(f"KV cache ({kv['dtype']}) per token per rank: {kv['layers']} layers x ({kv['latent_bytes']} B {latent} "
-              f"+ {kv['indexer_bytes']} B indexer key) = {kv['bytes_per_token']:,} B; replicated on every tp rank "
-              "(the latent has no heads to split)" + ("; a pipeline stage keeps only its own layers'" if p.pipeline else "")
-              + (f"; plus {kv['bytes_per_sequence']:,} B per sequence (sliding windows, compressor state)"
-                 if kv.get("bytes_per_sequence") else ""))
+    if kv.get("cache") == "hybrid":
+        con.print(f"KV cache ({kv['dtype']}) per rank: {kv['mla_layers']} MLA layers keep "
+                  f"{kv['mla_bytes_per_token']:,} B per token (replicated on every tp rank); {kv['kda_layers']} KDA layers "
+                  f"keep {kv['kda_bytes_per_sequence']:,} B per sequence whatever its length (float32 state + conv window, "
+                  "this rank's heads)" + ("; a pipeline stage keeps only its own layers'" if p.pipeline else ""))
+    else:
+        con.print(f"KV cache ({kv['dtype']}) per token per rank: {kv['layers']} layers x ({kv['latent_bytes']} B {latent} "
+                  f"+ {kv['indexer_bytes']} B indexer key) = {kv['bytes_per_token']:,} B; replicated on every tp rank "
+                  "(the latent has no heads to split)" + ("; a pipeline stage keeps only its own layers'" if p.pipeline else "")
+                  + (f"; plus {kv['bytes_per_sequence']:,} B per sequence (sliding windows, compressor state)"
+                     if kv.get("bytes_per_sequence") else ""))
     ctx = f"{fmt_tokens(mem['context'])} tokens x batch {mem['batch']}"
     con.print(f"{mem['device_name']}: {gib(mem['device_bytes'])} x {mem['mem_fraction']} = {gib(mem['usable_bytes'])} "
               f"usable; weights {gib(mem['weights_bytes'])} + reserve {gib(mem['reserve_bytes'])}"

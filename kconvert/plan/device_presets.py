@@ -57,15 +57,15 @@ def find_device(name: str) -> DevicePreset:
 
 
 def source_format(text_config: dict, config: dict) -> str:
-    """The `--quant` name of how a source stores its routed experts: fp4 (DeepSeek-V4's e2m1 experts), fp8
-    (block-FP8 releases), int4 (compressed-tensors pack-quantized), else none."""
+    """The `--quant` name of how a source stores its routed experts: fp4 (DeepSeek-V4's e2m1 experts, Kimi K3's
+    compressed-tensors MXFP4), fp8 (block-FP8 releases), int4 (compressed-tensors pack-quantized), else none."""
     if text_config.get("expert_dtype") == "fp4":
         return "fp4"
     qc = text_config.get("quantization_config") or config.get("quantization_config") or {}
     if qc.get("quant_method") == "fp8" or text_config.get("expert_dtype") == "fp8":
         return "fp8"
     if qc.get("quant_method") == "compressed-tensors":
-        return "int4"
+        return "fp4" if qc.get("format") == "mxfp4-pack-quantized" else "int4"  # Kimi K3's MXFP4 experts
     return "none"
 
 

@@ -75,8 +75,8 @@ class Sizing:
     def per_rank(self, layout: Layout) -> list[dict[str, int]]:
         return rank_bytes(self.groups, self.copies(layout), layout.tp)
 
-    def fit(self, device: DevicePreset, weights: int) -> dict:
-        return fit(device, weights, self.reserve, self.kv, self.context, self.batch, self.mem_fraction)
+    def fit(self, device: DevicePreset, weights: int, tp: int = 1) -> dict:
+        return fit(device, weights, self.reserve, self.kv.on_tp(tp), self.context, self.batch, self.mem_fraction)
 
     def misaligned(self, layout: Layout) -> str | None:
         return fp8_misaligned(self.groups, layout, self.policy, self.n_experts)

@@ -17,6 +17,9 @@ Per decoder layer (MTP layers excluded: the converter drops them by default) a t
 Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
 DeepSeek-V4 (no latent; compressed entries, sliding windows, compressor state) is `compressed_kv_bytes`:
 an exact per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`), its host tier too.
+Kimi Linear / Kimi K3 (KDA + MLA layers) is `hybrid_kv_bytes`: MLA layers keep the latent row above per token;
+KDA layers keep, per sequence whatever its length, a float32 state [heads, Dk, Dv] and their short convolutions'
+last kernel-1 inputs (3 x heads x Dk, bf16), split over tp by heads (`KVBytes.on_tp`).
 
 Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank
 holds the whole latent and indexer cache of every sequence it serves, so these are bytes per token
@@ -49,6 +52,8 @@ class KVBytes:
     # entry the host tier keeps in host memory); rate 0 = sliding window only. A sequence of L >= 1 tokens
     # keeps sum(per_sequence + (L // rate) * per_entry), of which sum((L // rate) * host) in host memory.
     layer_terms: tuple = ()
+    # per layer of layer_terms: whether its per-sequence bytes split over tp ranks (KDA states: by heads)
+    split_over_tp: tuple = ()
 
     @property
     def per_layer(self) -> int:
@@ -104,13 +109,25 @@ class KVBytes:
 
     def stage(self, first: int, end: int) -> "KVBytes":
         """The KV of layers first..end-1 (a pipeline stage)."""
-        return replace(self, layers=end - first, layer_terms=self.layer_terms[first:end])
+        return replace(self, layers=end - first, layer_terms=self.layer_terms[first:end],
+                       split_over_tp=self.split_over_tp[first:end])
+
+    def on_tp(self, tp: int) -> "KVBytes":
+        """What one rank of `tp` keeps: the per-sequence bytes of the layers that split by heads, divided."""
+        if not any(self.split_over_tp):
+            return self
+        terms = tuple((r, e, f // tp if split else f, h) for (r, e, f, h), split in zip(self.layer_terms, self.split_over_tp))
+        return replace(self, layer_terms=terms, split_over_tp=())
 
     def to_json(self) -> dict:
         out = {**asdict(self), "bytes_per_token_per_layer": self.per_layer, "bytes_per_token": self.per_token,
                "replicated_across_tp": True}
         if self.layer_terms:
             out["bytes_per_sequence"] = self.per_sequence
+        if self.cache == "hybrid":  # exact per kind: MLA rows per token, KDA states per sequence
+            mla = [t for t in self.layer_terms if t[0]]
+            out.update(mla_layers=len(mla), kda_layers=len(self.layer_terms) - len(mla),
+                       mla_bytes_per_token=sum(t[1] for t in mla), kda_bytes_per_sequence=self.per_sequence)
         return out
 
 
@@ -138,6 +155,8 @@ def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
     tc = text_config
     if "kv_lora_rank" not in tc and ("compress_ratios" in tc or "layer_types" in tc):
         return compressed_kv_bytes(tc, dtype)
+    if isinstance(tc.get("linear_attn_config"), dict):
+        return hybrid_kv_bytes(tc, dtype)
     index_dim = int(tc.get("index_head_dim") or 0) if tc.get("index_topk") else 0
     return KVBytes(
         dtype=dtype,
@@ -203,10 +222,35 @@ def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
                    cache="compressed", layer_terms=tuple(terms))
 
 
+KDA_STATE_BYTES = 4  # the recurrent state is float32 (engine/cache/recurrent.py)
+KDA_CONV_BYTES = 2  # the short convolutions' window is kept in the compute dtype (bf16)
+
+
+def kda_state_bytes(heads: int, head_dim: int, kernel: int) -> int:
+    """One KDA layer's per-sequence state, all heads: the [heads, Dk, Dv] recurrent matrix and the last kernel-1
+    inputs of the q, k and v convolutions."""
+    return KDA_STATE_BYTES * heads * head_dim * head_dim + KDA_CONV_BYTES * (kernel - 1) * 3 * heads * head_dim
+
+
+def hybrid_kv_bytes(tc: dict, dtype: str) -> KVBytes:
+    """Kimi Linear / K3 as the engine keeps it (engine/cache/recurrent.py): per MLA layer one latent row a token
+    (rate 1), per KDA layer a fixed state a sequence (rate 0). The layers' kinds as the family manifest schedules
+    them: `linear_attn_config.kda_layers` counts from 1 (kconvert/family/schedule.py checks the lists)."""
+    lin = tc["linear_attn_config"]
+    kda = {int(L) - 1 for L in lin.get("kda_layers") or ()}
+    n = int(tc["num_hidden_layers"])
+    row = latent_bytes(int(tc["kv_lora_rank"]), int(tc["qk_rope_head_dim"]), dtype)
+    state = kda_state_bytes(int(lin["num_heads"]), int(lin["head_dim"]), int(lin["short_conv_kernel_size"]))
+    terms = tuple((0, 0, state, 0) if L in kda else (1, row, 0, row) for L in range(n))
+    mla = n - len(kda)
+    return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(mla * row / n), indexer_bytes=0, cache="hybrid",
+                   layer_terms=terms, split_over_tp=tuple(L in kda for L in range(n)))
+
+
 TIER_DEVICE_SHARE = 8  # with the host tier the device keeps 1/8 of the latent (newest pages + a page cache)
 
 
-def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int) -> list[dict]:
+def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int, tp: int = 1) -> list[dict]:
     """Per KV format: bytes per token, the longest context the device's free bytes hold, and the context
     the host tier reaches: indexer keys of every token + 1/TIER_DEVICE_SHARE of the latent stay on the
     device, the whole latent is in `host_bytes` of host memory (engine.cache.latent with --kv-device-budget). DeepSeek-V4's
@@ -214,7 +258,7 @@ def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int) 
     out = []
     free = max(free_bytes, 0)
     for dtype in KV_DTYPES:
-        kv = kv_bytes(text_config, dtype)
+        kv = kv_bytes(text_config, dtype).on_tp(tp)
         lat, idx = kv.layers * kv.latent_bytes, kv.layers * kv.indexer_bytes
         on_device = idx + lat / TIER_DEVICE_SHARE
         tiered = kv.max_context(free, batch, host_bytes) if kv.layer_terms else \

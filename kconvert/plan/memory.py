@@ -105,7 +105,7 @@ def _tp_table(sz: Sizing, model: ModelMap, layout: Layout, dev: DevicePreset) ->
         if row["reason"]:
             continue
         w = max(sum(r.values()) for r in sz.per_rank(lay))
-        f = sz.fit(dev, w)
+        f = sz.fit(dev, w, t)
         row.update(ok=True, weights_per_rank=w, fits=f["fits"], headroom_bytes=f["headroom_bytes"],
                    max_context=f["max_context"], fp8_misaligned=sz.misaligned(lay))
     return table
@@ -174,8 +174,8 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
     stored = [(g, policy.stored_bytes(g.info, g.shape, g.itemsize) * g.count) for g in groups]
     vision = next((p for p in model.parts if p.group == "vision"), None)
     pipe = None
-    mem = sz.fit(dev, totals[top])
-    dev_fits = [sz.fit(d, totals[top]) for d in devices().values()]
+    mem = sz.fit(dev, totals[top], layout.tp)
+    dev_fits = [sz.fit(d, totals[top], layout.tp) for d in devices().values()]
     kv_layers = model.text.layer_count
     if pp > 1 or pp_layers is not None:  # per device, the stage with the least headroom decides
         inputs = stage_inputs(sz, model, layout)
@@ -188,7 +188,7 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         source=src, source_kind=kind, family=model.name,
         model={"layers": model.text.layer_count, "hidden_size": tc.get("hidden_size"),
                "attention_heads": tc.get("num_attention_heads"), "routed_experts": sz.n_experts,
-               "experts_per_token": tc.get("num_experts_per_tok"), "kv_lora_rank": tc.get("kv_lora_rank"),
+               "experts_per_token": model.text.experts_per_token, "kv_lora_rank": tc.get("kv_lora_rank"),
                "qk_rope_head_dim": tc.get("qk_rope_head_dim"),
                "index_head_dim": tc.get("index_head_dim") if tc.get("index_topk") else None,
                "max_position_embeddings": max_pos or None, "vision_layers": vision.layer_count if vision else 0},
@@ -197,13 +197,13 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         converted_bytes=sum(b for _, b in stored),
         replicated_bytes=sum(b for g, b in stored if g.info.split == "replicate"),
         rank={"index": top, "bytes": per_rank[top], "total": totals[top], "min_total": min(totals)},
-        kv_cache=sz.kv.to_json(),
+        kv_cache=sz.kv.on_tp(layout.tp).to_json(),
         memory={**mem, "context": sz.context, "batch": batch, "mem_fraction": mem_fraction,
                 "reserve_default": reserve_gb is None},
         devices=[{**f, "fp8": d.fp8, "backend": d.backend, "bandwidth_tbs": d.bandwidth_tbs}
                  for f, d in zip(dev_fits, devices().values())],
         tp_table=_tp_table(sz, model, layout, dev),
-        kv_options=kv_options({**tc, "num_hidden_layers": kv_layers}, kv_free, batch, int(host_gb * GIB)),
+        kv_options=kv_options({**tc, "num_hidden_layers": kv_layers}, kv_free, batch, int(host_gb * GIB), layout.tp),
         pipeline=pipe, pp_search=search(sz, model, layout, dev, gpus_per_node),
         warnings=_warnings(sz, layout, dev, max_pos), quant_reason=reason,
     )

@@ -55,7 +55,7 @@ def pipeline_fit(sz: Sizing, inputs: StageInputs, layout: Layout, pp: int, dev: 
     split = split_layers(inputs.layer_bytes, pp, inputs.first, inputs.last, pp_layers)
     stages = []
     for s, (a, b) in enumerate(split.layers):
-        kv = sz.kv.stage(a, b)
+        kv = sz.kv.stage(a, b).on_tp(layout.tp)
         stages.append({"stage": s, "layers": [a, b - 1], "layer_count": b - a,
                        **fit(dev, split.bytes[s], sz.reserve, kv, sz.context, sz.batch, sz.mem_fraction)})
     worst = min(stages, key=lambda f: f["headroom_bytes"])

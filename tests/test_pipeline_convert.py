@@ -183,7 +183,7 @@ def test_pack_unpack_roundtrip_of_a_pp_conversion(converted, copy_checkpoint):
 
     out = copy_checkpoint(converted("tiny-dsv32", 2, 2))
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert pack(out).files == 10
+    assert pack(out).details.files == 10
     assert verify_files(out)["files"] == 10
     assert len(dict(open_converted(out, stage=1, tp_rank=1).stream("cpu", verify=True))) == 2
     unpack(out)

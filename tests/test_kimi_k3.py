@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import cli_here, one_thread
-from kconvert.fixtures.kimi_k3 import k3_config, write_k3_checkpoint
+from kconvert.fixtures.kimi_linear import k3_config, write_k3_checkpoint
 from kconvert.verify import damage
 
 # not the preset: 6 layers, MLA on (1-based) 2 and 6, blocks of 2, a latent of 160, 8 experts (top 3), 2 KDA heads

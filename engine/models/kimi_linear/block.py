@@ -93,11 +93,11 @@ class KimiStack:
     """The residual of a Kimi Linear stack (engine/models/registry.PlainStack's interface): plain, or K3's
     blocks + partial sum; its cache keeps MLA layers' latent rows and KDA layers' states (HybridCache)."""
 
-    head_name = "output_attn_res"  # under the text model: `model.output_attn_res.norm.weight` ...
-
     def __init__(self, cfg: TextConfig):
         self.k = kimi_config(cfg)
         self.block = self.k.attn_res_block
+        # K3's final mix, under the text model: `model.output_attn_res.norm.weight` ... (a plain stack has none)
+        self.head_name = "output_attn_res" if self.block else None
         self.hidden = cfg.hidden_size
         self.residual_shape = (1, cfg.hidden_size) if self.block else (cfg.hidden_size,)
 

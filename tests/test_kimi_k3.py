@@ -180,3 +180,37 @@ def test_an_mxfp4_scale_that_disagrees_with_its_codes_is_refused(k3, tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     r = cli_here("inspect", d)
     assert r.returncode == 2 and name in r.stderr and "MXFP4" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_trained_fixture_is_written_back_under_the_released_names(tmp_path):
+    """tiny-kimi-k3-trained trains through mlx-lm's model; its parameters go back to the released layout by the
+    inverse of mlx-lm's sanitize: reloading them gives every trained parameter back (as bf16 where stored so)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from kconvert.fixtures.kimi_linear import released_tensors
+    from kconvert.fixtures.shards import write_tensors
+    from kconvert.fixtures.trained_k3 import released_from_mlx, train_k3
+
+    start = tmp_path / "start"
+    start.mkdir()
+    write_k3_checkpoint(start, k3_config(OTHER, storage="bf16"), 1, "bf16")
+    params, losses = train_k3(start, 1, steps=1, batch=2, seq_len=16)
+    like = released_tensors(k3_config(OTHER, storage="bf16"), 1, "bf16")
+    back = released_from_mlx(params, k3_config(OTHER), like)
+    assert set(back) == set(like) and len(losses) == 1
+    out = tmp_path / "back"
+    out.mkdir()
+    tensors = {n: back[n].to(like[n].dtype) for n in like}
+    write_tensors(out, tensors, list(tensors), 2)
+    (out / "config.json").write_text(json.dumps(k3_config(OTHER, storage="bf16")))
+    model, _ = load_model(out, strict=True)
+    model.set_dtype(mx.float32)
+    reloaded = dict(tree_flatten(model.parameters()))
+    for name, value in params.items():
+        a = torch.from_numpy(np.array(value.astype(mx.float32)))
+        kept_f32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "conv.weight", "o_norm.weight"))
+        want = a if kept_f32 else a.to(torch.bfloat16).float()
+        assert torch.equal(want, torch.from_numpy(np.array(reloaded[name].astype(mx.float32)))), name

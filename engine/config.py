@@ -85,6 +85,8 @@ class VisionConfig:
     projector_eps: float
     text_hidden: int
     image_token_id: int
+    kind: str = "moonvit"  # engine/models/registry.py VISION: moonvit (Kimi-K2.5), moonvit_v2 (Kimi K3)
+    qkv_hidden_size: int = 0  # attention width where it is not the tower's (MoonViT-V2)
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,16 @@ def _image_token_id(config: dict, engine: dict) -> int:
     return int(engine["image_token_default"])
 
 
-def _vision(c: dict, v: dict, text: TextConfig, image_token_id: int) -> VisionConfig:
+def _vision(c: dict, v: dict, text: TextConfig, image_token_id: int, kind: str = "moonvit") -> VisionConfig:
+    if kind == "moonvit_v2":  # Kimi K3's vision_config spells the tower's keys `vt_*`
+        return VisionConfig(
+            hidden_size=int(v["vt_hidden_size"]), num_layers=int(v["vt_num_hidden_layers"]),
+            num_heads=int(v["vt_num_attention_heads"]), intermediate_size=int(v["vt_intermediate_size"]),
+            patch_size=int(v.get("patch_size", 14)), pos_emb_height=int(v.get("init_pos_emb_height", 64)),
+            pos_emb_width=int(v.get("init_pos_emb_width", 64)), merge_kernel=tuple(v.get("merge_kernel_size", (2, 2))),
+            hidden_act="gelu_pytorch_tanh", rope_theta=10000.0, projector_eps=float(v.get("projector_ln_eps", 1e-5)),
+            text_hidden=text.hidden_size, image_token_id=image_token_id, kind=kind,
+            qkv_hidden_size=int(v.get("qkv_hidden_size") or 0))
     rp = v.get("rope_parameters") or {}
     return VisionConfig(
         hidden_size=int(v["hidden_size"]), num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
@@ -194,7 +205,7 @@ def model_config(config: dict, family: str) -> ModelConfig:
     if engine.get("vision_config"):
         v = _section(config, engine["vision_config"], family)
         try:
-            vision = _vision(config, v, text, _image_token_id(config, engine))
+            vision = _vision(config, v, text, _image_token_id(config, engine), engine.get("vision", "moonvit"))
         except KeyError as e:
             raise CheckpointError(f"{engine['vision_config']} lacks {e.args[0]!r} needed by the engine",
                                   file="config.json") from None

@@ -20,11 +20,11 @@ from torch import nn
 from engine import pipeline
 from engine.cache.latent import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
-from engine.models.registry import block_stack, decoder_layer
+from engine.models.registry import block_stack, decoder_layer, vision_modules
 from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.layers.rope import Rotary
 from engine.layers.slots import holds_all, load_unit, slot
-from engine.models.moonvit import ImageEncoder, Projector, VisionTower, tokens_per_image
+from engine.models.moonvit import ImageEncoder, tokens_per_image
 from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
@@ -170,7 +170,7 @@ class Model(nn.Module):
         elif unit == VISION:
             if self.par.first:  # the tower lives on the first stage
                 vc = self.mc.vision
-                self.vision_tower, self.mm_projector = VisionTower(vc), Projector(vc)
+                self.vision_tower, self.mm_projector = vision_modules(vc)
                 parts = {self.prefix_of(m): m for m in (self.vision_tower, self.mm_projector)}
                 load_unit(unit, parts, t, ignore=self._is_mtp)
                 self.vision = ImageEncoder(self.vision_tower, self.mm_projector)

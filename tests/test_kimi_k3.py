@@ -1,7 +1,8 @@
-"""Kimi K3 as released, against the independent reference (mlx-lm's kimi_k3 on MLX's CPU backend), on a K3
-config that is not the tiny preset (another KDA / MLA schedule, attention-residual block size, latent width,
-expert count): the fixture is what mlx-lm loads strictly; conversions at tp 1, tp 2 and tp 2 x pp 2 (a stage
-boundary inside an attention-residual block) give mlx-lm's log-probs; MXFP4 experts are copied bit for bit
+"""Kimi K3 as released, against the independent reference (mlx-lm's kimi_k3 on MLX's CPU backend; mlx-vlm's vision
+tower and projector for image prompts), on a K3 config that is not the tiny preset (another KDA / MLA schedule,
+attention-residual block size, latent width, expert count, vision tower): the fixture is what mlx-lm loads strictly;
+conversions at tp 1, tp 2 and tp 2 x pp 2 (a stage boundary inside an attention-residual block) give the
+references' log-probs on text and image prompts; MXFP4 experts are copied bit for bit
 (--quant fp4) or re-encoded exactly (fp8); a damaged conversion FAILs verify with its layer named; bad MXFP4 /
 K3 input is one line naming the file and tensor."""
 
@@ -24,6 +25,8 @@ OTHER = {"num_hidden_layers": 6, "hidden_size": 192, "intermediate_size": 384, "
          "num_experts": 8, "num_experts_per_token": 3, "num_shared_experts": 1, "moe_intermediate_size": 96,
          "linear_attn_config": {"num_heads": 2, "head_dim": 96, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
                                 "use_full_rank_gate": True, "kda_layers": [1, 3, 4, 5], "full_attn_layers": [2, 6]}}
+OTHER_VISION = {"vt_num_hidden_layers": 3, "vt_hidden_size": 96, "qkv_hidden_size": 64, "vt_num_attention_heads": 4,
+                "vt_intermediate_size": 160, "init_pos_emb_height": 12, "init_pos_emb_width": 12, "mm_hidden_size": 96}
 P = "language_model.model.layers."
 
 
@@ -33,7 +36,7 @@ def k3(tmp_path_factory):
     d = tmp_path_factory.mktemp("k3")
     src = d / "src"
     src.mkdir()
-    write_k3_checkpoint(src, k3_config(OTHER), seed=3, storage="mxfp4")
+    write_k3_checkpoint(src, k3_config(OTHER, vision_overrides=OTHER_VISION), seed=3, storage="mxfp4")
     for args in (("shard", src, d / "tp1", "--tp", 1, "--quant", "fp4"),
                  ("shard", src, d / "tp2", "--tp", 2),
                  ("shard", src, d / "tp2pp2", "--tp", 2, "--pp", 2, "--pp-layers", "0-2,3-5"),
@@ -81,6 +84,8 @@ def test_conversions_give_mlx_lms_log_probs(k3, layout):
     r, rep = verify(k3 / layout, k3 / "ref.safetensors", "--per-layer")
     assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
     assert rep["cost"]["overall"]["mean_kld"] < 1e-5, rep["cost"]["overall"]  # vs mlx-lm on the release itself
+    assert rep["cost"]["by_kind"]["image"]["positions"] > 0 and rep["cost"]["by_kind"]["image"]["mean_kld"] < 1e-5
+    assert rep["vision_error"] < 1e-5  # the engine's tower + projector vs mlx-vlm's on the same patches
     assert rep["fault_at"] is None
 
 
@@ -200,12 +205,15 @@ def test_the_trained_fixture_is_written_back_under_the_released_names(tmp_path):
     params, losses = train_k3(start, 1, steps=1, batch=2, seq_len=16)
     like = released_tensors(k3_config(OTHER, storage="bf16"), 1, "bf16")
     back = released_from_mlx(params, k3_config(OTHER), like)
-    assert set(back) == set(like) and len(losses) == 1
+    assert set(back) == {n for n in like if n.startswith("language_model.")} and len(losses) == 1
+    like = {n: t for n, t in like.items() if n in back}  # the text model (mlx-lm's kimi_k3 has no vision tower)
     out = tmp_path / "back"
     out.mkdir()
     tensors = {n: back[n].to(like[n].dtype) for n in like}
     write_tensors(out, tensors, list(tensors), 2)
-    (out / "config.json").write_text(json.dumps(k3_config(OTHER, storage="bf16")))
+    config = k3_config(OTHER, storage="bf16")
+    config.pop("vision_config")
+    (out / "config.json").write_text(json.dumps(config))
     model, _ = load_model(out, strict=True)
     model.set_dtype(mx.float32)
     reloaded = dict(tree_flatten(model.parameters()))

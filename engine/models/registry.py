@@ -27,6 +27,8 @@ from engine.models.deepseek_v4.moe import V4MoE
 from engine.models.kimi_linear.block import KimiDecoderLayer, kimi_attention
 from engine.models.kimi_linear.config import kimi_config
 from engine.models.kimi_linear.moe import KimiMLP, KimiMoE
+from engine.models.moonvit import Projector, VisionTower
+from engine.models.moonvit_v2 import PatchMergerV2, VisionTowerV2
 from kconvert.distributed import Group
 from kconvert.errors import EngineError
 
@@ -137,3 +139,15 @@ def block_stack(cfg: TextConfig):
 def decoder_layer(cfg: TextConfig, layer: int, par: Group) -> nn.Module:
     """Layer `layer`'s module, empty (its tensors arrive with its unit)."""
     return kind(BLOCK, cfg.block_kind, "decoder block")(cfg, layer, par)
+
+
+VISION: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {  # [family.engine] vision -> (tower, projector)
+    "moonvit": (VisionTower, Projector),  # Kimi-K2.5
+    "moonvit_v2": (VisionTowerV2, PatchMergerV2),  # Kimi K3: no biases, RMSNorm, a post-norm projector
+}
+
+
+def vision_modules(vc) -> tuple[nn.Module, nn.Module]:
+    """The family's vision tower and projector, empty (their tensors arrive with the vision unit)."""
+    tower, projector = kind(VISION, vc.kind, "vision")
+    return tower(vc), projector(vc)

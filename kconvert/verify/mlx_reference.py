@@ -7,7 +7,10 @@ No transformers release runs Kimi K3, so this is the independent implementation 
 output_hidden_states=...)` -> `.logits` [1, T, V] and `.hidden_states`: the embeddings, the residual after
 each layer (with block attention residuals: the running partial sum, what the engine reports too), and the
 final norm's output. The layers run under mlx-lm's own classes; only the loop over them is here, so the
-states between layers can be read (tests/test_kimi_k3.py checks the loop gives the model's own logits)."""
+states between layers can be read (tests/test_kimi_k3.py checks the loop gives the model's own logits). Image
+prompts: mlx-vlm's Kimi K3 vision tower and patchmergerv2 projector (its own classes, strictly loaded from the
+checkpoint) on the patches verify's prompt set preprocesses (kconvert/verify/prompts.py): the same pixels reach
+both sides, so the towers, projectors and text models are compared, not the two image processors.""" 
 
 from __future__ import annotations
 
@@ -42,11 +45,45 @@ class MlxReference:
 
     def __init__(self, root: Path, dtype: torch.dtype):
         mx, load_model = _mlx()
-        self.mx = mx
-        self.model, _ = load_model(Path(root), strict=True)
+        self.mx, self.root = mx, Path(root)
+        self.model, _ = load_model(self.root, strict=True)
         self.dtype = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float64: mx.float64}[dtype]
         self.model.set_dtype(self.dtype)  # floating weights only: packed MXFP4 codes and their scales stay
         self.torch_dtype = dtype
+        self._vision = None
+
+    def _vision_modules(self):
+        """mlx-vlm's Kimi K3 vision tower and projector, strictly loaded from the checkpoint's own tensors."""
+        if self._vision is None:
+            import json
+
+            from mlx_vlm.models.kimi_k3.config import ModelConfig, TextConfig, VisionConfig
+            from mlx_vlm.models.kimi_k3.kimi_k3 import KimiK3MultiModalProjector
+            from mlx_vlm.models.kimi_k3.vision import VisionModel
+
+            mx = self.mx
+            cfg = json.loads((self.root / "config.json").read_text())
+            mc = ModelConfig.from_dict(cfg)
+            mc.text_config, mc.vision_config = TextConfig.from_dict(cfg["text_config"]), VisionConfig.from_dict(cfg["vision_config"])
+            tower, projector = VisionModel(mc.vision_config), KimiK3MultiModalProjector(mc)
+            weights = {}
+            for f in sorted(self.root.glob("*.safetensors")):
+                weights.update({k: v for k, v in mx.load(str(f)).items() if k.startswith(("vision_tower.", "mm_projector."))})
+            weights = tower.sanitize(weights)  # the patch conv into MLX's channels-last layout
+            tower.load_weights([(k[len("vision_tower."):], v) for k, v in weights.items() if k.startswith("vision_tower.")])
+            projector.load_weights([(k[len("mm_projector."):], v) for k, v in weights.items() if k.startswith("mm_projector.")])
+            tower.set_dtype(self.dtype)
+            projector.set_dtype(self.dtype)
+            self._vision = tower, projector
+        return self._vision
+
+    def image_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """[merged tokens, text hidden]: mlx-vlm's tower and projector on the same patches the engine gets."""
+        tower, projector = self._vision_modules()
+        pixels = self.mx.array(pixel_values.float().numpy()).astype(self.dtype).transpose(0, 2, 3, 1)  # NHWC
+        feats = projector(tower(pixels, grid_thws=grid_thw.tolist()))
+        self.mx.eval(feats)
+        return self._to_torch(feats)
 
     def eval(self) -> "MlxReference":
         return self
@@ -56,16 +93,24 @@ class MlxReference:
 
         return torch.from_numpy(np.array(a.astype(self.mx.float32 if self.dtype != self.mx.float64 else self.dtype)))
 
-    def __call__(self, input_ids: torch.Tensor, output_hidden_states: bool = False, **kwargs) -> Output:
-        if kwargs.get("pixel_values") is not None:
-            raise UsageError("the MLX text reference takes no image (mlx-lm's Kimi K3 is text only)")
+    def __call__(self, input_ids: torch.Tensor, output_hidden_states: bool = False, pixel_values=None,
+                 image_grid_thw=None, image_token_id: int | None = None, **kwargs) -> Output:
         from mlx_lm.models.base import create_attention_mask
         from mlx_lm.models.kimi_k3 import ResidualBlocks, _attn_res_mix
 
         mx = self.mx
         lm = self.model.language_model
         tm = lm.model
-        h = tm.embed_tokens(mx.array(input_ids.numpy()))
+        ids = mx.array(input_ids.numpy())
+        h = tm.embed_tokens(ids)
+        if pixel_values is not None:  # the image's features replace its placeholder tokens
+            import numpy as np
+
+            feats = mx.array(self.image_features(pixel_values, image_grid_thw).numpy()).astype(h.dtype)
+            where = np.nonzero(np.array(ids[0] == image_token_id))[0]
+            if len(where) != feats.shape[0]:
+                raise UsageError(f"{len(where)} image placeholders for {feats.shape[0]} image features")
+            h[0, mx.array(where)] = feats
         mask = create_attention_mask(h, None, return_array=True)
         blocks = ResidualBlocks(tm.args.rms_norm_eps) if tm.use_attn_res else None
         states = []

@@ -39,9 +39,9 @@ class PromptInputs:
     grid_thw: torch.Tensor | None = None  # [images, 3]
 
 
-def encode_prompts(prompts: list[dict], model_dir: Path, config: dict) -> list[PromptInputs]:
+def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_token_id: int | None = None) -> list[PromptInputs]:
     """Tokenize (Kimi chat format where asked) and preprocess images, expanding each image's
-    placeholder to its number of merged patches."""
+    placeholder (`image_token_id`, default config.json's) to its number of merged patches."""
     from kconvert.source.tokenizer import load_kimi_tokenizer
 
     if not (Path(model_dir) / "tiktoken.model").exists():
@@ -57,7 +57,7 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict) -> list[P
                 raise UsageError(f"prompt {p['id']} has an image but the model has no vision tower", file=str(model_dir))
             pixel_values, (gh, gw), merge = prompt_patches(p, config)
             grid = torch.tensor([[1, gh, gw]])
-            pad = config["image_token_id"]
+            pad = config["image_token_id"] if image_token_id is None else image_token_id
             n = gh * gw // (merge * merge)
             if ids.count(pad) != 1:
                 raise UsageError(f"prompt {p['id']} must hold exactly one image placeholder", file=str(model_dir))
@@ -176,13 +176,15 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
 @torch.inference_mode()
 def _run(ck: Checkpoint, prompts: list[dict], dtype: str, top_k: int | None, hidden_states: bool, progress):
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    inputs = encode_prompts(prompts, ck.root, ck.config)
+    inputs = encode_prompts(prompts, ck.root, ck.config, _image_token(ck))
     model = reference_model(ck, torch_dtype)
     tensors: dict[str, torch.Tensor] = {}
     for i, pi in enumerate(inputs):
         kwargs = {}
         if pi.pixel_values is not None:
             kwargs = {"pixel_values": pi.pixel_values.to(torch_dtype), "image_grid_thw": pi.grid_thw}
+            if hasattr(model, "image_features"):  # the MLX reference scatters the features itself
+                kwargs["image_token_id"] = _image_token(ck)
         res = model(input_ids=pi.input_ids[None], output_hidden_states=hidden_states, **kwargs)
         logprobs = res.logits[0].float().log_softmax(-1)
         if not bool(torch.isfinite(logprobs).all()):
@@ -198,12 +200,23 @@ def _run(ck: Checkpoint, prompts: list[dict], dtype: str, top_k: int | None, hid
         if hidden_states:
             for L, h in enumerate(res.hidden_states):
                 tensors[f"prompt.{i}.hidden.{L}"] = h[0].float().contiguous()
-            if pi.pixel_values is not None:
+            if pi.pixel_values is not None and hasattr(model, "image_features"):  # the MLX reference
+                tensors[f"prompt.{i}.vision"] = model.image_features(kwargs["pixel_values"], pi.grid_thw).contiguous()
+            elif pi.pixel_values is not None:
                 feats = model.model.get_image_features(kwargs["pixel_values"], pi.grid_thw, return_dict=True)
                 tensors[f"prompt.{i}.vision"] = torch.cat(feats.pooler_output).float().contiguous()
         if progress:
             progress("advance", n=1)
     return tensors, [p.spec for p in inputs]
+
+
+def _image_token(ck: Checkpoint) -> int | None:
+    """The image placeholder id under the config key the family names (Kimi K3: media_placeholder_token_id)."""
+    engine = ck.model.family.get("engine", {})
+    for key in engine.get("image_token_keys", ()):
+        if ck.config.get(key) is not None:
+            return int(ck.config[key])
+    return engine.get("image_token_default")
 
 
 def load_reference(path: str | Path) -> tuple[dict, list[RefLogprobs], dict[str, torch.Tensor]]:

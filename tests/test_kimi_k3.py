@@ -222,3 +222,18 @@ def test_the_trained_fixture_is_written_back_under_the_released_names(tmp_path):
         kept_f32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "conv.weight", "o_norm.weight"))
         want = a if kept_f32 else a.to(torch.bfloat16).float()
         assert torch.equal(want, torch.from_numpy(np.array(reloaded[name].astype(mx.float32)))), name
+
+
+def test_gptq_calibrates_through_k3s_layers(k3, tmp_path):
+    """--calibrate runs the layers one at a time through the engine (KDA states, attention-residual blocks that grow
+    the residual, the latent experts fed their down-projected tokens): every layer calibrated, and the result
+    faithful to its own codes."""
+    out = tmp_path / "gptq"
+    r = cli_here("shard", k3 / "src", out, "--tp", 2, "--quant", "int4", "--calibrate", "stdlib",
+                 "--calibration-tokens", 256, "--calibration-seq", 32, "--json")
+    assert r.returncode == 0, r.stderr
+    layers = json.loads(r.stdout)["calibration"]["layers"]
+    assert [f["layer"] for f in layers] == list(range(OTHER["num_hidden_layers"]))
+    assert all(f.get("experts", 8) == 8 for f in layers[1:]) and all(f["output_rel_error"] < 0.5 for f in layers)
+    r, rep = verify(out, k3 / "ref.safetensors")
+    assert rep["faithfulness"]["verdict"] == "PASS", r.stderr

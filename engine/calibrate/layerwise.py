@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.calibrate.memory import TokenRows, fixed_mmap_threshold, rel_error, small_prefill_blocks, trim
-from engine.calibrate.routing import chosen_experts, down_input, keep_input, routed_moe
+from engine.calibrate.routing import chosen_experts, down_input, expert_parts, keep_input, routed_moe
 from engine.calibrate.split import Split
 from engine.layers.linear import PlainLinear
 from engine.model import Model
@@ -173,7 +173,7 @@ class LayerCalibration:
         moe_in = TokenRows(self.windows.numel()) if len(others) < len(stored) else None
         if moe_in is not None:
             hooks.append(keep_input(moe, moe_in))
-        ref = self._run(layer, L, torch.empty_like(self.x))
+        ref = self._run(layer, L, None)
         for h in hooks:
             h.remove()
         result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -246,23 +246,26 @@ class LayerCalibration:
             xe = x[mine]
             ep = f"{mlp_path}.experts.{e}"
             H = xe.T @ xe if enough else None
-            for part in ("gate_proj", "up_proj"):
+            ins, down = expert_parts(moe)
+            for part in ins:
                 if f"{ep}.{part}" in stored:
                     result[stored[f"{ep}.{part}"]] = self._quantize(layer, f"{ep}.{part}", stored[f"{ep}.{part}"], H)
-            if f"{ep}.down_proj" in stored:
+            if f"{ep}.{down}" in stored:
                 h = None
                 if enough:  # an expert can take every token: xe and H go before its activations are made
                     H = None
                     h, xe = down_input(moe, expert, xe), None
-                result[stored[f"{ep}.down_proj"]] = self._quantize(layer, f"{ep}.down_proj", stored[f"{ep}.down_proj"],
-                                                                   h.T @ h if enough else None)
+                result[stored[f"{ep}.{down}"]] = self._quantize(layer, f"{ep}.{down}", stored[f"{ep}.{down}"],
+                                                                h.T @ h if enough else None)
         counts.sort()
         return {"experts": len(counts), "experts_rounded_few_tokens": few, "expert_tokens_min": counts[0],
                 "expert_tokens_median": counts[len(counts) // 2]}
 
-    def _run(self, layer, L: int, into: torch.Tensor) -> torch.Tensor:
+    def _run(self, layer, L: int, into: torch.Tensor | None) -> torch.Tensor:
         """The layer over every calibration sequence (micro-batches), from self.x, written into `into` (which may
-        be self.x: each micro-batch's output replaces its input once that is read)."""
+        be self.x: each micro-batch's output replaces its input once that is read), or into a new tensor where
+        `into` is None or the residual changes shape (Kimi K3's attention residuals gain a block at a block's
+        first layer)."""
         m = self.model
         cache = None  # one for the micro-batches, reset between: a cache is a reference cycle, which only the
         # garbage collector frees (a new one per micro-batch held them all: +6 MiB each on tiny-k25-dsv32)
@@ -275,6 +278,9 @@ class LayerCalibration:
                 cache.reset()
                 cos, sin = m.rotary(torch.arange(T).expand(B, T), m.dtype)
                 ids = self.windows[i:i + MICRO_BATCH]
-                into[i:i + MICRO_BATCH] = layer.forward(x, 0, cache.layers[m.slot[L]], cos, sin, m.par, ids=ids)
+                y = layer.forward(x, 0, cache.layers[m.slot[L]], cos, sin, m.par, ids=ids)
+                if into is None or into.shape[1:] != y.shape[1:]:
+                    into = torch.empty((self.x.shape[0], *y.shape[1:]), dtype=y.dtype)
+                into[i:i + MICRO_BATCH] = y
         return into
 

@@ -110,7 +110,7 @@ def main() -> None:
     print(f"\nfrom {c0:,} to {c1:,} tokens of context: engine x{t1 / t0:.2f} per token (KDA layers x{k1 / k0:.2f}), "
           f"mlx-lm x{r1 / r0:.2f}")
     chat = measured([sys.executable, "-m", "engine.chat", str(conv), "--complete", "--prompt", "def main(",
-                     "--max-new-tokens", "8", "--temperature", "0", "--context", "1M"], cwd=ROOT)
+                     "--max-new-tokens", "8", "--temperature", "0", "--context", str(1 << 20)], cwd=ROOT)
     print(f"chat --context 1M (8 tokens): exit {chat['returncode']}, peak RSS {chat['peak_rss'] / 2**20:.0f} MiB")
 
 

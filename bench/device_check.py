@@ -12,7 +12,8 @@ tiny-k25-dsv32 / small-k25-dsv32 fixtures (bf16) converted as-is and to fp8, and
              GB/s and the ratio to the pinned rate
   ready      `kconvert load --warmup 2` time-to-ready by phase (open, read, copy, load, warmup)
   verify     `kconvert verify` of the fixtures with the engine on the device (bf16 and fp8 conversions; V4's
-             release storage and Kimi over V4 text among them;
+             release storage, Kimi over V4 text and Kimi K3 (its KDA on the device, MLX's reference on the CPU)
+             among them;
              the engine computes in fp32 there, as kconvert verify does everywhere)
   decode     engine decode ms/token on the device (small-k25-dsv32, bf16) at each --contexts
   decode_v4  the same on DeepSeek-V4's layers (tiny-dsv4-flash dequantized: sliding / CSA / HCA, mHC, V4 cache)
@@ -311,7 +312,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=420, help="seconds after which remaining steps are skipped")
     ap.add_argument("--skip", default="", help="comma-separated steps to leave out")
     ap.add_argument("--fixtures", help="comma-separated fixture presets verified on the device (default tiny-k25-dsv32, small-k25-dsv32, "
-                    "tiny-dsv4-flash: DeepSeek-V4's release storage, tiny-k25-dsv4: Kimi over V4 text; --quick: tiny-k25-dsv32)")
+                    "tiny-dsv4-flash: DeepSeek-V4's release storage, tiny-k25-dsv4: Kimi over V4 text, tiny-kimi-k3: Kimi K3's "
+                    "KDA / MLA / MXFP4 against MLX; --quick: tiny-k25-dsv32)")
     a = ap.parse_args(argv)
     if a.device.startswith("standin"):
         from kconvert.load import standin
@@ -321,7 +323,8 @@ def main(argv=None) -> int:
     scale = parse_size(a.scale_size or ("8MB" if a.quick else "4GB"))
     contexts = [int(c) for c in (a.contexts or ("32,64" if a.quick else "1024,4096")).split(",")]
     fixtures = (a.fixtures.split(",") if a.fixtures else
-                ["tiny-k25-dsv32"] + ([] if a.quick else ["small-k25-dsv32", "tiny-dsv4-flash", "tiny-k25-dsv4"]))
+                ["tiny-k25-dsv32"] + ([] if a.quick else ["small-k25-dsv32", "tiny-dsv4-flash", "tiny-k25-dsv4",
+                                                          "tiny-kimi-k3"]))
     work = Path(a.workdir) if a.workdir else default_workdir(scale, fixtures)
     work.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))

@@ -159,7 +159,8 @@ def _section(config: dict, key: str, family: str) -> dict:
     return sub
 
 
-def _image_token_id(config: dict, engine: dict) -> int:
+def image_token_id(config: dict, engine: dict) -> int:
+    """The image placeholder's id: the first config key the family's [family.engine] names, else its default."""
     for key in engine.get("image_token_keys", ()):
         if config.get(key) is not None:
             return int(config[key])
@@ -205,7 +206,7 @@ def model_config(config: dict, family: str) -> ModelConfig:
     if engine.get("vision_config"):
         v = _section(config, engine["vision_config"], family)
         try:
-            vision = _vision(config, v, text, _image_token_id(config, engine), engine.get("vision", "moonvit"))
+            vision = _vision(config, v, text, image_token_id(config, engine), engine.get("vision", "moonvit"))
         except KeyError as e:
             raise CheckpointError(f"{engine['vision_config']} lacks {e.args[0]!r} needed by the engine",
                                   file="config.json") from None

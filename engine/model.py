@@ -23,7 +23,7 @@ from engine.config import ModelConfig, model_config
 from engine.models.registry import block_stack, decoder_layer, vision_modules
 from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.layers.rope import Rotary
-from engine.layers.slots import holds_all, load_unit, slot
+from engine.layers.slots import Stored, holds_all, load_unit, slot
 from engine.models.moonvit import ImageEncoder, tokens_per_image
 from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
 from kconvert.distributed import Group
@@ -32,14 +32,6 @@ from kconvert.family.engine_names import engine_keys
 from kconvert.family.manifest import bind
 from kconvert.load.loader import ConvertedCheckpoint, open_converted
 from kconvert.quant.scheme import Options
-
-
-class StoredTensor(nn.Module):
-    """One stored `weight` a stage's `globals` unit may or may not hold (embeddings)."""
-
-    def __init__(self):
-        super().__init__()
-        slot(self, "weight", optional=True)
 
 
 def stored_formats(conv: ConvertedCheckpoint) -> dict[str, str]:
@@ -185,7 +177,7 @@ class Model(nn.Module):
         """With pp > 1 a stage's globals hold what it uses: the embeddings on the first stage, the final norm
         and head on the last (the embeddings there too for a head tied to them); every slot is optional."""
         text, par = self.text, self.par
-        text.model.embed_tokens, text.model.norm = StoredTensor(), RMSNorm(self.cfg.rms_norm_eps)
+        text.model.embed_tokens, text.model.norm = Stored(optional=True), RMSNorm(self.cfg.rms_norm_eps)  # a stage may not hold them
         slot(text.model.norm, "weight", optional=True)
         merge = self.stack.make_head()  # the stack's merge before the norm (optional slots), or None
         if merge is not None:

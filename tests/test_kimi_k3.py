@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import cli_here, one_thread
-from kconvert.fixtures.kimi_linear import k3_config, write_k3_checkpoint
+from kconvert.fixtures.kimi_linear import k3_config, write_kimi_checkpoint
 from kconvert.verify import damage
 
 # not the preset: 6 layers, MLA on (1-based) 2 and 6, blocks of 2, a latent of 160, 8 experts (top 3), 2 KDA heads
@@ -36,7 +36,7 @@ def k3(tmp_path_factory):
     d = tmp_path_factory.mktemp("k3")
     src = d / "src"
     src.mkdir()
-    write_k3_checkpoint(src, k3_config(OTHER, vision_overrides=OTHER_VISION), seed=3, storage="mxfp4")
+    write_kimi_checkpoint(src, k3_config(OTHER, vision_overrides=OTHER_VISION), seed=3, storage="mxfp4")
     for args in (("shard", src, d / "tp1", "--tp", 1, "--quant", "fp4"),
                  ("shard", src, d / "tp2", "--tp", 2),
                  ("shard", src, d / "tp2pp2", "--tp", 2, "--pp", 2, "--pp-layers", "0-2,3-5"),
@@ -201,7 +201,7 @@ def test_the_trained_fixture_is_written_back_under_the_released_names(tmp_path):
 
     start = tmp_path / "start"
     start.mkdir()
-    write_k3_checkpoint(start, k3_config(OTHER, storage="bf16"), 1, "bf16")
+    write_kimi_checkpoint(start, k3_config(OTHER, storage="bf16"), 1, "bf16")
     params, losses = train_k3(start, 1, steps=1, batch=2, seq_len=16)
     like = released_tensors(k3_config(OTHER, storage="bf16"), 1, "bf16")
     back = released_from_mlx(params, k3_config(OTHER), like)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import cli_here, one_thread
-from kconvert.fixtures.kimi_linear import kimi_linear_config, write_k3_checkpoint
+from kconvert.fixtures.kimi_linear import kimi_linear_config, write_kimi_checkpoint
 
 OTHER = {"num_hidden_layers": 4, "hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 2,
          "num_key_value_heads": 2, "q_lora_rank": 64, "kv_lora_rank": 96, "qk_nope_head_dim": 48,
@@ -26,7 +26,7 @@ def kl(tmp_path_factory):
     d = tmp_path_factory.mktemp("kimilinear")
     src = d / "src"
     src.mkdir()
-    write_k3_checkpoint(src, kimi_linear_config(OTHER), seed=5, storage="bf16")
+    write_kimi_checkpoint(src, kimi_linear_config(OTHER), seed=5, storage="bf16")
     for args in (("shard", src, d / "tp1", "--tp", 1), ("shard", src, d / "tp2", "--tp", 2),
                  ("shard", src, d / "tp2pp2", "--tp", 2, "--pp", 2),
                  ("reference", src, "--out", d / "ref.safetensors", "--hidden-states")):

@@ -24,6 +24,15 @@ def slot(module: nn.Module, name: str, *, optional: bool = False) -> None:
         module.__dict__.setdefault(_OPTIONAL, set()).add(name)
 
 
+class Stored(nn.Module):
+    """A module holding one stored `weight` that is no linear (a conv kernel, a norm or mixing vector, an
+    embedding table): a checkpoint name `X.weight` where X has nothing else."""
+
+    def __init__(self, optional: bool = False):
+        super().__init__()
+        slot(self, "weight", optional=optional)
+
+
 def slots_of(module: nn.Module) -> list[str]:
     """The stored-tensor names under `module`, relative to it (its state_dict keys)."""
     return [n for n, b in module.named_buffers(remove_duplicate=False) if b is not None]

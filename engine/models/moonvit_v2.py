@@ -14,17 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import VisionConfig
-from engine.layers.slots import slot
+from engine.layers.slots import Stored, slot
 
 VISION_NORM_EPS = 2.0 ** -7  # MoonViT-V2's RMSNorms (mlx-vlm's kimi_k3 vision, as released)
-
-
-class _W(nn.Module):
-    """A stored `weight` (the tower has no biases)."""
-
-    def __init__(self):
-        super().__init__()
-        slot(self, "weight")
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,9 +27,9 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class VisionBlockV2(nn.Module):
     def __init__(self):
         super().__init__()
-        self.norm0, self.norm1, self.wqkv, self.wo = _W(), _W(), _W(), _W()
+        self.norm0, self.norm1, self.wqkv, self.wo = Stored(), Stored(), Stored(), Stored()
         self.mlp = nn.Module()
-        self.mlp.fc0, self.mlp.fc1 = _W(), _W()
+        self.mlp.fc0, self.mlp.fc1 = Stored(), Stored()
 
 
 class VisionTowerV2(nn.Module):
@@ -47,12 +39,12 @@ class VisionTowerV2(nn.Module):
         super().__init__()
         self.vc = vc
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = _W()
+        self.patch_embed.proj = Stored()
         slot(self.patch_embed.proj, "bias", optional=True)
-        self.patch_embed.pos_emb = _W()
+        self.patch_embed.pos_emb = Stored()
         self.encoder = nn.Module()
         self.encoder.blocks = nn.ModuleList(VisionBlockV2() for _ in range(vc.num_layers))
-        self.encoder.final_layernorm = _W()
+        self.encoder.final_layernorm = Stored()
         self.qkv = vc.qkv_hidden_size or vc.hidden_size
         self.head_dim = self.qkv // vc.num_heads
         self.inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 4, dtype=torch.float32)[: self.head_dim // 4]
@@ -113,8 +105,8 @@ class PatchMergerV2(nn.Module):
     def __init__(self, vc: VisionConfig):
         super().__init__()
         self.eps = vc.projector_eps
-        self.proj = nn.ModuleDict({"0": _W(), "2": _W()})
-        self.post_norm = _W()
+        self.proj = nn.ModuleDict({"0": Stored(), "2": Stored()})
+        self.post_norm = Stored()
 
     def forward(self, m: torch.Tensor) -> torch.Tensor:
         dt = m.dtype

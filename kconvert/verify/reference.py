@@ -212,11 +212,10 @@ def _run(ck: Checkpoint, prompts: list[dict], dtype: str, top_k: int | None, hid
 
 def _image_token(ck: Checkpoint) -> int | None:
     """The image placeholder id under the config key the family names (Kimi K3: media_placeholder_token_id)."""
+    from engine.config import image_token_id
+
     engine = ck.model.family.get("engine", {})
-    for key in engine.get("image_token_keys", ()):
-        if ck.config.get(key) is not None:
-            return int(ck.config[key])
-    return engine.get("image_token_default")
+    return image_token_id(ck.config, engine) if engine.get("image_token_keys") else None
 
 
 def load_reference(path: str | Path) -> tuple[dict, list[RefLogprobs], dict[str, torch.Tensor]]:

@@ -20,7 +20,8 @@ from engine.config import TextConfig
 from engine.layers.linear import RMSNorm
 from engine.models.deepseek_v3.mla import MLA
 from engine.models.kimi_linear.config import MLA_NORM_EPS, kimi_config
-from engine.models.kimi_linear.kda import KDA, Stored
+from engine.layers.slots import Stored
+from engine.models.kimi_linear.kda import KDA
 from engine.models.kimi_linear.ops import attn_res_logit_weights, attn_res_mix
 from kconvert.distributed import Group
 

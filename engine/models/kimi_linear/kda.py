@@ -18,19 +18,11 @@ from torch import nn
 
 from engine.config import TextConfig
 from engine.layers.linear import LinearSlot, RMSNorm
-from engine.layers.slots import slot
+from engine.layers.slots import Stored, slot
 from engine.models.kimi_linear.config import L2_NORM_EPS, kimi_config
 from engine.models.kimi_linear.ops import kda_chunked, kda_gate, kda_recurrent, l2_normalize_qk, short_conv
 from kconvert.distributed import Group
 from kconvert.errors import EngineError
-
-
-class Stored(nn.Module):
-    """A stored `weight` that is no linear (a conv kernel, an attention-residual vector)."""
-
-    def __init__(self, optional: bool = False):
-        super().__init__()
-        slot(self, "weight", optional=optional)
 
 
 class KDA(nn.Module):

@@ -14,6 +14,11 @@ from kconvert.errors import MissingDependency
 PACKAGES = {
     "transformers": ("transformers", "ref", "the reference implementation (fixture, reference, verify --against)"),
     "matplotlib": ("matplotlib", "plot", "verify --plot"),
+    # the reference of the families no transformers release runs (Kimi K3); on Linux mlx needs its mlx-cpu backend
+    "mlx": (("mlx", "mlx-cpu") if sys.platform == "linux" else "mlx", "mlx",
+            "the MLX reference of Kimi K3 (reference, verify --against)"),
+    "mlx_lm": ("mlx-lm", "mlx", "the MLX reference of Kimi K3's text model (reference, verify --against)"),
+    "mlx_vlm": ("mlx-vlm", "mlx", "the MLX reference of Kimi K3's vision tower (reference with image prompts)"),
     "compressed_tensors": ("compressed-tensors", "ref", "verify's independent fake-quantized reference"),
     "jinja2": ("jinja2", None, "chat templates"),
     "PIL": ("Pillow", None, "images"),
@@ -46,13 +51,16 @@ def requirement(dist: str, extra: str | None) -> str:
 
 
 def install_command(module: str) -> str:
-    dist, extra, _ = PACKAGES[module]
-    return f"{shlex.quote(sys.executable)} -m pip install {shlex.quote(requirement(dist, extra))}"
+    """The pip command for `module`: its distribution(s) (MLX on Linux: mlx and its CPU backend) at kconvert's pins."""
+    dists, extra, _ = PACKAGES[module]
+    dists = (dists,) if isinstance(dists, str) else dists
+    return f"{shlex.quote(sys.executable)} -m pip install " + " ".join(shlex.quote(requirement(d, extra)) for d in dists)
 
 
 def missing(module: str) -> MissingDependency:
     """The one-line error for a package `module` (import name) that is not installed."""
     dist, extra, purpose = PACKAGES[module]
+    dist = dist if isinstance(dist, str) else dist[0]
     kind = f"the `{extra}` extra" if extra else "a core dependency: the installation is incomplete"
     return MissingDependency(f"{dist} is not installed ({kind}, needed for {purpose}); install it with: "
                              f"{install_command(module)}")

@@ -58,3 +58,13 @@ def test_an_unknown_missing_module_stays_an_internal_error():
 
     assert from_import_error(ModuleNotFoundError("No module named 'kconvert_typo'", name="kconvert_typo")) is None
     assert from_import_error(ModuleNotFoundError("x", name="transformers.models.kimi_k25")) is not None
+
+
+def test_reference_of_kimi_k3_without_mlx(checkpoint, tmp_path):
+    p = kconvert_without({"mlx", "mlx_lm", "mlx_vlm"}, "reference", checkpoint("tiny-kimi-k3"), "--out",
+                         tmp_path / "ref.safetensors")
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"{sys.executable} -m pip install mlx==" in lines[0] and "`mlx` extra" in lines[0], lines[0]
+    assert "mlx-cpu==" in lines[0]  # MLX's Linux CPU backend, without which it does not run here
+    assert not (tmp_path / "ref.safetensors").exists()

@@ -21,16 +21,14 @@ import torch
 
 from kconvert.errors import UsageError
 
-PINS = ("mlx==0.32.4", "mlx-cpu==0.32.4", "mlx-lm==0.32.2", "mlx-vlm==0.7.10")  # what the reference was checked with
-INSTALL = "pip install " + " ".join(f"'{p}'" for p in PINS)
 
 
 def _mlx():
-    try:
-        import mlx.core as mx
-        from mlx_lm.utils import load_model
-    except ImportError:
-        raise UsageError(f"the MLX reference is not installed: {INSTALL}  (or the `mlx` extra)") from None
+    """mlx.core and mlx-lm's loader; a missing one is the CLI's one-line install command (kconvert/deps.py: the
+    `mlx` extra's pins, what the reference was checked with)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
     return mx, load_model
 
 

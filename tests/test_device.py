@@ -169,11 +169,16 @@ def test_damaged_shard_is_refused_before_any_of_it_reaches_the_device(converted,
     assert got == ["globals", "vision", "layer-0000"] and standin.STATS.violations == []
 
 
-def test_engine_on_the_device_equals_cpu(converted):
+@pytest.mark.parametrize("which", ["fp8", "kimi-k3"])
+def test_engine_on_the_device_equals_cpu(converted, conversion, which):
+    """tiny-k25-dsv32 (MLA + DSA, block FP8) and tiny-kimi-k3 (KDA states, MXFP4 experts kept FP4, the attention-
+    residual stack): the same logits on the device as on the CPU, prefill and one decode step."""
     from engine.model import Model
 
+    path = converted["fp8"] if which == "fp8" else conversion("tiny-kimi-k3", tp=1, quant="fp4")
+
     def logits(dev):
-        conv = open_converted(converted["fp8"])
+        conv = open_converted(path)
         model = Model(conv.config, conv.family, None, dev, torch.bfloat16)
         for unit, tensors in conv.stream(dev):
             model.take_unit(unit, tensors)
@@ -182,7 +187,8 @@ def test_engine_on_the_device_equals_cpu(converted):
         cache = model.new_cache(1, 16)
         first = model.forward(ids, cache)
         step = model.forward(first[:, -1:].argmax(-1), cache)  # one decode step through the KV cache
-        assert first.device == dev and cache.layers[0].latent.device == dev
+        assert first.device == dev and cache.latent_layers[0].latent.device == dev
+        assert all(s.state.device == dev for s in getattr(cache, "states", []))  # KDA states on the device too
         return first.cpu(), step.cpu()
 
     cpu, dev = logits(torch.device("cpu")), logits(DEV)

@@ -34,7 +34,7 @@ class RecurrentState:
         """(conv window, state) of the step's sequences; zeros for a sequence at its first token."""
         if self.state is None:
             return None, None
-        idx = torch.tensor(step.seqs, device=self.state.device)
+        idx = torch.tensor(step.seqs).to(self.state.device)
         fresh = (step.positions[:, 0] == 0).to(self.state.device)
         conv, state = self.conv[idx], self.state[idx]
         if bool(fresh.any()):
@@ -47,7 +47,7 @@ class RecurrentState:
             batch = self.cache.batch
             self.conv = conv.new_zeros(batch, *conv.shape[1:])
             self.state = state.new_zeros(batch, *state.shape[1:], dtype=torch.float32)
-        idx = torch.tensor(step.seqs, device=self.state.device)
+        idx = torch.tensor(step.seqs).to(self.state.device)
         self.conv[idx] = conv.to(self.conv.dtype)
         self.state[idx] = state.float()
 

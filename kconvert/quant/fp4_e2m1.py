@@ -72,7 +72,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     import torch
 
     dtype = dtype or torch.float32
-    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
+    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32).to(packed.device)  # indexed on the codes' device
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
     return (lut[codes.long()] * e8m0_to_float(scale).repeat_interleave(GROUP, dim=1)).to(dtype)
 

@@ -237,3 +237,33 @@ def test_gptq_calibrates_through_k3s_layers(k3, tmp_path):
     assert all(f.get("experts", 8) == 8 for f in layers[1:]) and all(f["output_rel_error"] < 0.5 for f in layers)
     r, rep = verify(out, k3 / "ref.safetensors")
     assert rep["faithfulness"]["verdict"] == "PASS", r.stderr
+
+
+def test_fp8_block_export_for_gpus_without_fp4_reads_back(k3, tmp_path):
+    """`export --format fp8-block`: a Hugging Face layout for FP8 kernels (H200, H20, S5000), its MXFP4 experts
+    re-encoded exactly; inspect names its format, and verify of the export is faithful (at tp 1: the tiny widths'
+    row slices would cut its 128 x 128 blocks at tp 2, which shard refuses without --requantize)."""
+    out = tmp_path / "fp8b"
+    r = cli_here("export", k3 / "src", out, "--format", "fp8-block", "--json")
+    assert r.returncode == 0, r.stderr
+    r = cli_here("inspect", out, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["quantization"]["format"] == "fp8-block", r.stderr
+    r, rep = verify(out, k3 / "ref.safetensors", "--tp", 1)
+    assert rep is not None and rep["faithfulness"]["verdict"] == "PASS", r.stderr
+
+
+def test_a_packed_expert_that_disagrees_with_the_config_names_it(k3, tmp_path):
+    """weight_packed holding fewer columns than moe_intermediate_size implies: the logical shape is refused."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "bad"
+    shutil.copytree(k3 / "src", d)
+    stem = P + "2.block_sparse_moe.experts.4.w2.weight"
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    f = d / index["weight_map"][stem + "_packed"]
+    tensors = load_file(f)
+    tensors[stem + "_packed"] = tensors[stem + "_packed"][:, :-16].contiguous()  # 32 columns fewer
+    tensors[stem + "_scale"] = tensors[stem + "_scale"][:, :-1].contiguous()  # a consistent scale grid
+    save_file(tensors, f, metadata={"format": "pt"})
+    r = cli_here("inspect", d)
+    assert r.returncode == 2 and stem in r.stderr and "Traceback" not in r.stderr, r.stderr

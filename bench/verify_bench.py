@@ -1,8 +1,10 @@
-"""verify's two figures for none / fp8 / fp8-ue8m0 / int8 / int4 (clipping-search and amax scales)
+"""verify's two figures for none / fp8 / fp8-ue8m0 / int8 / int4 (clipping-search and amax scales, GPTQ) / fp4
 conversions of one preset at tp 1 and tp 2: the cost (vs the unquantized reference: mean and p99 KLD,
 same top-1, PPL ratio) and the faithfulness (mean KLD vs the source fake-quantized the same way).
 
     .venv/bin/python bench/verify_bench.py --preset tiny-k25-dsv32-trained --tp 1,2 --workdir /tmp/kverify
+    .venv/bin/python bench/verify_bench.py --preset tiny-kimi-k3-trained --tp 2 --schemes none,fp4,fp8,int8,int4,int4-gptq \
+        --workdir /tmp/kverify-k3                  # Kimi K3 against mlx-lm (training it takes ~20 min, once)
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 from _cli import cli  # bench/ is the script's folder: on sys.path
 SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
            "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"], "int8": ["--quant", "int8"],
-           "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"], "fp4": ["--quant", "fp4"]}
+           "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"], "fp4": ["--quant", "fp4"],
+           "int4-gptq": ["--quant", "int4", "--calibrate", "stdlib"]}  # GPTQ on the default calibration set
 
 
 def main() -> None:

@@ -61,6 +61,7 @@ class TextConfig:
     section: dict = field(default_factory=dict, compare=False, repr=False)  # the config.json text section as is
     # per-layer kinds the family manifest schedules (name -> kind per layer: Kimi Linear's kda / mla ...)
     schedules: dict = field(default_factory=dict, compare=False, repr=False)
+    image_token_id: int | None = None  # the image placeholder, for layers that treat image tokens apart (V4.1)
 
     @property
     def qk_head_dim(self) -> int:
@@ -204,6 +205,7 @@ def model_config(config: dict, family: str) -> ModelConfig:
                    **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
     vision = None
     if engine.get("vision_config"):
+        text = replace(text, image_token_id=image_token_id(config, engine))
         v = _section(config, engine["vision_config"], family)
         try:
             vision = _vision(config, v, text, image_token_id(config, engine), engine.get("vision", "moonvit"))

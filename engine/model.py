@@ -130,8 +130,11 @@ class Model(nn.Module):
         if stages is None:
             stages = [cat.stage_layers(s) for s in range(cat.pp)]
         par = par.layout(cat.tp, len(stages), where)
-        return cls(conv.config, conv.family, par, device, dtype, stages, stored_formats(conv),
-                   options_of(cat.doc.get("quantization")))
+        model = cls(conv.config, conv.family, par, device, dtype, stages, stored_formats(conv),
+                    options_of(cat.doc.get("quantization")))
+        if hasattr(model.stack, "attach"):  # a stack that reads side files of the checkpoint (V4.1's Engram token map)
+            model.stack.attach(conv.root)
+        return model
 
     def stage_of_layer(self, L: int) -> int:
         """The stage running decoder layer L; MTP layers (L >= num_layers) belong to the last stage, as in

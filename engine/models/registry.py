@@ -24,6 +24,7 @@ from engine.models.deepseek_v4.mhc import MHCBlock, MHCStack
 from engine.models.deepseek_v3.moe import MLP, MoE
 from engine.models.deepseek_v4.attention import V4Attention
 from engine.models.deepseek_v4.moe import V4MoE
+from engine.models.deepseek_v41.block import V41Block
 from engine.models.kimi_linear.block import KimiDecoderLayer, kimi_attention
 from engine.models.kimi_linear.config import kimi_config
 from engine.models.kimi_linear.moe import KimiMLP, KimiMoE
@@ -128,6 +129,7 @@ BLOCK: dict[str, type[nn.Module]] = {
     "pre_norm": PreNormDecoderLayer,
     "mhc": MHCDecoderLayer,  # hc_mult residual streams mixed by hyper-connections (DeepSeek-V4)
     "kimi_linear": KimiLinearDecoderLayer,  # KDA / MLA + MoE; Kimi K3's block attention residuals
+    "v41": V41Block,  # DeepSeek-V4.1: V4 attention with compression by role, Engram, single-pass mHC (its own kinds)
 }
 
 

@@ -49,7 +49,7 @@ class Piece:
 
 def split_dim(info: TensorInfo) -> int | None:
     """The dimension a tensor is cut along under tensor parallelism (None if never cut)."""
-    if info.split in ("vocab", "col"):
+    if info.split in ("vocab", "col", "table"):
         return 0
     if info.split == "row":
         return 1
@@ -72,6 +72,9 @@ def pieces(info: TensorInfo, shape: tuple[int, ...], layout: Layout, n_experts: 
     if ways == 1:
         return [Piece(r, None) for r in ranks]
     n = shape[dim]
+    if info.split == "table":  # a lookup table's rows (V4.1's Engram): ceil(n / ways) a rank, the last rank fewer
+        step = -(-n // ways)
+        return [Piece(r, dim, min(i * step, n), min((i + 1) * step, n)) for i, r in enumerate(ranks)]
     if n % ways:
         raise UsageError(f"dim {dim} of {info.name} ({n}) does not divide over {ways} ranks")
     step = n // ways

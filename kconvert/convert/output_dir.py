@@ -17,7 +17,8 @@ from kconvert.converted.catalog import MANIFEST
 from kconvert.converted.journal import JOURNAL_DIR
 
 COPY_PATTERNS = ("config.json", "generation_config.json", "tokenizer_config.json", "tiktoken.model", "*.tiktoken",
-                 "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json", "processor_config.json")
+                 "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json", "processor_config.json",
+                 "tokenizer.json", "engram_token_map.json")
 
 
 def remove_stale_temporaries(out: Path, files: list[str]) -> None:

@@ -20,4 +20,4 @@ def source_scale_fmt(ck: Checkpoint) -> str:
 
 def source_quant(ck: Checkpoint, t: LogicalTensor) -> SourceQuant:
     """How the source stores `t`, as a scheme's `lossless_copy` asks it."""
-    return SourceQuant(t.format, ck.quant_block(), source_scale_fmt(ck), ck.int4_group())
+    return SourceQuant(t.format, ck.block_of(t.name), source_scale_fmt(ck), ck.int4_group())

@@ -54,7 +54,7 @@ class _Plan:
     def __init__(self, ck: Checkpoint, layout: Layout, policy: QuantPolicy, requantize: bool, keep_mtp: bool):
         self.ck, self.layout, self.policy, self.requantize, self.keep_mtp = ck, layout, policy, requantize, keep_mtp
         self.n_experts = ck.model.text.expert_count
-        self.copies: dict[str, LosslessCopy | None] = {}  # by source format: the same answer for 70k tensors
+        self.copies: dict[tuple, LosslessCopy | None] = {}  # by source format and grid: one answer for 70k tensors
         self.stack_parts: dict[tuple, int] = {}  # (stored form, cut, how) -> a small id (_stack_part)
 
     def by_bucket(self) -> dict[tuple[str, int], WorkItem]:
@@ -101,9 +101,10 @@ class _Plan:
 
     def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
         quant = self.policy.quantizes(info, t.shape)
-        if quant and t.format not in self.copies:
-            self.copies[t.format] = self.policy.quant.lossless_copy(source_quant(self.ck, t), self.policy.options)
-        return quant, self.copies[t.format] if quant else None
+        key = (t.format, info.rule.scale_block)  # a rule with its own scale grid (V4.1's Engram rows) copies apart
+        if quant and key not in self.copies:
+            self.copies[key] = self.policy.quant.lossless_copy(source_quant(self.ck, t), self.policy.options)
+        return quant, self.copies[key] if quant else None
 
     def _pieces(self, info: TensorInfo, t, quant: bool, copy: LosslessCopy | None) -> list[tuple] | None:
         """(rank, every field of its Output but src and info, its specs' suffixes or None) per rank; None: a piece

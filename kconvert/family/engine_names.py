@@ -18,6 +18,8 @@ def _pattern(info: TensorInfo) -> str | None:
         return (rule.part.engine_prefix or "") + rule.engine
     if rule.reference and "[" not in rule.reference:  # a slice of a fused tensor is no module of its own
         return (rule.part.engine_prefix or "") + rule.reference
+    if rule.part.engine_rename:  # the part's modules keep the stored path under one prefix (V4.1: "model.")
+        return (rule.part.engine_prefix or "") + rule.part.engine_rename + rule.pattern
     return None
 
 

@@ -22,10 +22,10 @@ from kconvert.family.compose import part_applies, with_traits
 from kconvert.family.families import any_alias, family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
-from kconvert.family.rule_names import name_key, placeholders, rule_regex, tensor_key  # noqa: F401 (API)
+from kconvert.family.rule_names import name_key, placeholders, rule_regex, scale_block, tensor_key  # noqa: F401 (API)
 from kconvert.family.schedule import read_schedules
 
-SPLITS = ("vocab", "col", "row", "expert", "replicate")
+SPLITS = ("vocab", "col", "row", "expert", "replicate", "table")  # table: rows in ceil(n / tp) slices
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Rule:
     split_multiple: str | None = None  # each rank's slice a multiple of this (V4's wo_a: whole output groups)
     dtype: str | None = None  # the released dtype tag of a tensor kept as stored (F32 mHC, I64 tid2eid)
     engine: str | None = None  # the engine's module path where it differs from the name (family/engine_names.py)
+    scale_block: tuple[int, int] | None = None  # its FP8 scale grid where not the config's (V4.1's Engram rows: 1 x 32)
 
 
 class TensorInfo(NamedTuple):
@@ -86,10 +87,9 @@ class BoundPart:
                  config_file: str = "config.json", decoder_only: bool = False, engine_prefix: str | None = None,
                  names: dict[str, str] | None = None, family_defaults: dict | None = None):
         self.name, self.prefix, self.config = name, prefix, config
-        # where the engine's module tree holds this part's `reference` / `engine` names (Kimi keeps its text
-        # model under "language_model." whatever the stored names under it); None: at the root
-        self.engine_prefix = engine_prefix
+        self.engine_prefix = engine_prefix  # the engine's module path of its `engine` names (None: the root)
         self.decoder_only = decoder_only  # {L} names only decoder layers (V4 names its MTP blocks mtp.{M}.)
+        self.engine_rename: str | None = spec.get("part", {}).get("engine_rename")  # + stored name: engine path
         self.config_file = config_file
         head = spec.get("part", {})
         self.group = head.get("group", name)
@@ -114,13 +114,13 @@ class BoundPart:
         self._shapes: dict[tuple, tuple[int, ...]] = {}
         self._layer_ok: dict[tuple, bool] = {}
         # per schedule, each layer's kind by name (inspect's layer kinds: sliding / CSA / HCA, hash / top-k)
-        self.schedules = {name: [spec["schedules"][name]["kinds"][k] for k in kinds] for name, kinds in schedules.items()}
-        self.layer_count = int(self._eval(head["layer_count"])) if "layer_count" in head else 0
-        self.extra_layers = int(self._eval(head["extra_layers"])) if "extra_layers" in head else 0
-        self.expert_count = int(self._eval(head["expert_count"])) if "expert_count" in head else 0
-        # the routed experts a token reaches and the shared experts beside them (inspect, plan), each family's keys
-        self.experts_per_token = int(self._eval(head["experts_per_token"])) if "experts_per_token" in head else 0
-        self.shared_experts = int(self._eval(head["shared_experts"])) if "shared_experts" in head else 0
+        self.schedules = {name: [spec["schedules"][name]["kinds"][k] for k in kinds] for name, kinds in schedules.items()
+                          if "kinds" in spec["schedules"][name]}  # a position schedule names no kinds
+        # decoder (and MTP) layers, routed experts, those a token reaches and the shared ones: each family's keys
+        self.layer_count = self.extra_layers = self.expert_count = self.experts_per_token = self.shared_experts = 0
+        for count in ("layer_count", "extra_layers", "expert_count", "experts_per_token", "shared_experts"):
+            if count in head:
+                setattr(self, count, int(self._eval(head[count])))
         self.rules: list[Rule] = []
         for t in spec.get("tensor", []):
             if not self._eval(t.get("when", "True")):
@@ -134,7 +134,7 @@ class BoundPart:
                                    tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
                                    str(t.get("required", "True")), self, t.get("values_below"),
                                    t.get("reference"), t.get("split_multiple"),
-                                   t.get("dtype"), t.get("engine")))
+                                   t.get("dtype"), t.get("engine"), scale_block(t.get("scale_block"), name, t.get("name"))))
 
     @property
     def module_prefix(self) -> str:
@@ -202,7 +202,7 @@ class ModelMap:
         self.aliases = family_aliases(family)
         self._any_alias = any_alias(self.aliases)
         # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
-        self.renames = any(r.engine or r.reference for p in parts for r in p.rules)
+        self.renames = any(p.engine_rename or any(r.engine or r.reference for r in p.rules) for p in parts)
         for part in parts:
             for rule in part.rules:
                 fields = placeholders(rule.pattern)

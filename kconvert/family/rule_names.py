@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import re
 
+from kconvert.errors import ManifestError
+
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
 _PLACEHOLDER = re.compile(r"\{([LEM])\}")
 
@@ -31,3 +33,13 @@ def rule_regex(pattern: str) -> re.Pattern:
     it: a valid checkpoint's groups are mostly matched by generated names, so most patterns never are."""
     return re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
                       .replace(r"\{M\}", r"(?P<M>\d+)") + "$")
+
+
+def scale_block(value, part: str, tensor: str | None) -> tuple[int, int] | None:
+    """A rule's own FP8 scale grid (`scale_block = [rows, cols]`; V4.1's Engram rows: [1, 32]), or None."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
+        raise ManifestError(f"scale_block must be two positive integers, is {value!r}", file=f"parts/{part}.toml",
+                            tensor=tensor)
+    return int(value[0]), int(value[1])

@@ -17,6 +17,17 @@ transformers' fallback default is not the released schedule, so guessing would b
     count_key = "num_hash_layers"        # the first N layers are kinds[1], the rest kinds[0]
     extra_kind = 0                       # the kind of layers past a names/count list (MTP)
 
+DeepSeek-V4.1 writes one ratio per layer (0, 1 or a pooling width) and may list MTP layers' too:
+
+    values = ["0", "1"]
+    other_values_kind = 2                # any other positive integer is this kind
+    extra_entries = true                 # entries past `length` (MTP layers) are not read
+
+and lists the layers of a role (`kv_source_layer_ids`, `engram_layer_ids`). A role that numbers its members
+(the i-th Engram layer reads the i-th table) is a position schedule: each layer's index in the list, else -1:
+
+    position_in = "engram_layer_ids"
+
 Kimi Linear and Kimi K3 list the layers of each kind instead, counting from 1 (`linear_attn_config`'s
 `kda_layers` and `full_attn_layers`):
 
@@ -48,8 +59,10 @@ def read_schedules(specs: Mapping, env: Mapping, *, prefix: str, file: str) -> d
 
 
 def _read(name: str, spec: Mapping, env: Mapping, prefix: str, file: str) -> list[int]:
-    kinds = list(spec["kinds"])
     length = int(evaluate(spec["length"], env))
+    if "position_in" in spec:
+        return _positions(spec["position_in"], _lookup(env, spec["position_in"]), length, prefix, file)
+    kinds = list(spec["kinds"])
     extra = int(spec.get("extra_kind", 0))
     found: list[tuple[str, list[int]]] = []
     key = spec.get("values_key")
@@ -83,7 +96,25 @@ def _read(name: str, spec: Mapping, env: Mapping, prefix: str, file: str) -> lis
     return kinds_of
 
 
+def _positions(path: str, layers, length: int, prefix: str, file: str) -> list[int]:
+    """Each layer's index in the list at `path` (absent: no layer is listed), else -1."""
+    if layers is None:
+        return [-1] * length
+    if not isinstance(layers, list) or not all(_is_int(v) for v in layers):
+        raise ManifestError(f"{prefix}{path} = {_show(layers)}: must be a list of layer numbers", file=file)
+    out = [-1] * length
+    for i, v in enumerate(layers):
+        if not 0 <= v < length:
+            raise ManifestError(f"{prefix}{path} names layer {v}: layers are 0..{length - 1}", file=file)
+        if out[v] >= 0:
+            raise ManifestError(f"{prefix}{path}: layer {v} is listed twice", file=file)
+        out[v] = i
+    return out
+
+
 def _from_values(values, spec: Mapping, env: Mapping, length: int, kinds: list, field: str, file: str) -> list[int]:
+    if isinstance(values, list) and spec.get("extra_entries") and len(values) > length:
+        values = values[:length]
     if not isinstance(values, list) or len(values) != length:
         n = len(values) if isinstance(values, list) else _show(values)
         raise ManifestError(f"{field} has {n} entries, needs {length} ({spec['length']}: one per layer, MTP included)",
@@ -91,10 +122,15 @@ def _from_values(values, spec: Mapping, env: Mapping, length: int, kinds: list, 
     meaning = {}
     for kind, text in enumerate(spec["values"]):
         meaning.setdefault(evaluate(text, env), kind)
+    other = spec.get("other_values_kind")
     out = []
     for i, v in enumerate(values):
+        if other is not None and _is_int(v) and v > 0 and v not in meaning:
+            out.append(int(other))
+            continue
         if not _is_int(v) or v not in meaning:
             allowed = ", ".join(f"{k} ({kinds[m]})" for k, m in meaning.items())
+            allowed += f", or another positive integer ({kinds[int(other)]})" if other is not None else ""
             raise ManifestError(f"{field}[{i}] = {_show(v)}: must be one of {allowed}", file=file)
         out.append(meaning[v])
     return out
@@ -137,7 +173,8 @@ def _from_members(members: Mapping, kinds: list, length: int, base: int, prefix:
             if out[v - base] is not None:
                 raise ManifestError(f"{prefix}{path}: layer {v} is listed twice or in two kinds' lists", file=file)
             out[v - base] = kinds.index(kind)
-    absent = [kinds.index(kind) for kind, (_, layers) in members.items() if layers is None]
+    # a kind with no list, or whose list the config does not give, takes the rest
+    absent = [i for i, kind in enumerate(kinds) if kind not in members or members[kind][1] is None]
     if None in out:
         if len(absent) != 1:
             paths = " / ".join(prefix + path for path, _ in members.values())

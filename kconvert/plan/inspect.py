@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from kconvert.source.checkpoint import Checkpoint
 
-COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts",
+COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts", "engram",
               "dense_mlp", "router", "hash_router", "norm", "embed", "head", "mtp", "vision", "projector")
 TEXT_ACTIVE = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "latent", "shared_experts", "dense_mlp",
                "router", "hash_router", "norm", "embed", "head")

@@ -16,7 +16,7 @@ from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.quant.policy import QuantPolicy
 from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE
 
-COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts",
+COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts", "engram",
               "dense_mlp", "router", "hash_router", "norm", "embed", "head", "vision", "projector")
 
 

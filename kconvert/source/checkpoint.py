@@ -29,6 +29,7 @@ from kconvert.io.side_files import (MAX_CONFIG, MAX_DEPTH, MAX_INDEX, mapped_byt
                                     read_json)
 from kconvert.source.formats import read_logical
 from kconvert.source.logical import LogicalTensor, fold
+from kconvert.source.stored_parts import check_table
 from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors, stored_positions
 from kconvert.io.dtypes import FP8_BLOCK
 
@@ -135,7 +136,7 @@ class Checkpoint:
         bad = []
         for b in grouped.buckets:
             try:
-                check_tensor(b.sample, b.info, block, group)
+                check_tensor(b.sample, b.info, b.rule.scale_block or block, group)
             except KConvertError:
                 bad.append(b)
         if grouped.rest or bad:  # report what a walk in stored order meets first; a bucket's members fail alike
@@ -143,7 +144,8 @@ class Checkpoint:
             failed = [b.earliest(pos) for b in bad] + [(list(self.logical).index(n), None) for n in grouped.rest[:1]]
             _, info = min(failed, key=lambda f: f[0])
             first = grouped.rest[0] if info is None else info.name
-            check_tensor(self.logical[first], info or self.info(first), block, group)  # self.info: an unknown name
+            info = info or self.info(first)  # self.info: an unknown name raises here
+            check_tensor(self.logical[first], info, info.rule.scale_block or block, group)
             raise AssertionError(f"unreachable: {first} failed its check once")
         if grouped.missing is not None:
             where = INDEX if (self.root / INDEX).exists() else SINGLE
@@ -160,6 +162,10 @@ class Checkpoint:
         b = self.quantization_config.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK]
         return int(b[0]), int(b[1])
 
+    def block_of(self, name: str) -> tuple[int, int]:
+        """The FP8 scale grid of logical weight `name`: its manifest rule's (`scale_block`), else the config's."""
+        return self.info(name).rule.scale_block or self.quant_block()
+
     def int4_group(self) -> int:
         for group in (self.quantization_config.get("config_groups") or {}).values():
             g = (group.get("weights") or {}).get("group_size")
@@ -175,21 +181,11 @@ class Checkpoint:
         t = self.logical.get(name)
         if t is None:
             raise CheckpointError("no such tensor in the checkpoint", file=str(self.root), tensor=name)
-        x = read_logical(t, rows=rows, dtype=dtype, block=self.quant_block(), group=self.int4_group())
+        x = read_logical(t, rows=rows, dtype=dtype, block=self.block_of(name), group=self.int4_group())
         bound = self.info(name).rule.values_below
         if bound is not None:
-            self._check_table(t, x, int(self.info(name).rule.part._eval(bound)), bound)
+            check_table(t, x, int(self.info(name).rule.part._eval(bound)), bound)
         return x
-
-    @staticmethod
-    def _check_table(t: LogicalTensor, x: torch.Tensor, bound: int, what: str) -> None:
-        """An index table (tid2eid: token -> experts) holds only indices in [0, bound): a wrong one would
-        route to a missing expert or another rank's."""
-        bad = (x < 0) | (x >= bound)
-        if x.numel() and bool(bad.any()):
-            where = [int(i) for i in bad.nonzero()[0]]
-            raise CheckpointError(f"entry {int(x[tuple(where)])} at {where} is outside [0, {bound}) ({what}): the table "
-                                  "is damaged", file=str(t.main.file), tensor=t.name)
 
     def fingerprint(self) -> str:
         """Identity of the source from what defines it cheaply: config + every header (names, dtypes,

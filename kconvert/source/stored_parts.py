@@ -39,3 +39,13 @@ def check_scale_shape(t: LogicalTensor, block: tuple[int, int], group: int) -> N
     raise CheckpointError(f"scale shape {list(got)} does not fit weight {list(t.shape)} with the config's {why} "
                           f"(expected {want}): config.json and the stored scales disagree", file=str(scale.file),
                           tensor=scale.name)
+
+
+def check_table(t: LogicalTensor, x: torch.Tensor, bound: int, what: str) -> None:
+    """An index table (tid2eid: token -> experts) holds only indices in [0, bound): a wrong one would route to a
+    missing expert or another rank's."""
+    bad = (x < 0) | (x >= bound)
+    if x.numel() and bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        raise CheckpointError(f"entry {int(x[tuple(where)])} at {where} is outside [0, {bound}) ({what}): the table "
+                              "is damaged", file=str(t.main.file), tensor=t.name)

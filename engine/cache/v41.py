@@ -1,0 +1,143 @@
+"""DeepSeek-V4.1's decode cache: V4's (engine/cache/compressed.py: lock-step batches, the window ring, paged
+entries in the --kv-dtype's code) with V4.1's roles.
+
+Per layer: the sliding window's ring; on a KV source, its compressed entries (RoPE applied) and its compressor's
+running state (the rows of the group still filling up, float32); on a source that also indexes, its index keys;
+and for the stage's Engram layers the compressed ids of the last `max_ngram - 1` tokens (what the next tokens'
+n-grams look back to). Layers that read another layer's entries or keys hold none: the stage's `Handoff` names the states by
+layer, and carries what an indexer chose for this forward's tokens (and the candidate blocks) to the layers after
+it. Under pipeline parallelism a stage keeps `mirrors` of the earlier stages' sources, filled from what the stage
+before sends (engine/models/deepseek_v41/crossing.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache.compressed import CompressorState, V4Cache
+from engine.cache.paged_rows import Ring
+from engine.cache.entry_format import EntryFormat, key_format
+from kconvert.errors import EngineError
+
+DEAD = -1  # an Engram look-back position no n-gram may span (before the sequence, an image token)
+
+
+@dataclass
+class V41LayerState:
+    entry_code: str | None = None
+    index_code: str | None = None
+    host_entries: bool = False
+    length: int = 0
+    ring: Ring | None = None
+    ring_fmt: EntryFormat | None = None
+    entries: CompressorState = field(default_factory=CompressorState)  # a KV source's entries and pending rows
+    keys: CompressorState = field(default_factory=CompressorState)  # an index-key owner's keys (store only)
+
+    def at(self, start: int) -> "V41LayerState":
+        if start == 0 and self.length:
+            self.__init__(self.entry_code, self.index_code, self.host_entries)
+        if start != self.length:
+            raise EngineError(f"DeepSeek-V4.1 cache holds {self.length} tokens; cannot continue at {start}")
+        return self
+
+    def entry_format(self, head_dim: int, rope: int, dtype: torch.dtype) -> EntryFormat:
+        if self.ring_fmt is None:
+            self.ring_fmt = EntryFormat(head_dim, rope, self.entry_code, dtype)
+        return self.ring_fmt
+
+    def key_format(self, index_dim: int, dtype: torch.dtype):
+        return key_format(index_dim, self.index_code, dtype)
+
+    def window(self, B: int, size: int, fmt: EntryFormat, device) -> Ring:
+        if self.ring is None:
+            self.ring = Ring(B, size, fmt.row_bytes, device)
+        return self.ring
+
+    def bytes_in_use(self) -> int:
+        ring = self.ring.nbytes() if self.ring else 0
+        return ring + self.entries.bytes_in_use() + self.keys.bytes_in_use()
+
+    def nbytes(self) -> int:
+        ring = self.ring.nbytes() if self.ring else 0
+        return ring + self.entries.nbytes() + self.keys.nbytes()
+
+    def fetched(self) -> int:
+        return self.entries.store.fetched if self.entries.store is not None else 0
+
+
+@dataclass
+class Handoff:
+    """What the layers of a stage share: every layer's state by model layer (a stage's own and its mirrors of earlier
+    stages' sources), and for this forward's tokens each indexer's choice and the candidate blocks."""
+
+    states: dict = field(default_factory=dict)  # model layer -> V41LayerState
+    chosen: dict = field(default_factory=dict)  # indexer layer -> (entries [B, S, k], valid [B, S, k])
+    candidates: torch.Tensor | None = None  # [B, S, n] bool: the candidate source's blocks, per entry
+    hashes: object = None  # engine.models.deepseek_v41.engram.EngramHashes (Engram layers)
+    history: torch.Tensor | None = None  # [B, max_ngram - 1]: the compressed ids before this forward's tokens
+    rows: torch.Tensor | None = None  # this forward's Engram rows [B, S, layers, cols]
+
+    def engram_rows(self, ids: torch.Tensor | None, image: torch.Tensor | None, start: int) -> torch.Tensor:
+        """Every Engram layer's table rows for this forward's tokens (hashed once a forward: the stage's first
+        Engram layer), the look-back history moved on."""
+        if self.rows is None:
+            if ids is None or self.hashes is None:
+                raise EngineError("DeepSeek-V4.1's Engram layers need the token ids and engram_token_map.json")
+            back = self.hashes.max_ngram - 1
+            if start == 0 or self.history is None:
+                self.history = torch.full((ids.shape[0], back), DEAD, dtype=torch.long, device=ids.device)
+            current = self.hashes.compress(ids, None if image is None else ~image)
+            self.rows = self.hashes.rows(self.history, current)
+            self.history = torch.cat([self.history, current], 1)[:, current.shape[1]:] if back else self.history
+        return self.rows
+
+    def state(self, layer: int) -> V41LayerState:
+        if layer not in self.states:
+            raise EngineError(f"DeepSeek-V4.1 layer {layer}'s state is not on this stage (no crossing received)")
+        return self.states[layer]
+
+
+class V41LayerView:
+    """One layer's cache as its block sees it: its own state, and the stage's handoff."""
+
+    def __init__(self, state: V41LayerState, handoff: Handoff):
+        self.state, self.handoff = state, handoff
+
+
+class V41Cache(V4Cache):
+    """V4Cache's API (begin / commit / length / reset, --kv-dtype, the host tier) over the V4.1 layer states of a
+    stage's `layers` (model layer numbers); `cache.layers[i]` is layer layers[i]'s view."""
+
+    def __init__(self, layers: list[int], batch: int, max_len: int, device="cpu", kv=None, hashes=None):
+        self.layer_ids, self.hashes = list(layers), hashes
+        self.handoff = Handoff(hashes=hashes)
+        super().__init__(len(layers), batch, max_len, device, kv)
+
+    def reset(self) -> None:
+        self.handoff = Handoff(hashes=self.hashes)
+        super().reset()
+
+    def _layer(self) -> V41LayerView:
+        return V41LayerView(V41LayerState(*self.codes, host_entries=self.device_budget is not None), self.handoff)
+
+    def begin(self, S: int, seqs=None, owned: bool = True):
+        step = super().begin(S, seqs, owned)
+        for L, view in zip(self.layer_ids, self.layers):  # after a reset the views hold the new handoff
+            view.handoff = self.handoff
+            self.handoff.states[L] = view.state
+        self.handoff.chosen.clear()
+        self.handoff.candidates = self.handoff.rows = None
+        return step
+
+    def bytes_in_use(self) -> int:
+        return sum(v.state.bytes_in_use() for v in self.layers)
+
+    def nbytes(self) -> int:
+        return sum(v.state.nbytes() for v in self.layers)
+
+    def device_bytes(self) -> int:
+        return self.bytes_in_use() - sum(v.state.entries.host_bytes() for v in self.layers)
+
+    def fetched(self) -> int:
+        return sum(v.state.fetched() for v in self.layers)

@@ -1,0 +1,148 @@
+"""DeepSeek-V4.1's own config keys (TextConfig.section, the composite's `text_config`), and who reads whose state.
+
+Compression is by role: `compress_ratios[L]` (0: window only) says how many tokens make one compressed entry on
+layer L; only `kv_source_layer_ids` compute entries, every other compressed layer reads those of the last source at
+or before it. Only `index_source_layer_ids` run an indexer; an indexer scores the keys of the last layer at or before
+it that is both a KV source and an indexer (a source that indexes projects its own keys), and a compressed layer
+without an indexer attends to the entries the last indexer at or before it chose. Indexers after
+`candidate_source_layer_id` score only inside the blocks of entries that layer's indexer found best. The reference
+(mlx-vlm's deepseek_v41) reads the state this way; a config whose roles do not line up (a reader's entries from
+one source and its choice from another's keys, a ratio unlike its source's) is refused here, in one line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import RopeConfig, TextConfig
+from engine.models.deepseek_v4.config import _ropes
+from kconvert.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class V41Config:
+    hidden: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    eps: float
+    ratios: tuple[int, ...]  # per decoder layer: tokens per compressed entry (0: window only)
+    entries_from: tuple[int | None, ...]  # per layer: the KV source whose entries it attends to
+    choice_from: tuple[int | None, ...]  # per layer: the indexer whose top-k it attends to
+    keys_from: tuple[int | None, ...]  # per indexer layer: the layer whose index keys it scores
+    kv_sources: frozenset
+    indexers: frozenset
+    candidate_source: int  # -1: none
+    candidate_blocks: int
+    candidate_block_size: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    main_rope: RopeConfig
+    compress_rope: RopeConfig
+    hc_mult: int
+    hc_iters: int
+    hc_eps: float
+    experts: int
+    top_k: int
+    routed_scale: float
+    norm_topk: bool
+    moe_inter: int
+    swiglu_limit: float
+    scoring: str
+    engram_layers: tuple[int, ...]
+    engram_rows: tuple[int, ...]
+    engram_max_ngram: int
+    engram_heads: int
+    engram_head_dim: int
+    engram_vocab: int
+    engram_compressed_vocab: int
+    engram_pad_token: int
+
+    def uses_candidates(self, layer: int) -> bool:
+        return self.candidate_blocks > 0 and 0 <= self.candidate_source < layer and layer in self.indexers
+
+    def engram_slot(self, layer: int) -> int:
+        return self.engram_layers.index(layer) if layer in self.engram_layers else -1
+
+
+def _last(layers, upto: int) -> int | None:
+    return max((j for j in layers if j <= upto), default=None)
+
+
+def _roles(ratios: list[int], sources: set, indexers: set, candidate: int):
+    """(entries_from, choice_from, keys_from) per layer, or CheckpointError naming the layer that cannot be run."""
+    n = len(ratios)
+    owners = {j for j in indexers if j in sources}  # indexers that project their own keys
+    entries, choice, keys = [None] * n, [None] * n, [None] * n
+    for L in range(n):
+        if L in indexers:
+            keys[L] = _last(owners, L)
+            if ratios[L] and keys[L] is None:
+                raise CheckpointError(f"layer {L} runs an indexer but no KV source at or before it projects index "
+                                      "keys (kv_source_layer_ids and index_source_layer_ids)", file="config.json")
+        if not ratios[L]:
+            continue
+        entries[L], choice[L] = _last(sources, L), _last(indexers, L)
+        if entries[L] is None or choice[L] is None:
+            raise CheckpointError(f"layer {L} compresses (compress_ratios[{L}] = {ratios[L]}) but no KV source / indexer "
+                                  "is at or before it", file="config.json")
+        if keys[choice[L]] != entries[L] or ratios[entries[L]] != ratios[L]:
+            raise CheckpointError(f"layer {L} would attend to layer {entries[L]}'s entries through indexer "
+                                  f"{choice[L]}, which scores layer {keys[choice[L]]}'s keys: the roles do not line up",
+                                  file="config.json")
+    if candidate >= 0:
+        if candidate not in indexers:
+            raise CheckpointError(f"candidate_source_layer_id {candidate} runs no indexer", file="config.json")
+        for L in indexers:
+            if L > candidate and keys[L] != keys[candidate]:
+                raise CheckpointError(f"indexer {L} scores other keys than the candidate source {candidate}",
+                                      file="config.json")
+    return tuple(entries), tuple(choice), tuple(keys)
+
+
+def _ids(c: dict, key: str, n: int) -> list[int]:
+    v = c.get(key) or []
+    if not isinstance(v, list) or not all(isinstance(i, int) and 0 <= i < n for i in v):
+        raise CheckpointError(f"{key} must list decoder layers 0..{n - 1}", file="config.json")
+    return v
+
+
+def v41_config(cfg: TextConfig) -> V41Config:
+    c, n = cfg.section, cfg.num_layers
+    try:
+        head_dim = int(c.get("head_dim", 512))
+        rope_dim = int(c["qk_rope_head_dim"])
+        ratios = [int(r) for r in list(c["compress_ratios"])[:n]]
+        sources, indexers = set(_ids(c, "kv_source_layer_ids", n)), set(_ids(c, "index_source_layer_ids", n))
+        candidate = int(c.get("candidate_source_layer_id", -1))
+        entries, choice, keys = _roles(ratios, sources, indexers, candidate)
+        main, comp = _ropes(c, rope_dim, head_dim)
+        engram = _ids(c, "engram_layer_ids", n)
+        return V41Config(
+            hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=head_dim, rope_dim=rope_dim,
+            q_lora_rank=int(c["q_lora_rank"]), o_groups=int(c.get("o_groups", 8)),
+            o_lora_rank=int(c.get("o_lora_rank", 1024)), window=int(c.get("sliding_window", 128)), eps=cfg.rms_norm_eps,
+            ratios=tuple(ratios), entries_from=entries, choice_from=choice, keys_from=keys,
+            kv_sources=frozenset(sources), indexers=frozenset(indexers), candidate_source=candidate,
+            candidate_blocks=int(c.get("candidate_topk_blocks", 0)), candidate_block_size=int(c.get("candidate_block_size", 1)),
+            index_heads=int(c.get("index_n_heads", 32)), index_head_dim=int(c.get("index_head_dim", 128)),
+            index_topk=int(c.get("index_topk", 512)), main_rope=main, compress_rope=comp,
+            hc_mult=int(c.get("hc_mult", 4)), hc_iters=int(c.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(c.get("hc_eps", 1e-6)), experts=cfg.n_routed_experts, top_k=cfg.experts_per_token,
+            routed_scale=cfg.routed_scaling_factor, norm_topk=bool(c.get("norm_topk_prob", True)),
+            moe_inter=cfg.moe_intermediate_size, swiglu_limit=float(c.get("swiglu_limit", 10.0)),
+            scoring=c.get("scoring_func", "sqrtsoftplus"), engram_layers=tuple(engram),
+            engram_rows=tuple(int(r) for r in (c.get("engram_num_embeddings") or [])[:len(engram)]),
+            engram_max_ngram=int(c.get("engram_max_ngram_size", 4)), engram_heads=int(c.get("engram_n_heads", 8)),
+            engram_head_dim=int(c.get("engram_head_dim", 256)), engram_vocab=int(c.get("engram_vocab_size", 0)),
+            engram_compressed_vocab=int(c.get("engram_compressed_vocab_size", 0)),
+            engram_pad_token=int(c.get("engram_pad_token_id", 0)),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"a DeepSeek-V4.1 config value has the wrong type ({e})", file="config.json") from None

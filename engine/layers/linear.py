@@ -99,7 +99,8 @@ for _scheme in REGISTRY.values():
 def options_of(quantization: dict | None) -> Options:
     """The scheme options a conversion recorded (kconvert.json `quantization`)."""
     q = quantization or {}
-    return Options(**{k: q[k] for k in ("scale_format", "group_size", "int4_scales") if q.get(k)})
+    block = {"fp8_block": int(q["block_size"][0])} if q.get("block_size") else {}
+    return Options(**{k: q[k] for k in ("scale_format", "group_size", "int4_scales") if q.get(k)}, **block)
 
 
 def format_of(name: str, transforms: dict[str, str], tensors: dict[str, torch.Tensor],

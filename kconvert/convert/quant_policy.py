@@ -10,12 +10,22 @@ from kconvert.quant.scheme import SCALE_FORMATS, SourceQuant
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
 
-__all__ = ["FP8_BLOCK", "SCALE_FORMATS", "SCHEMES", "QuantPolicy", "selected", "source_quant", "source_scale_fmt"]
+__all__ = ["FP8_BLOCK", "SCALE_FORMATS", "SCHEMES", "QuantPolicy", "selected", "source_fp8_block", "source_quant",
+           "source_scale_fmt"]
 
 
 def source_scale_fmt(ck: Checkpoint) -> str:
     """The scale format a block-FP8 source stores: ue8m0 (power-of-two) or fp32."""
     return "ue8m0" if ck.quantization_config.get("scale_fmt") == "ue8m0" else "fp32"
+
+
+def source_fp8_block(quantization_config: dict) -> int:
+    """The block `--quant fp8` writes: a block-FP8 source's own square block (DeepSeek-V4.1's 32: its weights are
+    then copied, not re-blocked), else 128."""
+    b = (quantization_config or {}).get("weight_block_size")
+    if isinstance(b, list) and len(b) == 2 and b[0] == b[1] and b[0] in (32, 64, 128):
+        return int(b[0])
+    return FP8_BLOCK
 
 
 def source_quant(ck: Checkpoint, t: LogicalTensor) -> SourceQuant:

@@ -28,7 +28,7 @@ from kconvert.converted.journal import JOURNAL_DIR
 from kconvert.converted.units import GLOBALS, load_order, unit_layer
 from kconvert.convert.layout import Layout
 from kconvert.convert.output_dir import check_paths, copy_side_files, remove_stale_temporaries
-from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy
+from kconvert.convert.quant_policy import QuantPolicy, source_fp8_block
 from kconvert.convert.shard_pipeline import Pipeline, plan_pipeline
 from kconvert.convert.shard_outputs import WorkItem
 from kconvert.convert.shard_plan import plan_items
@@ -89,7 +89,8 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
                          file=str(ck.root / "config.json"))
     check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
-    policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales)
+    policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales,
+                         source_fp8_block(ck.quantization_config))
     with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes
         pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp),
                              layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
@@ -262,7 +263,7 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
         "layout": {"tp": layout.tp, "ep": layout.ep, "pp": job.pp, "world_size": layout.tp * job.pp,
                    "experts": "whole" if layout.expert_tp == 1 else "split", "units": units,
                    "stages": [{"units": u} for u in pipe.stage_units]},
-        "quantization": {"scheme": policy.scheme, "block_size": [FP8_BLOCK, FP8_BLOCK] if policy.scheme == "fp8" else None,
+        "quantization": {"scheme": policy.scheme, "block_size": [policy.fp8_block] * 2 if policy.scheme == "fp8" else None,
                          "scale_format": policy.scale_format, "keep": list(policy.keep), "quantize": list(policy.force),
                          "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped",
                          **({"group_size": policy.group_size, "int4_scales": policy.int4_scales}

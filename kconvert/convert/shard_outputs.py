@@ -17,7 +17,7 @@ from operator import attrgetter
 from kconvert.converted.units import unit_file
 from kconvert.convert.layout import Piece
 from kconvert.family.manifest import TensorInfo
-from kconvert.io.dtypes import specs_bytes
+from kconvert.io.dtypes import FP8_BLOCK, specs_bytes
 from kconvert.quant.registry import scheme_of_transform
 from kconvert.quant.scheme import LosslessCopy, Options, Scheme, input_bytes
 
@@ -35,6 +35,7 @@ class Output:
     scale_format: str = "fp32"
     group_size: int = 32  # int4
     int4_scales: str = "mse"  # int4
+    fp8_block: int = FP8_BLOCK  # fp8
     copy: LosslessCopy | None = None  # the source parts a lossless copy writes unchanged
     # what it puts in its weight's stack key (convert/shard_stacks.py): the plan's id of (the source's stored form,
     # where it cuts, how it is stored); None: never stacked. Set by the plan once per bucket (not a field).
@@ -47,7 +48,7 @@ class Output:
 
     @property
     def options(self) -> Options:
-        return options_of(self.scale_format, self.group_size, self.int4_scales)
+        return options_of(self.scale_format, self.group_size, self.int4_scales, self.fp8_block)
 
     def specs(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """The tensors this output writes (name, dtype tag, shape): worked out once, asked by the writer, the
@@ -62,13 +63,13 @@ class Output:
     def bytes_in(self) -> int:
         """The source bytes it reads (asked by planning, progress and the stacks)."""
         return bytes_of(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
-                      self.int4_scales)[0]
+                        self.int4_scales, self.fp8_block)[0]
 
     @functools.cached_property  # (set by the plan too, as bytes_in is)
     def bytes_out(self) -> int:
         """The tensor bytes it writes (quantized, scales included)."""
         return bytes_of(self.shape, self.src_dtype, self.transform, self.scale_format, self.group_size,
-                      self.int4_scales)[1]
+                        self.int4_scales, self.fp8_block)[1]
 
 
 def _specs(src: str, transform: str, shape: tuple[int, ...], src_dtype: str, opts: Options) -> tuple:
@@ -83,10 +84,10 @@ _PROBES = ("a.weight", "bb.weight")  # two source names: a spec name that is not
 
 @functools.lru_cache(maxsize=4096)
 def spec_suffixes(transform: str, shape: tuple[int, ...], src_dtype: str, scale_format: str, group_size: int,
-                  int4_scales: str) -> tuple | None:
+                  int4_scales: str, fp8_block: int = FP8_BLOCK) -> tuple | None:
     """An output's specs as (suffix, tag, shape), each name being the source's name + suffix (every scheme's but
     DeepSeek-V4's `.scale` sidecars): the plan makes 100k+ outputs' specs by concatenation. None: not so."""
-    opts = options_of(scale_format, group_size, int4_scales)
+    opts = options_of(scale_format, group_size, int4_scales, fp8_block)
     out = []
     for (a, tag, shp), (b, tag_b, shp_b) in zip(*(_specs(p, transform, shape, src_dtype, opts) for p in _PROBES)):
         suffix = a[len(_PROBES[0]):]
@@ -98,16 +99,16 @@ def spec_suffixes(transform: str, shape: tuple[int, ...], src_dtype: str, scale_
 
 @functools.lru_cache(maxsize=4096)
 def bytes_of(shape: tuple[int, ...], src_dtype: str, transform: str, scale_format: str, group_size: int,
-           int4_scales: str) -> tuple[int, int]:
+             int4_scales: str, fp8_block: int = FP8_BLOCK) -> tuple[int, int]:
     """(bytes read, bytes written) of an output: names aside, its fields decide them, and 150k outputs of a
     release share a few hundred such keys."""
-    specs = _specs("w", transform, shape, src_dtype, options_of(scale_format, group_size, int4_scales))
+    specs = _specs("w", transform, shape, src_dtype, options_of(scale_format, group_size, int4_scales, fp8_block))
     return input_bytes(shape, src_dtype), specs_bytes(specs)
 
 
 @functools.lru_cache(maxsize=64)
-def options_of(scale_format: str, group_size: int, int4_scales: str) -> Options:
-    return Options(scale_format, group_size, int4_scales)  # one object per run, not one per output tensor
+def options_of(scale_format: str, group_size: int, int4_scales: str, fp8_block: int = FP8_BLOCK) -> Options:
+    return Options(scale_format, group_size, int4_scales, fp8_block=fp8_block)  # one object per run, not per tensor
 
 
 @dataclass

@@ -25,7 +25,7 @@ STACK_ELEMS = 1 << 18  # values of a weight; larger ones are read and quantized 
 def _stack_part(parts: dict[tuple, int], form: tuple | None, p: Piece, copy, info: TensorInfo,
                 how: tuple) -> int | None:
     """A small id per distinct (stored form, cut, how it is stored): a stack key, hashed per weight, stays cheap.
-    how: (transform, scale_format, group_size, int4_scales)."""
+    how: (transform, scale_format, group_size, int4_scales, fp8_block)."""
     if form is None or copy is not None or info.rule.values_below is not None:
         return None  # read alone, a lossless copy, a table checked by value
     return parts.setdefault((form, p.dim, p.start, p.stop, how), len(parts))
@@ -111,7 +111,7 @@ class _Plan:
         cuts inside a scale block and --requantize was not given. UsageError: a dim that does not divide, a shape
         the scheme refuses. What all the tensors of a bucket's expert group share, worked out once."""
         scheme, opts, pol, out = self.policy.quant, self.policy.options, self.policy, []
-        dtype, options = t.stored_dtype, (pol.scale_format, pol.group_size, pol.int4_scales)
+        dtype, options = t.stored_dtype, (pol.scale_format, pol.group_size, pol.int4_scales, pol.fp8_block)
         form = stack_form(t) if t.numel <= STACK_ELEMS else None
         for p in pieces(info, t.shape, self.layout, self.n_experts):
             shape = list(t.shape)
@@ -177,7 +177,7 @@ def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantiz
     if misaligned:
         works = [tp for tp in TP_DEGREES if _copies_aligned(ck, tp, layout, policy)]
         where = ("a packed FP4 tensor (copied whole only)" if misaligned[0] in whole_copies
-                 else f"a {FP8_BLOCK}x{FP8_BLOCK} scale block")
+                 else f"a {policy.fp8_block}x{policy.fp8_block} scale block")
         raise UsageError(f"quantized source: --tp {layout.tp} cuts {misaligned[0]} (and {len(misaligned) - 1} more) "
                          f"inside {where}; tp degrees that keep blocks whole: "
                          f"{', '.join(map(str, works)) or 'none'}; or pass --requantize to re-quantize those slices")

@@ -120,7 +120,7 @@ def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], prog
                     if codes and o.src in codes:
                         produced = _encode(o, codes[o.src])
                     elif o.piece.dim is None:
-                        key = (o.transform, o.scale_format, o.group_size, o.int4_scales)
+                        key = (o.transform, o.scale_format, o.group_size, o.int4_scales, o.fp8_block)
                         if key not in made:
                             made[key] = list(_produce(o, x))
                         produced = made[key]

@@ -39,6 +39,7 @@ from kconvert.plan.kv_bytes import kv_bytes, kv_options
 from kconvert.plan.pipeline import GPUS_PER_NODE, pipeline_fit, search, stage_inputs
 from kconvert.plan.rank_bytes import COMPONENTS, checkpoint_groups, config_groups
 from kconvert.convert.layout import TP_DEGREES, Layout, check
+from kconvert.convert.quant_policy import source_fp8_block
 from kconvert.family.manifest import ModelMap, manifests_dir
 from kconvert.quant.policy import QuantPolicy
 
@@ -158,7 +159,8 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
     reason = None
     if quant == AUTO:  # the device preset says which formats its kernels run
         quant, reason = auto_quant(dev, tc, model.config)
-    policy = QuantPolicy(quant)
+    qc = model.config.get("quantization_config") or tc.get("quantization_config") or {}
+    policy = QuantPolicy(quant, fp8_block=source_fp8_block(qc))  # a 32 x 32 FP8 source keeps its blocks
     max_pos = int(tc.get("max_position_embeddings") or 0)
     reserve = int(reserve_gb * GIB) if reserve_gb is not None else default_reserve(int(tc["hidden_size"]))
     sz = Sizing(groups, policy, model.text.expert_count, kv_bytes(tc, kv_dtype), reserve,

@@ -20,22 +20,22 @@ TOP = 6  # 6 * 2^6 = 384: the largest e2m1 value lands under e4m3's 448
 SPAN = 14  # d from -8 to 6: the octaves one block scale holds exactly
 
 
-def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -> torch.Tensor:
-    """int32 [ceil(R/128), ceil(C/128)]: the exponent m of each block's scale 2^m (refuses a block whose
+def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "", block: int = FP8_BLOCK) -> torch.Tensor:
+    """int32 [ceil(R/b), ceil(C/b)]: the exponent m of each block's scale 2^m (refuses a block whose
     groups span more than SPAN octaves)."""
     import torch
 
     rows = packed.shape[0]
     k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS  # [R, C/32]
     live = (packed & 0x77).view(rows, -1, GROUP // 2).amax(dim=-1) > 0  # a nonzero magnitude in the group
-    per = FP8_BLOCK // GROUP  # groups across one block
-    br, bc = -(-rows // FP8_BLOCK), -(-k.shape[1] // per)
-    pad_r, pad_c = br * FP8_BLOCK - rows, bc * per - k.shape[1]
+    per = block // GROUP  # groups across one block
+    br, bc = -(-rows // block), -(-k.shape[1] // per)
+    pad_r, pad_c = br * block - rows, bc * per - k.shape[1]
     big, small = torch.iinfo(torch.int32).max, torch.iinfo(torch.int32).min
 
     def fold(x: torch.Tensor, fill: int, op) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r), value=fill)
-        return op(op(x.view(br, FP8_BLOCK, bc, per), dim=3).values, dim=1).values
+        return op(op(x.view(br, block, bc, per), dim=3).values, dim=1).values
 
     hi = fold(torch.where(live, k, small), small, torch.max)
     lo = fold(torch.where(live, k, big), big, torch.min)
@@ -50,16 +50,17 @@ def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -
     return torch.where(empty, torch.zeros_like(hi), hi - TOP)
 
 
-def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "",
+                     block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 [R, C/2] e2m1 pairs, e8m0 [R, C/32]) -> (float8_e4m3fn [R, C], float32 [ceil(R/128), ceil(C/128)])
     with q * scale equal to the FP4 value, element for element. Each q is code * 2^(k - m), computed in that
     form (never as the FP4 value itself, which overflows float32 at e8m0's top scales)."""
     import torch
 
-    m = block_exponents(packed, scale, name)
+    m = block_exponents(packed, scale, name, block)
     rows, cols = packed.shape[0], packed.shape[1] * 2
     k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
-    m_groups = m.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK // GROUP, 1)[:, : k.shape[1]]
+    m_groups = m.repeat_interleave(block, 0)[:rows].repeat_interleave(block // GROUP, 1)[:, : k.shape[1]]
     d = (k - m_groups).clamp_(-SPAN + TOP, TOP)  # in range for every live group; an all-zero group stays 0
     lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(rows, cols)
@@ -73,3 +74,16 @@ def recode(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor
 
     packed, scale = parts
     return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name))
+
+
+def recoder(block: int):
+    """`recode` into blocks of `block` (fp8_block.lossless_copy's, per run)."""
+    if block == FP8_BLOCK:
+        return recode
+    import torch
+
+    def recode_block(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor]:
+        packed, scale = parts
+        return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name, block))
+
+    return recode_block

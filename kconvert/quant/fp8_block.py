@@ -1,5 +1,6 @@
-"""`fp8`: float8_e4m3fn weights with one float32 scale per 128x128 block, DeepSeek's naming
-(`X.weight`, `X.weight_scale_inv` [ceil(R/128), ceil(C/128)], dequant = q * scale). With `ue8m0` the
+"""`fp8`: float8_e4m3fn weights with one float32 scale per 128x128 block (`fp8_block`: a source stored in other
+square blocks, DeepSeek-V4.1's 32 x 32, keeps its own), DeepSeek's naming (`X.weight`, `X.weight_scale_inv`
+[ceil(R/b), ceil(C/b)], dequant = q * scale). With `ue8m0` the
 scale is rounded up to a power of two (2^ceil(log2(amax/448))), as DeepSeek-V3.1/V3.2 store it.
 Export's `fp8-block` is this scheme. A block-FP8 source with 128x128 blocks is copied, not requantized;
 DeepSeek-V4's FP4 experts are re-encoded exactly (fp4_to_fp8.py), never rounded twice."""
@@ -71,7 +72,8 @@ class Fp8Block(Scheme):
 
     def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list[Spec]:
         r, c = shape
-        blocks = (-(-r // FP8_BLOCK), -(-c // FP8_BLOCK))
+        b = opts.fp8_block
+        blocks = (-(-r // b), -(-c // b))
         if opts.encoding == DEEPSEEK_V4:  # V4's own: power-of-two scales as e8m0 bytes in a `.scale` sidecar
             return [(src, "F8_E4M3", tuple(shape)), (sidecar(src), "F8_E8M0", blocks)]
         return [(src, "F8_E4M3", tuple(shape)), (src + "_scale_inv", "F32", blocks)]
@@ -80,9 +82,9 @@ class Fp8Block(Scheme):
         import torch
 
         if opts.encoding == DEEPSEEK_V4:
-            q, s = quantize_fp8_block(w, FP8_BLOCK, "ue8m0", name)
+            q, s = quantize_fp8_block(w, opts.fp8_block, "ue8m0", name)
             return [q, s.to(torch.float8_e8m0fnu)]  # powers of two: exact
-        return list(quantize_fp8_block(w, FP8_BLOCK, opts.scale_format, name))
+        return list(quantize_fp8_block(w, opts.fp8_block, opts.scale_format, name))
 
     def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
         import torch
@@ -90,22 +92,24 @@ class Fp8Block(Scheme):
         dtype = dtype or torch.float32
         w, scale = stored
         rows, cols = w.shape
-        s = scale.to(dtype).repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+        b = opts.fp8_block
+        s = scale.to(dtype).repeat_interleave(b, 0)[:rows].repeat_interleave(b, 1)[:, :cols]
         return w.to(dtype) * s
 
     def lossless_copy(self, source: SourceQuant, opts: Options, *, same_scale_format: bool = False) -> LosslessCopy | None:
         """A 128x128 block-FP8 source, when its scales are valid in the target format: fp32 takes any
         scale, ue8m0 only power-of-two ones (`same_scale_format`: only the very format asked for). FP4 e2m1
         experts (DeepSeek-V4): re-encoded exactly with power-of-two block scales, valid in either format."""
+        b = opts.fp8_block
         if source.format == "fp4_packed":
-            return LosslessCopy("fp4_to_fp8", ("weight", "scale"), FP8_BLOCK, whole=True, recode=fp4_to_fp8.recode)
-        if source.format != "block_fp8" or source.block != (FP8_BLOCK, FP8_BLOCK):
+            return LosslessCopy("fp4_to_fp8", ("weight", "scale"), b, whole=True, recode=fp4_to_fp8.recoder(b))
+        if source.format != "block_fp8" or source.block != (b, b):
             return None
         if same_scale_format:
             ok = source.scale_format == opts.scale_format
         else:
             ok = opts.scale_format == "fp32" or source.scale_format == "ue8m0"
-        return LosslessCopy("fp8_copy", ("weight", "scale"), FP8_BLOCK) if ok else None
+        return LosslessCopy("fp8_copy", ("weight", "scale"), b) if ok else None
 
 
 SCHEME = Fp8Block()

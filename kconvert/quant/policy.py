@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from kconvert.errors import UsageError
+from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.family.manifest import TensorInfo
 from kconvert.quant.int4_group import INT4_SCALES
 from kconvert.quant.registry import NONE, SHARD_SCHEMES, get_scheme
@@ -41,6 +42,7 @@ class QuantPolicy:
     scale_format: str = "fp32"
     group_size: int = 32  # int4
     int4_scales: str = "mse"  # int4: clipping search ("mse") or plain amax / 7 ("amax")
+    fp8_block: int = FP8_BLOCK  # fp8: the block of one scale (the source's own where it is block FP8: copied)
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -50,6 +52,8 @@ class QuantPolicy:
         problem = self.quant.option_problem(self.options) if self.quant else None
         if problem:
             raise UsageError(problem)
+        if self.fp8_block not in (32, 64, 128):
+            raise UsageError(f"fp8 blocks of {self.fp8_block}: kconvert writes 32, 64 or 128")
         if self.int4_scales not in INT4_SCALES:
             raise UsageError(f"unknown --int4-scales {self.int4_scales!r} ({' or '.join(INT4_SCALES)})")
 
@@ -60,7 +64,7 @@ class QuantPolicy:
 
     @property
     def options(self) -> Options:
-        return Options(self.scale_format, self.group_size, self.int4_scales)
+        return Options(self.scale_format, self.group_size, self.int4_scales, fp8_block=self.fp8_block)
 
     def quantizes(self, info: TensorInfo, shape: tuple[int, ...]) -> bool:
         return selected(self.quant, info, shape, self.keep, self.force)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kconvert.family.manifest import TensorInfo
-from kconvert.io.dtypes import ITEMSIZE, specs_bytes
+from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE, specs_bytes
 
 Spec = tuple[str, str, tuple[int, ...]]  # (tensor name, safetensors dtype tag, shape)
 KCONVERT = "kconvert"
@@ -38,6 +38,7 @@ class Options:
     group_size: int = 32  # int4: inputs per scale
     int4_scales: str = "mse"  # int4, kconvert encoding: clipping search "mse" | plain "amax"
     encoding: str = KCONVERT  # how values are laid out on disk: KCONVERT | COMPRESSED_TENSORS
+    fp8_block: int = FP8_BLOCK  # block fp8: rows = columns of one scale's block (a 32 x 32 source keeps its own)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def supports(scheme: Scheme, opts: Options) -> bool:
 def quantize(scheme: Scheme, w: torch.Tensor, opts: Options) -> list[torch.Tensor]:
     """What scheme.quantize stores for each w[i], stacked along a new leading dim."""
     if scheme.name == "fp8":
-        return list(fp8_blocks(w))
+        return list(fp8_blocks(w, opts.fp8_block))
     if scheme.name == "int8":
         return list(int8_rows(w))
     raise ValueError(f"no stacked form of {scheme.name}")

@@ -51,18 +51,19 @@ def _fq(x: torch.Tensor, scale: torch.Tensor, **args) -> torch.Tensor:
 
 
 def qdq(x: torch.Tensor, scheme: str, *, scale_format: str = "fp32", group_size: int = 32,
-        int4_scales: str = "mse") -> torch.Tensor:
+        int4_scales: str = "mse", fp8_block: int = 128) -> torch.Tensor:
     """x [R, C] float32 -> the float32 weight a faithful `scheme` conversion dequantizes to."""
     x = x.to(torch.float32)
     R, C = x.shape
     if scheme == "fp8":
-        br, bc = -(-R // 128), -(-C // 128)
-        padded = torch.zeros(br * 128, bc * 128)
+        b = fp8_block
+        br, bc = -(-R // b), -(-C // b)
+        padded = torch.zeros(br * b, bc * b)
         padded[:R, :C] = x.abs()
-        scale = (padded.view(br, 128, bc, 128).amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp_min(SCALE_FLOOR)
+        scale = (padded.view(br, b, bc, b).amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp_min(SCALE_FLOOR)
         if scale_format == "ue8m0":
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
-        return _fq(x, scale, num_bits=8, type="float", strategy="block", block_structure=[128, 128])
+        return _fq(x, scale, num_bits=8, type="float", strategy="block", block_structure=[b, b])
     if scheme == "int8":
         scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(SCALE_FLOOR)
         return _fq(x, scale, num_bits=8, type="int", symmetric=True, strategy="channel")
@@ -144,7 +145,7 @@ def expected_tensor(x: torch.Tensor, entry: dict, q: dict) -> torch.Tensor:
     if transform not in QUANTIZED:
         return x  # copy, fp8_copy: the source's own values
     opts = dict(scale_format=q.get("scale_format") or "fp32", group_size=q.get("group_size") or 32,
-                int4_scales=q.get("int4_scales") or "mse")
+                int4_scales=q.get("int4_scales") or "mse", fp8_block=(q.get("block_size") or [128])[0])
     out = torch.empty_like(x)
     for s in entry["slices"]:
         if s is None:

@@ -25,25 +25,35 @@ def chunks(S: int, chunk: int, pp: int) -> list[tuple[int, int]]:
     return [(S * i // n, S * (i + 1) // n) for i in range(n)]
 
 
-def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs, everywhere: bool):
+def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs, everywhere: bool, hidden=None):
+    """`hidden`: a list the last stage appends its residual (before the final norm) to, every position."""
     par = model.par
     B, S = ids.shape
     first = model.stage_input(ids, image_embeds) if par.first else None
     outs, sending = [], []
     for lo, hi in chunks(S, model.prefill_chunk, par.pp):
         step = cache.begin(hi - lo, seqs)
+        start = int(step.positions[0, 0])
         if par.first:
             x = first[:, lo:hi]
         else:
             x = par.recv_prev((B, hi - lo, *model.stack.residual_shape_at(model.stage_layers[0])), model.dtype,
                               model.device)
+            if hasattr(model.stack, "receive_crossing"):  # state earlier stages' layers made for this one's (V4.1)
+                model.stack.receive_crossing(model, cache, start, hi - lo)
         x = model.run_layers(x, step.positions, cache, ids[:, lo:hi])
         cache.commit(step)
         if not par.last:
             x = x.contiguous()
             sending.append((par.send_next(x, wait=False), x))
-        elif not last_only or hi == S:
-            outs.append(model.logits(x[:, -1:] if last_only else x))
+            extra = model.stack.crossing(model, cache, start, hi - lo) if hasattr(model.stack, "crossing") else None
+            if extra is not None:
+                sending.append((par.send_next(extra, wait=False), extra))
+        else:
+            if hidden is not None:
+                hidden.append(x)
+            if not last_only or hi == S:
+                outs.append(model.logits(x[:, -1:] if last_only else x))
     for work, _ in sending:
         work.wait()
     logits = torch.cat(outs, dim=1) if len(outs) > 1 else (outs[0] if outs else None)

@@ -18,7 +18,7 @@ PACKAGES = {
     "mlx": (("mlx", "mlx-cpu") if sys.platform == "linux" else "mlx", "mlx",
             "the MLX reference of Kimi K3 (reference, verify --against)"),
     "mlx_lm": ("mlx-lm", "mlx", "the MLX reference of Kimi K3's text model (reference, verify --against)"),
-    "mlx_vlm": ("mlx-vlm", "mlx", "the MLX reference of Kimi K3's vision tower (reference with image prompts)"),
+    "mlx_vlm": ("mlx-vlm", "mlx", "the MLX reference of DeepSeek-V4.1 and of Kimi K3's vision tower"),
     "compressed_tensors": ("compressed-tensors", "ref", "verify's independent fake-quantized reference"),
     "jinja2": ("jinja2", None, "chat templates"),
     "PIL": ("Pillow", None, "images"),

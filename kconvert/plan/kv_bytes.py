@@ -16,7 +16,8 @@ Per decoder layer (MTP layers excluded: the converter drops them by default) a t
   8-bit latent: docs/KV_CACHE.md has the measurements behind these choices.
 Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
 DeepSeek-V4 (no latent; compressed entries, sliding windows, compressor state) is `compressed_kv_bytes`:
-an exact per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`), its host tier too.
+an exact per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`), its host tier too;
+DeepSeek-V4.1 (`v41_kv_bytes`) the same with entries and keys on the KV source layers only.
 Kimi Linear / Kimi K3 (KDA + MLA layers) is `hybrid_kv_bytes`: MLA layers keep the latent row above per token;
 KDA layers keep, per sequence whatever its length, a float32 state [heads, Dk, Dv] and their short convolutions'
 last kernel-1 inputs (3 x heads x Dk, bf16), split over tp by heads (`KVBytes.on_tp`).
@@ -153,6 +154,8 @@ def kv_bytes(text_config: dict, dtype: str = "bf16") -> KVBytes:
     if dtype not in KV_DTYPES:
         raise UsageError(f"unknown --kv-cache-dtype {dtype!r} (choose from {', '.join(KV_DTYPES)})")
     tc = text_config
+    if "kv_source_layer_ids" in tc:
+        return v41_kv_bytes(tc, dtype)
     if "kv_lora_rank" not in tc and ("compress_ratios" in tc or "layer_types" in tc):
         return compressed_kv_bytes(tc, dtype)
     if isinstance(tc.get("linear_attn_config"), dict):
@@ -218,6 +221,35 @@ def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
             index += key / r
         terms.append((r, entry + (key if csa else 0), fixed, entry if csa else 0))
     n = int(tc["num_hidden_layers"])
+    return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(latent / n), indexer_bytes=math.ceil(index / n),
+                   cache="compressed", layer_terms=tuple(terms))
+
+
+def v41_kv_bytes(tc: dict, dtype: str) -> KVBytes:
+    """DeepSeek-V4.1's cache as the engine keeps it (engine/cache/v41.py): every layer its sliding window's ring; a
+    KV source of ratio r its L // r entries and its compressor's float32 rows of the group still filling up (kv and
+    gate, r rows each); a source that also indexes, L // r index keys (and the same running rows, at the key width,
+    which the engine keeps though a key needs none). Layers that read another layer's entries keep nothing more."""
+    head, rope = int(tc["head_dim"]), int(tc.get("qk_rope_head_dim") or 0)
+    entry = v4_entry_bytes(head, rope, LATENT_CODE[dtype])
+    index_dim = int(tc.get("index_head_dim") or 128)
+    key = indexer_bytes(index_dim, dtype)
+    window = int(tc.get("sliding_window") or 128) - 1
+    n = int(tc["num_hidden_layers"])
+    ratios = [int(r) for r in list(tc["compress_ratios"])[:n]]
+    sources, indexers = set(tc.get("kv_source_layer_ids") or ()), set(tc.get("index_source_layer_ids") or ())
+    terms, latent, index = [], 0.0, 0.0
+    for L, r in enumerate(ratios):
+        fixed, per_entry, host = window * entry, 0, 0
+        if r and L in sources:
+            fixed += V4_STATE_BYTES * 2 * r * head
+            per_entry, host = entry, entry
+            latent += entry / r
+            if L in indexers:
+                fixed += V4_STATE_BYTES * 2 * index_dim
+                per_entry += key
+                index += key / r
+        terms.append((r if per_entry else 0, per_entry, fixed, host))
     return KVBytes(dtype=dtype, layers=n, latent_bytes=math.ceil(latent / n), indexer_bytes=math.ceil(index / n),
                    cache="compressed", layer_terms=tuple(terms))
 

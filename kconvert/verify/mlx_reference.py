@@ -1,7 +1,9 @@
-"""The MLX reference (a family whose manifest says `reference_backend = "mlx"`: Kimi K3): Apple's MLX on its
-Linux CPU backend runs mlx-lm's own model of the family, loaded from the source checkpoint as released (its
-`sanitize` reads the released names and MXFP4 experts; a strict load refuses any tensor it does not know).
-No transformers release runs Kimi K3, so this is the independent implementation verify compares against.
+"""The MLX reference (a family whose manifest says `reference_backend = "mlx"`, its class here named by
+`reference_class`): Apple's MLX on its Linux CPU backend runs the MLX projects' own model of the family, loaded from
+the source checkpoint as released (their `sanitize` reads the released names and quantized storage; a strict load
+refuses any tensor they do not know). No transformers release runs Kimi K3 or DeepSeek-V4.1, so these are the
+independent implementations verify compares against: mlx-lm's kimi_k3 (MlxReference) and mlx-vlm's deepseek_v41
+(MlxDeepseekV41, below: its activation fake-quantization off).
 
 `MlxReference(ck, dtype)` answers as a transformers model does for reference.py: `model(input_ids=[1, T],
 output_hidden_states=...)` -> `.logits` [1, T, V] and `.hidden_states`: the embeddings, the residual after
@@ -121,6 +123,104 @@ class MlxReference:
         out = tm.norm(h)
         states.append(out)
         logits = lm.lm_head(out) if lm.lm_head is not None else tm.embed_tokens.as_linear(out)
+        mx.eval(logits, *states)
+        hidden = tuple(self._to_torch(s) for s in states) if output_hidden_states else None
+        return Output(self._to_torch(logits), hidden)
+
+
+class MlxDeepseekV41(MlxReference):
+    """mlx-vlm 0.7.10's DeepSeek-V4.1 (text, vision tower and Engram; mlx-lm's deepseek_v41 refuses Engram layers),
+    strictly loaded from the release's FP8 / FP4 storage (its sanitize dequantizes them exactly, as kconvert does).
+
+    Convention: the reference's QAT fake-quantization (it rounds linear inputs and the window KV to FP8 and the
+    compressed KV and indexer queries / keys to FP4, as DeepSeek's kernels do; mlx-lm and transformers round none of
+    the inputs) is switched off (`fakequant.DISABLE`): verify measures what a conversion changes in the weights, and
+    the activation rounding (mean KLD ~1e-2 between the two MLX models until it is off in both) would bury that
+    below its own noise. kconvert's engine does not round activations either (its KV formats are opt-in)."""
+
+    def __init__(self, root: Path, dtype: torch.dtype):
+        import json
+
+        import mlx.core as mx
+        from mlx_vlm.models.deepseek_v41 import fakequant
+        from mlx_vlm.models.deepseek_v41.config import ModelConfig
+        from mlx_vlm.models.deepseek_v41.deepseek_v41 import Model
+
+        self.mx, self.root, self.torch_dtype = mx, Path(root), dtype
+        fakequant.DISABLE = True
+        self.model = Model(ModelConfig.from_dict(json.loads((self.root / "config.json").read_text())))
+        weights = {}
+        for f in sorted(self.root.glob("*.safetensors")):
+            weights.update(mx.load(str(f)))
+        self.model.load_weights(list(self.model.sanitize(weights).items()), strict=True)
+        self.model.model_path = self.root  # its Engram hashes read engram_token_map.json there
+        self.dtype = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float64: mx.float64}[dtype]
+        self.model.set_dtype(self.dtype)
+        self._vision = None
+
+    def _image_input(self, start: int, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """mlx-vlm's record of one image (its processor's ImageInput) for the patches the engine gets: the span's
+        token types from mlx-vlm's own layout rule over the aligner's window grid."""
+        import math
+
+        from mlx_vlm.models.deepseek_v41.processing_deepseek_v41 import ImageInput, image_token_types
+
+        grids = grid_thw.tolist()
+        if len(grids) != 1 or grids[0][0] != 1:
+            raise UsageError(f"the DeepSeek-V4.1 reference takes one image per prompt, got grids {grids}")
+        _, h, w = grids[0]
+        r = self.model.config.vision_downsample_ratio
+        patches = self.mx.array(pixel_values.float().numpy()).astype(self.dtype)
+        return ImageInput(start, patches, h, w, image_token_types(math.ceil(h / r), math.ceil(w / r)))
+
+    def image_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """[span, text hidden]: one image's whole span (start, aligner rows with a row break after each row of
+        windows, end) as mlx-vlm's ViT, Aligner and merge_image_embeddings make it from the engine's patches."""
+        img = self._image_input(0, pixel_values, grid_thw)
+        blank = self.mx.zeros((1, len(img.types), self.model.config.hidden_size), dtype=self.dtype)
+        span = self.model.merge_image_embeddings([[img]], blank)[0]
+        self.mx.eval(span)
+        return self._to_torch(span)
+
+    def _merge_image(self, input_ids: torch.Tensor, h, pixel_values, grid_thw, image_token_id):
+        """The embeddings h with the image's span merged in by mlx-vlm; the span must be exactly the run of image
+        tokens the prompt holds (one image per prompt)."""
+        config_id = self.model.config.image_token_id
+        if image_token_id is not None and image_token_id != config_id:
+            raise UsageError(f"image token {image_token_id} is not the reference config's {config_id}")
+        where = (input_ids[0] == config_id).nonzero().flatten().tolist()
+        img = self._image_input(where[0] if where else 0, pixel_values, grid_thw)
+        if where != list(range(img.start, img.start + len(img.types))):
+            raise UsageError(f"{len(where)} image tokens in the prompt for an image span of {len(img.types)}")
+        return self.model.merge_image_embeddings([[img]], h)
+
+    def __call__(self, input_ids: torch.Tensor, output_hidden_states: bool = False, pixel_values=None,
+                 image_grid_thw=None, image_token_id: int | None = None, **kwargs) -> Output:
+        from mlx_vlm.models.deepseek_v41.language import DeepseekV41Block, DeepseekV41Cache, make_identity_pre_mix
+
+        mx = self.mx
+        lm = self.model.language_model
+        ids = mx.array(input_ids.numpy())
+        B, S = ids.shape
+        image = ids == lm.config.image_token_id
+        live = ~image
+        cache = DeepseekV41Cache(len(lm.layers))
+        h = lm.embed_tokens(ids)
+        if pixel_values is not None:
+            h = self._merge_image(input_ids, h, pixel_values, image_grid_thw, image_token_id)
+        streams = mx.broadcast_to(h[..., None, :], (B, S, lm.config.hc_mult, lm.config.hidden_size))
+        lm._ensure_engram_hash()
+        hashes = None if lm.engram_hash is None else lm.engram_hash(ids, 0, cache, token_mask=live)
+        pre_mix = make_identity_pre_mix(B, S, lm.config.hc_mult)
+        states = []
+        for layer in lm.layers:
+            states.append(streams)  # the input of the layer, before its Engram (what the engine reports too)
+            if layer.engram is not None and hashes is not None:
+                streams = layer.engram(streams, hashes[:, :, layer.engram.layer_hash_index, :], live)
+            streams, pre_mix = layer(streams, pre_mix, image, cache)
+        out = lm.norm(DeepseekV41Block.hc_pre(streams, pre_mix))
+        states.append(out)
+        logits = lm.head(out)
         mx.eval(logits, *states)
         hidden = tuple(self._to_torch(s) for s in states) if output_hidden_states else None
         return Output(self._to_torch(logits), hidden)

@@ -41,7 +41,7 @@ class PromptInputs:
 
 def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_token_id: int | None = None) -> list[PromptInputs]:
     """Tokenize (Kimi chat format where asked) and preprocess images, expanding each image's
-    placeholder (`image_token_id`, default config.json's) to its number of merged patches."""
+    placeholder (`image_token_id`, default config.json's) to the text positions its vision kind gives it."""
     from kconvert.source.tokenizer import load_kimi_tokenizer
 
     if not (Path(model_dir) / "tiktoken.model").exists():
@@ -55,10 +55,9 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_tok
         if p.get("image"):
             if "vision_config" not in config:
                 raise UsageError(f"prompt {p['id']} has an image but the model has no vision tower", file=str(model_dir))
-            pixel_values, (gh, gw), merge = prompt_patches(p, config)
+            pixel_values, (gh, gw), n = prompt_patches(p, config)
             grid = torch.tensor([[1, gh, gw]])
             pad = config["image_token_id"] if image_token_id is None else image_token_id
-            n = gh * gw // (merge * merge)
             if ids.count(pad) != 1:
                 raise UsageError(f"prompt {p['id']} must hold exactly one image placeholder", file=str(model_dir))
             i = ids.index(pad)
@@ -109,9 +108,9 @@ def reference_model(ck: Checkpoint, dtype: torch.dtype):
     indexers (if any) selecting with the documented tie rule; or, for a family no transformers release runs
     (`reference_backend = "mlx"`: Kimi K3), mlx-lm's model (verify/mlx_reference.py)."""
     if ck.model.family.get("reference_backend") == "mlx":
-        from kconvert.verify.mlx_reference import MlxReference
+        from kconvert.verify import mlx_reference
 
-        return MlxReference(ck.root, dtype)
+        return getattr(mlx_reference, ck.model.family.get("reference_class", "MlxReference"))(ck.root, dtype)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()

@@ -21,6 +21,7 @@ from engine.models.deepseek_v4.mhc import sinkhorn, spread
 from engine.models.deepseek_v4.norm import V4RMSNorm, unweighted_rms_norm
 from engine.models.deepseek_v41.attention import V41Attention
 from engine.models.deepseek_v41.config import V41Config, v41_config
+from engine.models.deepseek_v41.crossing import incoming, outgoing
 from engine.models.deepseek_v41.engram import Engram, EngramHashes
 from engine.models.deepseek_v41.moe import V41MoE
 from kconvert.distributed import Group
@@ -97,6 +98,14 @@ class V41Stack:
 
         if self.c.engram_layers:
             self.hashes = EngramHashes(self.c, read_token_map(root))
+
+    def crossing(self, model, cache: V41Cache, start: int, S: int) -> torch.Tensor | None:
+        """What this stage sends the next beside the residual (engine/models/deepseek_v41/crossing.py)."""
+        return outgoing(self.c, cache, model.stages[model.par.stage + 1][0], start, S, model.dtype)
+
+    def receive_crossing(self, model, cache: V41Cache, start: int, S: int) -> None:
+        incoming(self.c, cache, model.stage_layers[0], start, S, model.dtype,
+                 lambda n: model.par.recv_prev((n,), torch.uint8, model.device))
 
     def residual_shape_at(self, layer: int) -> tuple[int, ...]:
         return self.residual_shape

@@ -86,8 +86,14 @@ class VisionConfig:
     projector_eps: float
     text_hidden: int
     image_token_id: int
-    kind: str = "moonvit"  # engine/models/registry.py VISION: moonvit (Kimi-K2.5), moonvit_v2 (Kimi K3)
+    kind: str = "moonvit"  # engine/models/registry.py VISION: moonvit (Kimi-K2.5), moonvit_v2 (Kimi K3), deepseek_vit
     qkv_hidden_size: int = 0  # attention width where it is not the tower's (MoonViT-V2)
+    processor: str = "kimi"  # engine/chat/image.py PROCESSORS: the family's [family.engine] image_processor
+    # DeepSeek-V4.1's resize rules (deepseek_vit; merge_kernel is its r x r aligner window): an image smaller than
+    # min_pixels is enlarged, one costing more than max_image_tokens text positions shrunk, wide ones clamped
+    min_pixels: int = 0
+    max_image_tokens: int = 0
+    max_wh_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,22 @@ def image_token_id(config: dict, engine: dict) -> int:
     return int(engine["image_token_default"])
 
 
+def _deepseek_vit(v: dict, text: TextConfig, image_token_id: int) -> VisionConfig:
+    """DeepSeek-V4.1's vision_config; the optional keys default as mlx-vlm's deepseek_v41 does."""
+    r = int(v["downsample_ratio"])
+    ratio = v.get("max_wh_ratio")
+    return VisionConfig(
+        hidden_size=int(v["hidden_size"]), num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
+        intermediate_size=int(v["intermediate_size"]), patch_size=int(v["patch_size"]), pos_emb_height=0,
+        pos_emb_width=0, merge_kernel=(r, r), hidden_act="silu", rope_theta=float(v.get("rope_theta", 10000.0)),
+        projector_eps=0.0, text_hidden=text.hidden_size, image_token_id=image_token_id, kind="deepseek_vit",
+        min_pixels=int(v.get("min_pixels", 295936)), max_image_tokens=int(v.get("max_image_tokens", 1024)),
+        max_wh_ratio=None if ratio is None else float(ratio))
+
+
 def _vision(c: dict, v: dict, text: TextConfig, image_token_id: int, kind: str = "moonvit") -> VisionConfig:
+    if kind == "deepseek_vit":
+        return _deepseek_vit(v, text, image_token_id)
     if kind == "moonvit_v2":  # Kimi K3's vision_config spells the tower's keys `vt_*`
         return VisionConfig(
             hidden_size=int(v["vt_hidden_size"]), num_layers=int(v["vt_num_hidden_layers"]),
@@ -209,6 +230,7 @@ def model_config(config: dict, family: str) -> ModelConfig:
         v = _section(config, engine["vision_config"], family)
         try:
             vision = _vision(config, v, text, image_token_id(config, engine), engine.get("vision", "moonvit"))
+            vision = replace(vision, processor=engine.get("image_processor", "kimi"))
         except KeyError as e:
             raise CheckpointError(f"{engine['vision_config']} lacks {e.args[0]!r} needed by the engine",
                                   file="config.json") from None

@@ -20,11 +20,11 @@ from torch import nn
 from engine import pipeline
 from engine.cache.latent import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
-from engine.models.registry import block_stack, decoder_layer, vision_modules
+from engine.models.registry import block_stack, decoder_layer, image_tokens, vision_modules
 from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.layers.rope import Rotary
 from engine.layers.slots import Stored, holds_all, load_unit, slot
-from engine.models.moonvit import ImageEncoder, tokens_per_image
+from engine.models.moonvit import ImageEncoder
 from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
@@ -283,8 +283,9 @@ class Model(nn.Module):
         return pipeline.forward(self, ids, cache, image_embeds, last_only, seqs, everywhere)
 
     def tokens_per_image(self, grid_hw: tuple[int, int]) -> int:
-        """Known on every stage (the tower itself lives on the first)."""
-        return tokens_per_image(self.mc.vision, grid_hw)
+        """Known on every stage (the tower itself lives on the first); the vision kind's count (DeepSeek-V4.1: the
+        whole image span, its start, row breaks and end included: image_embeds hold a row for each)."""
+        return image_tokens(self.mc.vision, grid_hw)
 
     def scatter_images(self, ids, x, image_embeds):
         mask = ids == self.mc.vision.image_token_id

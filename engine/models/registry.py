@@ -28,7 +28,8 @@ from engine.models.deepseek_v41.block import V41Block
 from engine.models.kimi_linear.block import KimiDecoderLayer, kimi_attention
 from engine.models.kimi_linear.config import kimi_config
 from engine.models.kimi_linear.moe import KimiMLP, KimiMoE
-from engine.models.moonvit import Projector, VisionTower
+from engine.models.deepseek_vit import DeepseekAligner, DeepseekViT, span_length
+from engine.models.moonvit import Projector, VisionTower, tokens_per_image
 from engine.models.moonvit_v2 import PatchMergerV2, VisionTowerV2
 from kconvert.distributed import Group
 from kconvert.errors import EngineError
@@ -143,13 +144,20 @@ def decoder_layer(cfg: TextConfig, layer: int, par: Group) -> nn.Module:
     return kind(BLOCK, cfg.block_kind, "decoder block")(cfg, layer, par)
 
 
-VISION: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {  # [family.engine] vision -> (tower, projector)
-    "moonvit": (VisionTower, Projector),  # Kimi-K2.5
-    "moonvit_v2": (VisionTowerV2, PatchMergerV2),  # Kimi K3: no biases, RMSNorm, a post-norm projector
+VISION: dict[str, tuple[type[nn.Module], type[nn.Module], object]] = {  # [family.engine] vision ->
+    # (tower, projector, text positions an image of (h, w) patches takes)
+    "moonvit": (VisionTower, Projector, tokens_per_image),  # Kimi-K2.5
+    "moonvit_v2": (VisionTowerV2, PatchMergerV2, tokens_per_image),  # Kimi K3: no biases, RMSNorm, a post-norm projector
+    "deepseek_vit": (DeepseekViT, DeepseekAligner, span_length),  # DeepSeek-V4.1: the aligner builds the image span
 }
 
 
 def vision_modules(vc) -> tuple[nn.Module, nn.Module]:
     """The family's vision tower and projector, empty (their tensors arrive with the vision unit)."""
-    tower, projector = kind(VISION, vc.kind, "vision")
+    tower, projector, _ = kind(VISION, vc.kind, "vision")
     return tower(vc), projector(vc)
+
+
+def image_tokens(vc, grid_hw: tuple[int, int]) -> int:
+    """Text positions an image of `grid_hw` patches takes under the family's vision kind."""
+    return kind(VISION, vc.kind, "vision")[2](vc, grid_hw)

@@ -1,6 +1,8 @@
-"""Image preprocessing for MoonViT, following transformers' Kimi_K25 image processor rules (Pillow + torch):
-shrink (never enlarge) to at most `max_patches` patches and `max_side` patches per side, pad right/bottom
-to multiples of patch x merge, scale to [0, 1], normalise with mean = std = 0.5, cut into patches."""
+"""Image preprocessing, one processor per family (`[family.engine] image_processor`, PROCESSORS below; Pillow +
+torch). `kimi` (Kimi-K2.5 / K3's MoonViT), following transformers' Kimi_K25 image processor rules: shrink (never
+enlarge) to at most `max_patches` patches and `max_side` patches per side, pad right/bottom to multiples of
+patch x merge, scale to [0, 1], normalise with mean = std = 0.5, cut into patches. `deepseek_v41`: DeepSeek-V4.1's
+rules (engine/chat/image_deepseek.py)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,14 @@ class ImageRules:
     std: tuple = (0.5, 0.5, 0.5)
 
     @property
+    def tower_pixels(self) -> int:
+        """The most pixels an image keeps."""
+        return self.max_patches * self.patch_size ** 2
+
+    @property
     def max_input_pixels(self) -> int:
         """The largest image (width x height) decoded at all."""
-        return self.max_patches * self.patch_size ** 2 * INPUT_PIXELS_PER_TOWER_PIXEL
+        return self.tower_pixels * INPUT_PIXELS_PER_TOWER_PIXEL
 
 
 def target_size(height: int, width: int, r: ImageRules) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -69,7 +76,7 @@ def load_image(path, rules: ImageRules = ImageRules()) -> "PIL.Image.Image":
                 if w * h > limit:
                     raise ImageError(f"{w}x{h} = {w * h / 1e6:.0f} Mpx: larger than the {limit / 1e6:.0f} Mpx "
                                      "this engine decodes (the vision tower uses at most "
-                                     f"{rules.max_patches * rules.patch_size ** 2 / 1e6:.1f} Mpx); shrink it first",
+                                     f"{rules.tower_pixels / 1e6:.1f} Mpx); shrink it first",
                                      file=str(p))
                 im.load()
                 return im.convert("RGB")
@@ -105,3 +112,32 @@ def preprocess(image, rules: ImageRules = ImageRules()) -> tuple[torch.Tensor, t
     gh, gw = H // p, W // p
     patches = x.view(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3, p, p)
     return patches.contiguous(), (gh, gw)
+
+
+def _kimi_rules(vc) -> ImageRules:
+    return ImageRules(patch_size=vc.patch_size, merge=vc.merge_kernel[0])
+
+
+def _deepseek():
+    from engine.chat.image_deepseek import DeepseekImageRules, preprocess_deepseek
+
+    return DeepseekImageRules.of, preprocess_deepseek
+
+
+PROCESSORS = {  # [family.engine] image_processor -> () -> (rules of a VisionConfig, preprocess(image, rules))
+    "kimi": lambda: (_kimi_rules, preprocess),
+    "deepseek_v41": _deepseek,
+}
+
+
+def preprocess_for(vc, image) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A PIL image or path through the processor of the model's family (vc: engine.config.VisionConfig) ->
+    (patches [gh*gw, 3, p, p] float32, (gh, gw)); a path larger than that processor decodes is an ImageError."""
+    from PIL import Image
+
+    if vc.processor not in PROCESSORS:
+        raise UsageError(f"no image processor {vc.processor!r} (known: {', '.join(sorted(PROCESSORS))})",
+                         file="kconvert.json")
+    rules_of, run = PROCESSORS[vc.processor]()
+    rules = rules_of(vc)
+    return run(image if isinstance(image, Image.Image) else load_image(image, rules), rules)

@@ -28,7 +28,7 @@ from engine.runtime import launch
 from engine.chat.from_source import converted_dir
 from engine.runtime.generate import Sampling, generate
 from engine.chat.args import DTYPES, parse_args
-from engine.chat.image import load_image, preprocess
+from engine.chat.image import load_image, preprocess_for
 from engine.cache.budget import kv_options
 from engine.model import Model
 from engine.chat.stream import TextStream
@@ -60,7 +60,7 @@ class Session:
         if image_path:
             if not self.model.has_vision:
                 raise UsageError("this checkpoint has no vision tower: images are not available")
-            new_images.append(_on_rank0(self.model.par, lambda: preprocess(load_image(image_path))))
+            new_images.append(_on_rank0(self.model.par, lambda: preprocess_for(self.model.mc.vision, image_path)))
             content = [{"type": "image"}, {"type": "text", "text": text}]
         messages = self.messages + [{"role": "user", "content": content}]
         images = self.images + new_images

@@ -128,6 +128,16 @@ class MlxReference:
         return Output(self._to_torch(logits), hidden)
 
 
+def exact_gelu():
+    """MLX's exact (erf) GELU module. mlx-vlm 0.7.10's deepseek_v41 Aligner asks for `nn.GELU(approx="precise")`,
+    which MLX maps to its tanh approximation (nn.gelu_approx), not the erf GELU of DeepSeek's own vision code (torch's
+    F.gelu; mlx-vlm's V4 vision Aligner uses the exact one too): the reference runs the Aligner with the exact GELU,
+    as the engine does (tests/test_dsv41_vision.py measures the gap the approximation alone makes)."""
+    import mlx.nn as nn
+
+    return nn.GELU()
+
+
 class MlxDeepseekV41(MlxReference):
     """mlx-vlm 0.7.10's DeepSeek-V4.1 (text, vision tower and Engram; mlx-lm's deepseek_v41 refuses Engram layers),
     strictly loaded from the release's FP8 / FP4 storage (its sanitize dequantizes them exactly, as kconvert does).
@@ -149,6 +159,7 @@ class MlxDeepseekV41(MlxReference):
         self.mx, self.root, self.torch_dtype = mx, Path(root), dtype
         fakequant.DISABLE = True
         self.model = Model(ModelConfig.from_dict(json.loads((self.root / "config.json").read_text())))
+        self.model.aligner.act = exact_gelu()
         weights = {}
         for f in sorted(self.root.glob("*.safetensors")):
             weights.update(mx.load(str(f)))

@@ -137,13 +137,15 @@ def synthetic_image(seed: int, width: int, height: int):
 
 
 def prompt_patches(prompt: dict, config: dict):
-    """(patches [N, 3, p, p], (gh, gw), merge) of an image prompt's synthetic picture, preprocessed by the
-    vision config's rules: the one place both the reference and the engine get their pixels from."""
-    from engine.chat.image import ImageRules, preprocess
+    """(patches [N, 3, p, p], (gh, gw), text positions) of an image prompt's synthetic picture, preprocessed by
+    the processor and vision config of the model's family (engine/chat/image.py), its positions counted by the
+    family's vision kind: the one place both the reference and the engine get their pixels from."""
+    from engine.chat.image import preprocess_for
+    from engine.config import model_config
+    from engine.models.registry import image_tokens
+    from kconvert.family.manifest import bind
 
-    vc = config["vision_config"]
-    merge = (vc.get("merge_kernel_size") or [2, 2])[0]
+    vc = model_config(config, bind(config).family["name"]).vision
     im = prompt["image"]
-    patches, grid = preprocess(synthetic_image(im["seed"], im["width"], im["height"]),
-                               ImageRules(patch_size=vc.get("patch_size", 14), merge=merge))
-    return patches, grid, merge
+    patches, grid = preprocess_for(vc, synthetic_image(im["seed"], im["width"], im["height"]))
+    return patches, grid, image_tokens(vc, grid)

@@ -8,8 +8,12 @@ Rows are stored in the --kv-dtype's code (engine/cache/entry_format.py); nothing
 forward call's tensors, so a long prefill leaves only these behind. Bytes: kconvert.plan.kv_bytes'
 `compressed_kv_bytes`, exactly (`bytes_in_use`). The host tier (V4Cache) keeps CSA entries in host memory.
 
-Every sequence of a batch moves in lock-step (same length): the compressors' state cannot be rewound, so
-the cache is kept only at its length or reset to 0."""
+Every sequence of a batch moves in lock-step (same length). Going back (speculative decoding drops the tokens
+its target rejected) works from a mark: `V4Cache.mark()` copies each layer's fixed-size state (the ring, the
+compressors' pending rows and overlap, their entry counts) and from then on keeps the rows each step adds
+(K=V rows, the compressors' projected rows, each completed window's overlap); `rollback(n)` rebuilds the state
+at any length n since the mark from them, exactly as the tokens up to n alone would have left it. Without a
+mark the cache is kept at its length or reset to 0."""
 
 from __future__ import annotations
 
@@ -21,11 +25,12 @@ from engine.cache.latent import KVOptions, Step
 from engine.cache.row_format import check_kv_dtype, row_codes
 from engine.cache.entry_format import EntryFormat, key_format
 from engine.cache.paged_rows import PagedRows, Ring
+from engine.cache.rewind import Rewindable
 from kconvert.errors import EngineError, UsageError
 
 
 @dataclass
-class CompressorState:
+class CompressorState(Rewindable):
     code: str | None = None  # the entries' row code (None: the compute dtype)
     store: PagedRows | None = None  # compressed entries so far, RoPE applied, encoded
     fmt: object = None  # EntryFormat (attention entries) or kv_format.RowFormat (indexer keys)
@@ -36,6 +41,8 @@ class CompressorState:
     overlap_gate: torch.Tensor | None = None
     has_overlap: bool = False
     count: int = 0  # entries emitted: the next window starts at token count * rate
+    saved: tuple | None = None  # mark(): (pending rows, count, overlap) then; the rows added since (rewind)
+    journal: list | None = None
 
     def ready(self, fmt, B: int, rate: int, width: int, dim: int, overlap: bool, device, host: bool = False) -> None:
         """Allocate the fixed-size state at the first call (the byte count plan predicts); `host`: the entries
@@ -53,6 +60,9 @@ class CompressorState:
         """(rows of the complete windows, their gates, the first one's token position); copies the rest into
         the pending state (a copy: a view would keep this call's whole projection alive)."""
         first = self.count * rate
+        if self.journal is not None:
+            self.journal[0].append(kv.float())
+            self.journal[1].append(gate.float())
         if self.pending:
             p = self.pending
             kv = torch.cat([self.pending_kv[:, :p].to(kv.dtype), kv], 1)
@@ -64,9 +74,12 @@ class CompressorState:
         return kv[:, :full], gate[:, :full], first
 
     def keep_overlap(self, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        self.overlap_kv.copy_(kv)
-        self.overlap_gate.copy_(gate)
+        """kv, gate [B, n, rate, dim]: the first series of the n windows just completed; the last one is kept."""
+        self.overlap_kv.copy_(kv[:, -1])
+        self.overlap_gate.copy_(gate[:, -1])
         self.has_overlap = True
+        if self.journal is not None:
+            self.journal[2].append((kv.float(), gate.float()))
 
     def append(self, new: torch.Tensor) -> None:
         self.store.append(self.fmt.encode(new))
@@ -109,6 +122,7 @@ class V4LayerState:
     ring_fmt: EntryFormat | None = None
     compressor: CompressorState = field(default_factory=CompressorState)
     indexer: CompressorState = field(default_factory=CompressorState)
+    marked: int | None = None  # the length at mark()
 
     def at(self, start: int) -> "V4LayerState":
         """This layer's state for tokens from `start`: a new sequence (start 0) clears it."""
@@ -117,6 +131,30 @@ class V4LayerState:
         if start != self.length:
             raise EngineError(f"DeepSeek-V4 cache holds {self.length} tokens; cannot continue at {start}")
         return self
+
+    def mark(self) -> None:
+        """Remember this layer at its length: `rewind` can go back to it, or to any length since."""
+        self.marked = self.length
+        if self.ring is not None:
+            self.ring.mark(self.length)
+        self.compressor.mark()
+        self.indexer.mark()
+
+    def rewind(self, n: int) -> None:
+        """This layer as the first n tokens left it (marked length <= n <= length)."""
+        if self.marked is None or not self.marked <= n <= self.length:
+            raise EngineError(f"DeepSeek-V4 cache holds {self.length} tokens; it cannot go back to {n} "
+                              f"(marked at {self.marked})")
+        if self.ring is not None:
+            self.ring.rewind(self.length, n)
+        for state in (self.compressor, self.indexer):
+            if state.store is not None:  # a compressor this layer has
+                state.rewind(n - self.marked)
+            state.saved = state.journal = None
+        self.length, self.marked = n, None
+        if self.ring is not None:
+            self.ring.saved = None
+            self.ring.journal.clear()
 
     def entry_format(self, head_dim: int, rope: int, dtype: torch.dtype) -> EntryFormat:
         if self.ring_fmt is None:
@@ -129,6 +167,8 @@ class V4LayerState:
     def window(self, B: int, size: int, fmt: EntryFormat, device) -> Ring:
         if self.ring is None:
             self.ring = Ring(B, size, fmt.row_bytes, device)
+            if self.marked is not None:  # made after a mark: it was empty there
+                self.ring.mark(self.marked)
         return self.ring
 
     def bytes_in_use(self) -> int:
@@ -164,6 +204,7 @@ class V4Cache:
         self.layers = [self._layer() for _ in range(num_layers)]
         self.lengths = [0] * batch
         self.step: Step | None = None
+        self.marked: int | None = None  # the length at mark() (speculative decoding's verify step)
 
     @property
     def length(self) -> int:
@@ -175,7 +216,25 @@ class V4Cache:
             self.reset()
         elif n != self.length:
             raise EngineError(f"DeepSeek-V4 cache holds {self.length} tokens; it cannot be cut to {n} "
-                              "(its compressors' state does not rewind)")
+                              "(its compressors' state rewinds only to a mark: V4Cache.mark / rollback)")
+
+    @torch.inference_mode()  # the state was made by inference-mode forwards
+    def mark(self) -> None:
+        """Remember every layer at this length: `rollback` may then go back to it or to any length since."""
+        for s in self.layers:
+            s.mark()
+        self.marked = self.length
+
+    @torch.inference_mode()  # the state was made by inference-mode forwards
+    def rollback(self, n: int) -> None:
+        """Drop the tokens past n (marked length <= n <= length): the cache is what n tokens alone leave."""
+        if self.marked is None or not self.marked <= n <= self.length:
+            raise EngineError(f"DeepSeek-V4 cache holds {self.length} tokens; it cannot go back to {n} "
+                              f"(marked at {self.marked})")
+        for s in self.layers:
+            s.rewind(n)
+        self.lengths = [n] * self.batch
+        self.marked = None
 
     def ensure(self, tokens: int) -> None:
         if tokens > self.max_len:
@@ -184,6 +243,7 @@ class V4Cache:
     def reset(self) -> None:
         self.layers = [self._layer() for _ in self.layers]
         self.lengths = [0] * self.batch
+        self.marked = None
 
     def _layer(self) -> V4LayerState:
         return V4LayerState(*self.codes, host_entries=self.device_budget is not None)

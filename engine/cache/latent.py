@@ -137,6 +137,16 @@ class KVCache:
         """A sequence ended: its pages go back to the pool."""
         self.truncate(seq, 0)
 
+    def mark(self) -> None:
+        """Speculative decoding's verify step begins (V4Cache's interface): rows are rewound by `truncate`,
+        which needs no mark here (rewritten rows replace the dropped ones; DSA keys live by row too)."""
+
+    def rollback(self, n: int) -> None:
+        """Drop every sequence's tokens past n (speculative decoding's rejected drafts)."""
+        if n > self.length:
+            raise EngineError(f"cache holds {self.length} tokens; cannot roll back to {n}")
+        self.length = n
+
     def truncate(self, seq: int, n: int) -> None:
         keep = -(-n // PAGE)
         for pid in self.tables[seq][keep:]:

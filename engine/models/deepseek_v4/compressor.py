@@ -63,7 +63,7 @@ class Compressor(nn.Module):
             prev_gate = gate.new_full((B, 1, r, d), float("-inf"))
         first_kv = torch.cat([prev_kv, kv[:, :-1, :, :d]], dim=1)
         first_gate = torch.cat([prev_gate, gate[:, :-1, :, :d]], dim=1)
-        state.keep_overlap(kv[:, -1, :, :d], gate[:, -1, :, :d])
+        state.keep_overlap(kv[:, :, :, :d], gate[:, :, :, :d])  # every window's: a rewind may need an earlier one
         return torch.cat([first_kv, kv[..., d:]], dim=2), torch.cat([first_gate, gate[..., d:]], dim=2)
 
 

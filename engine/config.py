@@ -58,6 +58,7 @@ class TextConfig:
     attention_kind: str = "mla"
     dense_mlp_kind: str = "swiglu"
     moe_kind: str = "deepseek_moe"
+    draft_kind: str | None = None  # engine/draft kind of the layers past num_layers (MTP); None: the family has none
     section: dict = field(default_factory=dict, compare=False, repr=False)  # the config.json text section as is
     # per-layer kinds the family manifest schedules (name -> kind per layer: Kimi Linear's kda / mla ...)
     schedules: dict = field(default_factory=dict, compare=False, repr=False)
@@ -151,7 +152,8 @@ def _text(c: dict) -> TextConfig:
         raise CheckpointError(f"a text config value has the wrong type ({e})", file="config.json") from None
 
 
-LAYER_KINDS = ("block", "attention", "dense_mlp", "moe")  # [family.engine] keys naming engine/models/registry.py kinds
+LAYER_KINDS = ("block", "attention", "dense_mlp", "moe", "draft")  # [family.engine] keys naming registry kinds
+# (engine/models/registry.py; `draft`: engine/draft/registry.py)
 
 
 def engine_families() -> dict[str, dict]:

@@ -8,7 +8,10 @@ loader's tensors without a copy. Layer modules come from engine/models/registry.
 
 Pipeline stages (tp x pp, kconvert.distributed): a rank builds only its stage's layers, the embeddings
 (and vision tower) on the first stage, the final norm and head on the last; `forward` receives the
-previous stage's hidden states and sends its own to the next (engine/pipeline.py)."""
+previous stage's hidden states and sends its own to the next (engine/pipeline.py). Draft heads (MTP layers
+past the decoder layers: engine/draft/) are built on the last stage, beside the embeddings and head they share.
+(Over 300 lines: the one module tree every family runs, its unit-by-unit loading and its forward, kept together
+so that no family is named here; what a kind adds lives in its own package.)"""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from engine import pipeline
 from engine.cache.latent import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
+from engine.draft.registry import build_draft_head, check_draft_shares
 from engine.models.registry import block_stack, decoder_layer, image_tokens, vision_modules
 from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.layers.rope import Rotary
@@ -44,7 +48,7 @@ class Model(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, stages: list[list[int]] | None = None,
                  formats: dict[str, str] | None = None, quant_options: Options | None = None):
         """`stages`: the decoder layers of every pipeline stage (default: all layers, one stage); `par` must be
-        laid out as (tp, len(stages)). MTP layers (index >= num_layers) are dropped from them. `formats`:
+        laid out as (tp, len(stages)). MTP layers (index >= num_layers) in them are the draft heads. `formats`:
         stored_formats() of this rank's catalog (without it, each linear's format is read off its tensors);
         `quant_options`: the scheme options the conversion recorded (int4's group size ...)."""
         super().__init__()
@@ -56,7 +60,11 @@ class Model(nn.Module):
         self.names = bind(config)
         self.formats = engine_keys(self.names, formats or {})
         self.prefix = self.names.text.module_prefix
-        self.stages = [[L for L in s if L < self.cfg.num_layers] for s in (stages or [range(self.cfg.num_layers)])]
+        stages = stages or [range(self.cfg.num_layers)]
+        self.stages = [[L for L in s if L < self.cfg.num_layers] for s in stages]
+        self.draft_layers = sorted({L for s in stages for L in s if L >= self.cfg.num_layers})  # built: last stage
+        self.draft_heads = nn.ModuleDict()  # str(L) -> engine/draft head
+        self.shared_embed: torch.Tensor | None = None  # the embeddings on the last stage, for the draft heads
         if len(self.stages) != self.par.pp:
             raise EngineError(f"{len(self.stages)} stage(s) of layers for a run of pp {self.par.pp}")
         self.stage_layers = self.stages[self.par.stage]  # the layers this rank runs
@@ -129,6 +137,10 @@ class Model(nn.Module):
         where = str(conv.root / "kconvert.json")
         if stages is None:
             stages = [cat.stage_layers(s) for s in range(cat.pp)]
+        else:  # the conversion's draft layers (past every named layer) go to the last stage, as shard places them
+            named = {L for s in stages for L in s}
+            extra = [L for L in cat.stage_layers(cat.pp - 1) if L not in named and L > max(named, default=-1)]
+            stages = [list(s) for s in stages[:-1]] + [list(stages[-1]) + extra]
         par = par.layout(cat.tp, len(stages), where)
         model = cls(conv.config, conv.family, par, device, dtype, stages, stored_formats(conv),
                     options_of(cat.doc.get("quantization")))
@@ -171,8 +183,10 @@ class Model(nn.Module):
                 self.vision = ImageEncoder(self.vision_tower, self.mm_projector)
         elif is_unit(unit):
             L = unit_layer(unit)
-            if L in self.slot:  # not: MTP layers kept by --keep-mtp (not used for decoding), another stage's layer
+            if L in self.slot:  # not another stage's layer
                 self.layers[str(L)] = self.build_layer(L, t)
+            elif L in self.draft_layers and self.par.last:
+                self.draft_heads[str(L)] = build_draft_head(self, L, t, self._linear_format(t))
         else:
             raise CheckpointError(f"unknown unit {unit!r} in the converted checkpoint")
 
@@ -197,6 +211,7 @@ class Model(nn.Module):
             self.residual_head = merge if par.last and holds_all(merge) else None
             setattr(text.model, self.stack.head_name, self.residual_head)
         embed, norm = text.model.embed_tokens.weight, text.model.norm.weight
+        self.shared_embed = embed if par.last else None  # the draft heads' (draft_shares), where they have none
         if text.lm_head is None and embed is not None:
             text.lm_head = PlainLinear.holding(embed)
         if not par.first or embed is None:
@@ -213,9 +228,12 @@ class Model(nn.Module):
         parts = (("embeddings", self.par.first, stack.embed_tokens), ("final norm", last, stack.norm),
                  ("lm_head", last, self.text.lm_head), (f"model.{head}", last and head, self.residual_head))
         lacks = [what for what, need, got in parts if need and got is None]
+        if self.par.last:
+            missing += [L for L in self.draft_layers if str(L) not in self.draft_heads]
         if lacks or missing:
             raise CheckpointError(f"converted checkpoint is incomplete for stage {self.par.stage} (missing: "
                                   f"{', '.join(lacks + [f'layers {missing[:5]}'] * bool(missing))})")
+        check_draft_shares(self)
         has = self.vision is not None  # the first stage holds the tower: with pp > 1 every stage must agree on images
         self.has_vision = self.par.broadcast_object(has, src=0) if self.par.pp > 1 else has
 
@@ -235,9 +253,9 @@ class Model(nn.Module):
         return self.stack.new_cache(cfg, batch, max_len, self.dtype, self.device, reserve, kv or self.kv,
                                     layers=self.stage_layers)
 
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: this rank's rows of the embeddings, the rest summed in from the others."""
-        embed = self.text.model.embed_tokens.weight
+    def embed_tokens(self, ids: torch.Tensor, embed: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel lookup: this rank's rows of `embed` (the model's), the rest summed in from the others."""
+        embed = self.text.model.embed_tokens.weight if embed is None else embed
         n = embed.shape[0]
         lo = self.par.tp_rank * n
         local = ids - lo
@@ -272,15 +290,17 @@ class Model(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, image_embeds: torch.Tensor | None = None,
-                last_only: bool = False, seqs: list[int] | None = None, everywhere: bool = True):
+                last_only: bool = False, seqs: list[int] | None = None, everywhere: bool = True,
+                hidden: list | None = None):
         """Logits [B,S,V] (or [B,1,V]) for ids [B,S] appended after each sequence's cached tokens; advances
         the cache. `seqs` names the cache's sequences the rows belong to (default: all, in order); their
         lengths may differ (a ragged batch). Every rank passes the same ids. With pp > 1 the logits come
-        from the last stage: to every rank, or with everywhere=False to the last stage only (None elsewhere)."""
+        from the last stage: to every rank, or with everywhere=False to the last stage only (None elsewhere).
+        `hidden`: a list the last stage appends its residual (before the final norm) to, for the draft heads."""
         ids = ids.to(self.device)
         if cache is None:
             cache = self.new_cache(ids.shape[0], ids.shape[1])
-        return pipeline.forward(self, ids, cache, image_embeds, last_only, seqs, everywhere)
+        return pipeline.forward(self, ids, cache, image_embeds, last_only, seqs, everywhere, hidden)
 
     def tokens_per_image(self, grid_hw: tuple[int, int]) -> int:
         """Known on every stage (the tower itself lives on the first); the vision kind's count (DeepSeek-V4.1: the

@@ -163,8 +163,9 @@ def _add(name: str, info: TensorInfo, targets: list[tuple[list, dict, tuple | No
 
 
 def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,
-               keep_mtp: bool = False) -> list[WorkItem]:
-    """All work items in load order (globals, vision, layer 0, 1, ...; rank-major within a unit)."""
+               keep_mtp: bool = True) -> list[WorkItem]:
+    """All work items in load order (globals, vision, layer 0, 1, ...; rank-major within a unit). keep_mtp: the
+    draft heads (MTP layers) are converted, each tensor once, as their own units (False: left out)."""
     ck.validate()
     check(ck.model, layout)
     plan = _Plan(ck, layout, policy, requantize, keep_mtp)

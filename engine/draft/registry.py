@@ -1,0 +1,86 @@
+"""Draft-head kinds, by name: the one place a family's draft heads are chosen (its manifest's
+`[part.family.engine] draft`, read into TextConfig.draft_kind). A kind is an nn.Module built as
+`cls(cfg, layer, par)` for layer `layer` >= num_hidden_layers, with:
+
+- `load(unit, tensors, block_prefix, own_prefix, linear_format)`: its tensors from the layer's unit (engine
+  names; `block_prefix` where its decoder block's tensors are, `own_prefix` where its own ones are);
+- `own(component)`: its own copy of a target tensor the family's `draft_shares` names ("embed" -> a weight,
+  "head" -> a linear), or None (the target's is used);
+- `new_cache(model, batch, max_len, kv)`, `from_target(model, x)` (its input form of the target's last-stage
+  residual) and `forward(ctx, hidden, tokens, start, cache)` -> (normed output for the head, carry for a
+  chained draft). engine/draft/drafter.py runs them; a drafter of another shape (DSpark's block drafter) is a
+  kind with its own Drafter."""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from engine.config import TextConfig
+from engine.draft.mtp import MTPHead
+from engine.draft.v4_mtp import V4MTPHead
+from engine.models.registry import kind
+from kconvert.converted.units import layer_unit
+from kconvert.distributed import Group
+from kconvert.errors import CheckpointError
+from kconvert.family.engine_names import engine_name
+from kconvert.family.manifest import ModelMap
+
+DRAFT: dict[str, type[nn.Module]] = {
+    "mtp": MTPHead,  # DeepSeek-V3 / V3.2, Kimi-K2 / K2.5 text: eh_proj + a decoder layer + shared_head
+    "v4_mtp": V4MTPHead,  # DeepSeek-V4: e_proj / h_proj + a V4 block + its own hc_head
+}
+
+
+def draft_head(cfg: TextConfig, layer: int, par: Group) -> nn.Module:
+    """Draft layer `layer`'s module, empty (its tensors arrive with its unit)."""
+    if cfg.draft_kind is None:
+        raise CheckpointError(f"the converted checkpoint holds layer {layer} past the {cfg.num_layers} decoder "
+                              "layers, and its family names no draft-head kind", file="kconvert.json")
+    return kind(DRAFT, cfg.draft_kind, "draft head")(cfg, layer, par)
+
+
+def build_draft_head(model, L: int, tensors: dict, linear_format) -> nn.Module:
+    """Draft layer L of `model` (engine/model.Model) filled from its unit's tensors (engine names)."""
+    head = draft_head(model.cfg, L, model.par)
+    head.load(layer_unit(L), tensors, f"{model.layers_prefix}{L}.", own_prefix(model.names, L), linear_format)
+    return head
+
+
+def check_draft_shares(model) -> None:
+    """Each draft head has what it shares with the target (the family's `draft_shares`): its own copy or the
+    target's, on this (the last) stage; a conversion without it is refused, naming the tensor."""
+    if not model.draft_heads:
+        return
+    target = {"embed": model.shared_embed, "head": model.text.lm_head if model.par.last else None}
+    for L, head in model.draft_heads.items():
+        for component in model.names.family.get("draft_shares", ()):
+            if head.own(component) is None and target.get(component) is None:
+                raise CheckpointError(f"draft head (layer {L}) uses the target's {component}, which this conversion's "
+                                      "last stage does not hold", tensor=shared_tensor_name(model.names, component))
+
+
+def own_prefix(names: ModelMap, layer: int) -> str:
+    """Where draft layer `layer`'s own tensors (component "mtp" in the manifest: enorm, eh_proj, e_proj, ...) sit
+    in the engine's names: their common prefix (`model.layers.61.`, `mtp.0.`), from the manifest's rules."""
+    got = []
+    for part in names.parts:
+        for rule in part.rules:
+            if rule.component == "mtp" and rule.layers is not None and part.layer_matches(rule, layer):
+                stored = rule.pattern.replace("{L}", str(layer)).replace("{M}", str(layer - part.layer_count))
+                got.append(engine_name(names, stored))
+    if not got:
+        raise CheckpointError(f"the family's manifest names no tensor of draft layer {layer}", file="kconvert.json")
+    prefix = os.path.commonprefix(got)
+    return prefix[:prefix.rfind(".") + 1]
+
+
+def shared_tensor_name(names: ModelMap, component: str) -> str:
+    """The stored name of the target tensor of `component` ("embed", "head") the manifest gives: what a draft
+    head that has no copy of its own reads, named when a conversion lacks it."""
+    for part in names.parts:
+        for rule in part.rules:
+            if rule.component == component and rule.layers is None:
+                return rule.pattern
+    return component

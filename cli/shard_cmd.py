@@ -40,7 +40,11 @@ def _rank0() -> bool:
 @click.option("--quantize", "force", multiple=True, metavar="PATTERN",
               help="Quantize matching 2-D tensors even if the manifest keeps them (glob, repeatable).")
 @click.option("--requantize", is_flag=True, help="Block-FP8 source cut inside a block: dequantize and re-quantize.")
-@click.option("--keep-mtp", is_flag=True, help="Keep multi-token-prediction layers (dropped by default).")
+@click.option("--draft-heads/--no-draft-heads", default=True, show_default=True,
+              help="Convert the source's draft heads (MTP layers) for speculative decoding (engine.chat "
+                   "--speculative); --no-draft-heads leaves them out.")
+@click.option("--keep-mtp", is_flag=True, hidden=True,
+              help="Accepted for old scripts: draft heads are converted by default now (see --no-draft-heads).")
 @click.option("--workers", type=COUNT,
               help="Units converted in parallel (threads); default: cores + 1, fewer if memory is short.")
 @click.option("--overwrite", is_flag=True, help="Replace a different (or unfinished) conversion in OUT.")
@@ -48,7 +52,8 @@ def _rank0() -> bool:
               help="Write compressed shards (lossless zstd, byte-grouped; the loader reads them transparently).")
 @calibration_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of tables.")
-def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4_scales, keep, force, requantize, keep_mtp, workers,
+def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4_scales, keep, force, requantize, draft_heads,
+          keep_mtp, workers,
           overwrite, compress, calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid,
           as_json):
     """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8, INT8 or INT4 on the way
@@ -70,7 +75,11 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
     """
     from kconvert.convert.shard import ShardJob, shard as _shard
 
-    job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, keep_mtp, workers,
+    if keep_mtp and not draft_heads:
+        from kconvert.errors import UsageError
+
+        raise UsageError("--keep-mtp (kept for old scripts) and --no-draft-heads contradict each other")
+    job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, draft_heads, workers,
                    overwrite, compress, group_size, int4_scales, pp, pp_layers)
     with byte_progress(f"shard tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" {quant}", enabled=not as_json and _rank0()) as cb:
         r = _shard(job, progress=cb, calibrate=calibration_factory(

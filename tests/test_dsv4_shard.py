@@ -44,7 +44,7 @@ def test_every_rank_holds_its_slices(checkpoint, tmp_path, preset, tp):
     proc = cli_here("shard", src, out, "--tp", tp)
     assert proc.returncode == 0, proc.stderr
     ck = Checkpoint.open(src)
-    want_names = {n for n in ck.logical if not n.startswith("mtp.")}  # MTP dropped unless --keep-mtp
+    want_names = set(ck.logical)  # the MTP block too: draft heads are converted by default
     for rank in range(tp):
         conv = open_converted(out, rank)
         got: dict[str, torch.Tensor] = {}
@@ -60,9 +60,9 @@ def test_every_rank_holds_its_slices(checkpoint, tmp_path, preset, tp):
         assert got["layers.0.attn.wo_a.weight"].shape[0] == 64  # 1 of 2 groups of o_lora_rank 64
 
 
-def test_keep_mtp_places_the_mtp_block(checkpoint, tmp_path):
+def test_the_mtp_block_is_a_unit_of_its_own(checkpoint, tmp_path):
     out = tmp_path / "out"
-    assert cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1, "--keep-mtp").returncode == 0
+    assert cli_here("shard", checkpoint("tiny-dsv4-flash"), out, "--tp", 1).returncode == 0
     conv = open_converted(out, 0)
     assert "layer-0004" in conv.catalog.units
     mtp = conv.load_unit("layer-0004")

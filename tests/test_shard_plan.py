@@ -54,7 +54,7 @@ def test_a_bucket_the_plan_declines_is_refused_as_name_by_name(checkpoint, prese
     ck = Checkpoint.open(checkpoint(preset))
     layout, policy = Layout.make(tp, ep), QuantPolicy("fp8")
     with pytest.raises(_PerName):
-        _Plan(ck, layout, policy, False, False).by_bucket()
-    _, misaligned, _ = _Plan(ck, layout, policy, False, False).by_name()
+        _Plan(ck, layout, policy, False, True).by_bucket()
+    _, misaligned, _ = _Plan(ck, layout, policy, False, True).by_name()  # draft heads kept, as plan_items does
     with pytest.raises(UsageError, match=f"cuts {misaligned[0]} \\(and {len(misaligned) - 1} more\\)"):
         plan_items(ck, layout, policy)

@@ -50,7 +50,7 @@ class ShardJob:
     keep: tuple[str, ...] = ()
     force: tuple[str, ...] = ()
     requantize: bool = False
-    keep_mtp: bool = False
+    keep_mtp: bool = True  # the draft heads (MTP layers) the source has; False: left out (shard --no-draft-heads)
     workers: int | None = None  # None: default_workers() from the cores and the memory budget
     overwrite: bool = False
     compress: str | None = None  # "zstd[:LEVEL]": compressed shards (a storage form, not part of identity())
@@ -94,7 +94,8 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes
         pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp),
                              layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,
-                             tied=bool(ck.model.text_config.get("tie_word_embeddings")))
+                             tied=bool(ck.model.text_config.get("tie_word_embeddings")),
+                             draft_embed="embed" in ck.model.family.get("draft_shares", ()))
         items = pipe.items
         freeze()  # every output's specs included (plan_items makes them): 100k+ tuples the collector skips
     identity = job.identity(ck.fingerprint(), layout, pipe)

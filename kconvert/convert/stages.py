@@ -3,7 +3,7 @@
 The split is balanced by bytes per rank, not by layer count: a stage's devices must hold what its
 largest rank holds, and layers weigh differently (dense first layers, MoE layers), as do the edges:
 the first stage also holds the embeddings and the vision tower, the last the final norm and the head
-(and MTP layers kept by --keep-mtp). Inputs are the bytes per tp rank of every unit after
+(and the draft heads: MTP layers, with the embeddings too where they share the target's). Inputs are the bytes per tp rank of every unit after
 quantization, from the shard plan (`shard`) or from the headers (`plan`), so both choose the same split.
 
 `partition` minimises the largest stage (exact, by dynamic programming over contiguous splits) and,
@@ -20,14 +20,15 @@ from kconvert.errors import UsageError
 FIRST, LAST = "first", "last"
 
 
-def edges_of(component: str, tied_without_head: bool = False) -> tuple[str, ...]:
+def edges_of(component: str, tied_without_head: bool = False, draft_embed: bool = False) -> tuple[str, ...]:
     """The edge stage(s) a tensor that belongs to no decoder layer goes to: the vision tower and projector
     and the embeddings on the first stage; the final norm and the head on the last, and the embeddings
-    there too when the head is tied to them (the checkpoint has no lm_head of its own)."""
+    there too when the head is tied to them (the checkpoint has no lm_head of its own) or the draft heads
+    (on the last stage) read the target's embeddings (`draft_embed`)."""
     if component in ("vision", "projector"):
         return (FIRST,)
     if component == "embed":
-        return (FIRST, LAST) if tied_without_head else (FIRST,)
+        return (FIRST, LAST) if tied_without_head or draft_embed else (FIRST,)
     return (LAST,)
 
 

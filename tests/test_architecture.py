@@ -26,6 +26,7 @@ STAGES = [
     "engine.layers",       # building blocks of every family: linear weights in stored formats, slots, rotary
     "engine.cache",        # decode caches and their byte formats, the host tier
     "engine.models",       # model-family blocks (one package per family) and the layer-kind registry
+    "engine.draft",        # draft heads (MTP) over the family blocks, their registry and the drafter
     "engine.model",        # the model assembled from a converted checkpoint's units
     "engine.runtime",      # generation, launching ranks, time-to-ready, tp checks
     "engine.calibrate",    # GPTQ layer by layer through the engine

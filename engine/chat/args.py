@@ -41,6 +41,13 @@ def parse_args(argv: list[str], description: str | None = None) -> argparse.Name
                     help="continue --prompt as plain text, without the chat template (base models such as the "
                          "trained fixtures: --prompt 'def main(' --complete)")
     ap.add_argument("--max-new-tokens", default="256")
+    ap.add_argument("--speculative", action="store_true",
+                    help="greedy speculative decoding with the conversion's draft heads (MTP): the same tokens as "
+                         "plain greedy decoding, several per target step when the drafts agree; prints the "
+                         "acceptance rate and tokens per target step")
+    ap.add_argument("--draft-tokens", default=None,
+                    help="drafts per step with --speculative (default: the number of draft heads; more re-use "
+                         "the first head chained)")
     ap.add_argument("--temperature", default="0", help="0 (greedy) to 100")
     ap.add_argument("--top-p", default="1", help="above 0, at most 1")
     ap.add_argument("--top-k", default="0", help="0 (all tokens) or a count")
@@ -69,6 +76,11 @@ def parse_args(argv: list[str], description: str | None = None) -> argparse.Name
     a.seed = None if a.seed is None else arg.integer(a.seed, "--seed", 0, MAX_SEED)
     a.context = None if a.context is None else arg.integer(a.context, "--context", 1)
     a.nproc = None if a.nproc is None else arg.integer(a.nproc, "--nproc", 1)
+    a.draft_tokens = None if a.draft_tokens is None else arg.integer(a.draft_tokens, "--draft-tokens", 1, 64)
+    if a.draft_tokens is not None and not a.speculative:
+        raise UsageError("--draft-tokens needs --speculative")
+    if a.speculative and a.temperature > 0:
+        raise UsageError("--speculative decodes greedily: it takes --temperature 0")
     from kconvert import devices
 
     devices.resolve(a.device)  # a device this machine does not have: one line now, not a crash in a rank

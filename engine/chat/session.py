@@ -12,6 +12,8 @@ A checkpoint converted with --tp T --pp P runs as T x P processes (stage by stag
 process is rank 0 and owns the terminal, the others follow its input. --nproc may only repeat the count.
 Ctrl-C or an error in any rank ends every rank with one line.
 Tokens stream as they are generated; after each answer: time to first token and decode tokens/s.
+--speculative decodes greedily with the conversion's draft heads (engine/runtime/speculative.py): the same
+tokens, and after each answer the drafts' acceptance rate and the tokens per target step.
 The KV cache grows with the conversation in pages of 64 tokens, up to --context tokens (default: the
 model's maximum) and --kv-budget bytes; --kv-dtype fp8 stores it in about 0.65 of bf16's bytes (fp8-ds:
 0.56); --kv-device-budget keeps older pages in host memory (docs/KV_CACHE.md).
@@ -27,6 +29,8 @@ import torch
 from engine.runtime import launch
 from engine.chat.from_source import converted_dir
 from engine.runtime.generate import Sampling, generate
+from engine.runtime.speculative import generate_speculative
+from engine.draft.drafter import new_drafter
 from engine.chat.args import DTYPES, parse_args
 from engine.chat.image import load_image, preprocess_for
 from engine.cache.budget import kv_options
@@ -42,9 +46,12 @@ COMMANDS = ("/image", "/clear", "/exit", "/quit")  # what the interactive chat t
 
 class Session:
     def __init__(self, model: Model, tok: Tokenizer, sampling: Sampling, system: str | None, context: int,
-                 complete: bool = False):
+                 complete: bool = False, speculative: bool = False, draft_tokens: int | None = None):
         self.model, self.tok, self.sampling, self.system = model, tok, sampling, system
         self.complete = complete  # a base model: continue the text as is, no chat template
+        self.speculative, self.draft_tokens = speculative, draft_tokens
+        # the drafter follows the cache over the conversation (last stage; None elsewhere)
+        self.drafter = new_drafter(model, draft_tokens) if speculative else None
         self.cache = model.new_cache(1, context, reserve=0)  # grows with the conversation, up to `context`
         self.clear()
 
@@ -86,15 +93,24 @@ class Session:
                 out.write(text.feed(self.tok.decode_bytes([t])))
                 out.flush()
 
-        res = generate(self.model, prompt, self.sampling, self.cache, embeds, show if out else None, start=start)
+        if self.speculative:
+            res = generate_speculative(self.model, prompt, self.sampling, self.cache, embeds, show if out else None,
+                                       start=start, drafter=self.drafter, k=self.draft_tokens)
+        else:
+            res = generate(self.model, prompt, self.sampling, self.cache, embeds, show if out else None, start=start)
         answer = self.tok.decode([t for t in res.tokens if t not in self.sampling.stop_ids])
         self.messages = messages + [{"role": "assistant", "content": answer}]
         self.images = images
         self.cached = prompt + res.tokens[:-1]
         if out:
             out.write(text.close())
+            spec = ""
+            if self.speculative:
+                s = res.stats
+                spec = (f" · acceptance {100 * s.acceptance:.1f} % ({sum(s.accepted)}/{sum(s.proposed)} drafts) · "
+                        f"{s.tokens_per_step:.2f} tokens/target step")
             out.write(f"\n[TTFT {res.ttft_s * 1000:.0f} ms · {len(res.tokens)} tokens · "
-                      f"{res.tokens_per_s:.1f} tokens/s · {res.stop_reason}]\n")
+                      f"{res.tokens_per_s:.1f} tokens/s · {res.stop_reason}{spec}]\n")
             out.flush()
 
     def _image_embeds(self, prompt, start, images, counts):
@@ -176,7 +192,8 @@ def _run(a) -> int:
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.max_new_tokens, tok.stop_ids, a.seed)
     if a.complete and (a.prompt is None or a.image):
         raise UsageError("--complete continues one --prompt of plain text (no image, not interactive)")
-    session = Session(model, tok, sampling, a.system, _context(a.context, model), a.complete)
+    session = Session(model, tok, sampling, a.system, _context(a.context, model), a.complete, a.speculative,
+                      a.draft_tokens)
     out = launch.tracked_stdout() if par.rank == 0 else None
     if a.prompt is not None:
         session.turn(a.prompt, a.image, out)

@@ -12,7 +12,10 @@ final norm's output. The layers run under mlx-lm's own classes; only the loop ov
 states between layers can be read (tests/test_kimi_k3.py checks the loop gives the model's own logits). Image
 prompts: mlx-vlm's Kimi K3 vision tower and patchmergerv2 projector (its own classes, strictly loaded from the
 checkpoint) on the patches verify's prompt set preprocesses (kconvert/verify/prompts.py): the same pixels reach
-both sides, so the towers, projectors and text models are compared, not the two image processors.""" 
+both sides, so the towers, projectors and text models are compared, not the two image processors. DeepSeek-V4.1:
+mlx-vlm's ViT, Aligner (with the exact GELU, `exact_gelu`) and merge_image_embeddings make the whole image span
+from those patches, its token types by mlx-vlm's image_token_types (tests/test_dsv41_vision.py compares mlx-vlm's
+own processor with kconvert's separately).""" 
 
 from __future__ import annotations
 

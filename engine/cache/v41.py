@@ -113,19 +113,25 @@ class V41Cache(V4Cache):
         self.layer_ids, self.hashes = list(layers), hashes
         self.handoff = Handoff(hashes=hashes)
         super().__init__(len(layers), batch, max_len, device, kv)
+        self._share()
 
     def reset(self) -> None:
         self.handoff = Handoff(hashes=self.hashes)
         super().reset()
+        self._share()
+
+    def _share(self) -> None:
+        """Every view on the current handoff, which names every layer's state (a forward that runs the layers
+        without begin / commit, as verify's per-layer states do, finds them too)."""
+        for L, view in zip(self.layer_ids, self.layers):
+            view.handoff = self.handoff
+            self.handoff.states[L] = view.state
 
     def _layer(self) -> V41LayerView:
         return V41LayerView(V41LayerState(*self.codes, host_entries=self.device_budget is not None), self.handoff)
 
     def begin(self, S: int, seqs=None, owned: bool = True):
         step = super().begin(S, seqs, owned)
-        for L, view in zip(self.layer_ids, self.layers):  # after a reset the views hold the new handoff
-            view.handoff = self.handoff
-            self.handoff.states[L] = view.state
         self.handoff.chosen.clear()
         self.handoff.candidates = self.handoff.rows = None
         return step

@@ -35,9 +35,10 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
     inputs = []
     for p, tk in zip(prompts, tokens):
         ids, img = engine_inputs(p, tk, model, model.mc.raw)
-        states = stage_states(model, ids, img)
-        if L in model.slot:
-            inputs.append((states[L].unsqueeze(0), ids.to(model.device)))  # ids: for token-routed layers (V4 hash)
+        caches: list = []
+        states = stage_states(model, ids, img, caches)
+        if L in model.slot:  # ids: for token-routed layers (V4 hash); the cache: what the other layers left in it
+            inputs.append((states[L].unsqueeze(0), ids.to(model.device), caches[0]))
     if L not in model.slot:
         return None
     conv = open_converted(out_dir, rank=rank, world_size=model.par.world)
@@ -61,8 +62,10 @@ def attribute(model, out_dir: str, rank: int, prompts, tokens, per_layer: dict) 
 
     def run(layer) -> list[torch.Tensor]:
         outs = []
-        for x, ids in inputs:
+        for x, ids, ran in inputs:
             cache = model.new_cache(1, x.shape[1])
+            if hasattr(model.stack, "alone"):  # layers that read other layers' state (V4.1) get it from the run
+                cache = model.stack.alone(cache, ran, L)
             cos, sin = model.rotary(torch.arange(x.shape[1]), model.dtype)
             outs.append(layer.forward(x.clone(), 0, cache.layers[model.slot[L]], cos[None], sin[None], model.par,
                                       ids=ids)[0])

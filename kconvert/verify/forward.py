@@ -21,19 +21,24 @@ def engine_inputs(prompt: dict, tokens: torch.Tensor, model, config: dict):
     return ids, model.vision(patches.to(model.dtype), [grid])
 
 
-def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tensor]:
+def stage_states(model, ids: torch.Tensor, image_embeds, caches: list | None = None) -> dict[int, torch.Tensor]:
     """This stage's residuals by reported position k (k = 0: embeddings; k = L + 1: after layer L; the last
     position is the final norm of the last layer's output), whole (a layer's input, for attribution; verify
     compares the stack's `reported` part of them). A stage's entries include the input of each
-    of its layers (the first one received from the previous stage). Every rank of the run calls this."""
+    of its layers (the first one received from the previous stage). `caches`: gets the cache the layers ran
+    with (attribution reruns one layer with what the others left in it). Every rank of the run calls this."""
     par = model.par
     T = ids.shape[1]
     cache = model.new_cache(1, T)
+    if caches is not None:
+        caches.append(cache)
     cos, sin = model.rotary(torch.arange(T), model.dtype)
     if par.first:
         x = model.stage_input(ids.to(model.device), image_embeds)
     else:
         x = par.recv_prev((1, T, *model.stack.residual_shape_at(model.stage_layers[0])), model.dtype, model.device)
+        if hasattr(model.stack, "receive_crossing"):  # state earlier stages made for this one's layers (V4.1)
+            model.stack.receive_crossing(model, cache, 0, T)
     out = {model.stage_layers[0]: x[0].float()}
     ids = ids.to(model.device)
     for L in model.stage_layers:  # ids: for layers that route by token (DeepSeek-V4's hash layers)
@@ -43,6 +48,9 @@ def stage_states(model, ids: torch.Tensor, image_embeds) -> dict[int, torch.Tens
         out[model.cfg.num_layers] = model.final_norm(x)[0].float()
     else:
         par.send_next(x)
+        extra = model.stack.crossing(model, cache, 0, T) if hasattr(model.stack, "crossing") else None
+        if extra is not None:
+            par.send_next(extra)
     return out
 
 
@@ -66,8 +74,9 @@ def hidden_states(model, ids: torch.Tensor, image_embeds, writer: int = 0):
         for s, layers in enumerate(model.stages):  # each stage's tp rank 0 sends what it computed, in order
             src = par.rank_of(s, 0)
             if src != writer:
-                for L in layers:
-                    got[L + 1] = par.recv((T, *residual), torch.float32, model.device, src)
+                for L in layers:  # the last one: the final norm's output, one hidden wide (not the residual)
+                    shape = (T, model.cfg.hidden_size) if L + 1 == model.cfg.num_layers else (T, *residual)
+                    got[L + 1] = par.recv(shape, torch.float32, model.device, src)
         if logits is None:
             logits = par.recv((1, T, V), torch.float32, model.device, par.last_rank)
         return [got[k] for k in range(model.cfg.num_layers + 1)], logits

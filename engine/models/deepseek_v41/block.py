@@ -107,6 +107,17 @@ class V41Stack:
         incoming(self.c, cache, model.stage_layers[0], start, S, model.dtype,
                  lambda n: model.par.recv_prev((n,), torch.uint8, model.device))
 
+    def alone(self, fresh: V41Cache, ran: V41Cache, layer: int) -> V41Cache:
+        """`fresh` (a new cache of the stage) holding what a forward over the same tokens (`ran`) left for `layer`
+        from the other layers: their entries and keys, the indexers' choices, the candidate blocks. Run alone on
+        its input with it, the layer computes what it did in that forward (verify's attribution)."""
+        hand, done = fresh.handoff, ran.handoff
+        hand.states.update({L: st for L, st in done.states.items() if L != layer})
+        hand.chosen.update({L: c for L, c in done.chosen.items() if L != layer})
+        if self.c.candidate_source != layer:
+            hand.candidates = done.candidates
+        return fresh
+
     def residual_shape_at(self, layer: int) -> tuple[int, ...]:
         return self.residual_shape
 

@@ -95,15 +95,16 @@ def incoming(c: V41Config, cache: V41Cache, boundary: int, start: int, S: int, d
     fmts = _formats(c, cache, dtype)
     layout = _layout(c, parts, cache.batch, start, S, fmts)
     buf = recv(sum(_nbytes(shape, dt) for _, _, shape, dt in layout))
-    hand, at = cache.handoff, 0
+    hand, at, fresh = cache.handoff, 0, set()
     for what, L, shape, dt in layout:
         n = _nbytes(shape, dt)
-        x = buf[at:at + n].view(dt).view(shape)
+        x = buf[at:at + n].clone().view(dt).view(shape)  # a copy: a view at an odd offset cannot be re-typed
         at += n
         if what in (ENTRIES, KEYS):
             mirror = hand.states.get(L)
-            if mirror is None or start == 0:
+            if mirror is None or (start == 0 and L not in fresh):  # a new sequence: a new mirror (once a message)
                 mirror = hand.states[L] = V41LayerState(*cache.codes)
+                fresh.add(L)
             state = mirror.entries if what == ENTRIES else mirror.keys
             if state.store is None:
                 state.ready(fmts[0] if what == ENTRIES else fmts[1], cache.batch, 1, 1, 1, False, cache.device)
@@ -111,8 +112,8 @@ def incoming(c: V41Config, cache: V41Cache, boundary: int, start: int, S: int, d
                 state.store.append(x)
                 state.count += shape[1]
         elif what == CHOSEN:
-            hand.chosen[L] = (x.clone(), None)
+            hand.chosen[L] = (x, None)
         elif what == CHOSEN + "_valid":
-            hand.chosen[L] = (hand.chosen[L][0], x.clone())
+            hand.chosen[L] = (hand.chosen[L][0], x)
         else:
-            hand.candidates = x.clone()
+            hand.candidates = x

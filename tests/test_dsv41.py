@@ -1,0 +1,185 @@
+"""DeepSeek-V4.1 as released, against the independent reference (mlx-vlm 0.7.10's deepseek_v41 on MLX's CPU backend,
+its activation fake-quantization off), on a V4.1 config that is not the tiny preset (other compression ratios and
+roles, another candidate source, Engram with 4-grams on other layers, 3 residual streams): the fixture is what
+mlx-vlm loads strictly; conversions at tp 1, tp 2 and tp 2 x pp 2 (a stage boundary after the KV source whose
+entries, keys, choice and candidate blocks the next stage reads) give its log-probs; `--quant fp8` copies the
+32 x 32 FP8 blocks bit for bit; a damaged conversion FAILs verify with its layer named; a config whose roles do not
+line up, or a conversion without its Engram token map, is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import cli_here, one_thread
+from kconvert.fixtures.dsv41 import v41_config, write_v41_checkpoint
+from kconvert.verify import damage
+
+# not the preset: 7 layers; ratios 1 and 2; KV sources 1 and 3 (layer 2 reads 1's entries, 4-5 read 3's); indexers
+# on 1 and 3 (their own keys) and 5 (3's keys, inside 3's candidate blocks); Engram 4-grams on 0 and 4; 3 streams
+OTHER = {"num_hidden_layers": 7, "hidden_size": 192, "num_attention_heads": 4, "head_dim": 96, "qk_rope_head_dim": 32,
+         "q_lora_rank": 96, "o_groups": 2, "o_lora_rank": 96, "moe_intermediate_size": 128, "n_routed_experts": 8,
+         "num_experts_per_tok": 3, "sliding_window": 6, "compress_ratios": [0, 1, 1, 2, 2, 2, 0],
+         "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3, 5], "candidate_source_layer_id": 3,
+         "candidate_topk_blocks": 2, "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 64,
+         "index_topk": 3, "hc_mult": 3, "engram_layer_ids": [0, 4], "engram_max_ngram_size": 4,
+         "engram_vocab_size": 101, "engram_n_heads": 2, "engram_head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    """The non-preset V4.1 (FP8 32 x 32 + FP4 experts) with its conversions and its MLX reference."""
+    d = tmp_path_factory.mktemp("v41")
+    write_v41_checkpoint(d / "src", v41_config(OTHER), seed=4)
+    for args in (("shard", d / "src", d / "tp1", "--tp", 1),
+                 ("shard", d / "src", d / "tp2", "--tp", 2),
+                 ("shard", d / "src", d / "tp2pp2", "--tp", 2, "--pp", 2, "--pp-layers", "0-3,4-6"),
+                 ("reference", d / "src", "--out", d / "ref.safetensors", "--hidden-states")):
+        r = cli_here(*args)
+        assert r.returncode == 0, r.stderr
+    return d
+
+
+def verify(out, ref, *extra):
+    with one_thread():
+        r = cli_here("verify", out, "--reference", ref, "--json", *extra)
+    return r, json.loads(r.stdout) if r.stdout.strip() else None
+
+
+def test_the_fixture_is_what_mlx_vlm_loads_and_its_loop_is_mlx_vlms_forward(v41):
+    """mlx-vlm loads the released layout strictly, and the reference's own loop over its layers (which reads the
+    states between them) gives the model's own logits."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kconvert.verify.mlx_reference import MlxDeepseekV41
+
+    ref = MlxDeepseekV41(v41 / "src", torch.float32)
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 129, 200, 7, 3, 11, 5, 9, 17]])
+    ours = ref(ids, output_hidden_states=True)
+    own = np.array(ref.model(mx.array(ids.numpy())).logits.astype(mx.float32))
+    assert np.abs(ours.logits.numpy() - own).max() < 1e-5
+    assert len(ours.hidden_states) == OTHER["num_hidden_layers"] + 1
+
+
+def test_inspect_names_every_v41_component(v41):
+    r = cli_here("inspect", v41 / "src", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["family"] == "deepseek_v41" and s["quantization"]["scheme"] == "fp8"
+    assert {"attention", "compressor", "indexer", "mhc", "engram", "routed_experts", "vision", "projector"} <= set(s["params"])
+    assert s["model"]["layer_kinds"]["kv_role"] == {"reader": 5, "source": 2}
+    assert s["model"]["layer_kinds"]["compress"] == {"window": 2, "every_token": 2, "pooled": 3}
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2pp2"])
+def test_conversions_give_mlx_vlms_log_probs(v41, layout):
+    r, rep = verify(v41 / layout, v41 / "ref.safetensors", "--per-layer")
+    assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
+    assert rep["cost"]["overall"]["mean_kld"] < 1e-5, rep["cost"]["overall"]  # vs mlx-vlm on the release itself
+    assert rep["fault_at"] is None
+
+
+def test_fp8_copies_the_32x32_blocks(v41, tmp_path):
+    """The release's FP8 linears are copied bit for bit (their 32 x 32 scales with them), the FP4 experts re-encoded
+    exactly into the same blocks: the conversion gives the reference's log-probs."""
+    from safetensors import safe_open
+
+    out = tmp_path / "fp8"
+    r = cli_here("shard", v41 / "src", out, "--tp", 2, "--quant", "fp8")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "kconvert.json").read_text())["quantization"]["block_size"] == [32, 32]
+    name = "layers.3.attn.wq_b.weight"
+
+    def read(folder, key):
+        for f in sorted(folder.rglob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                if key in h.keys():
+                    return h.get_tensor(key)
+
+    src, rank1 = read(v41 / "src", name), read(out / "rank-001", name)
+    assert torch.equal(src[src.shape[0] // 2:].view(torch.uint8), rank1.view(torch.uint8))
+    r, rep = verify(out, v41 / "ref.safetensors")
+    assert r.returncode == 0 and rep["cost"]["overall"]["mean_kld"] < 1e-5, rep["cost"]["overall"]
+
+
+@pytest.mark.parametrize("what,name,layer", [
+    ("a KV source's compressor", "layers.3.attn.compressor.wkv.weight", 3),
+    ("an indexer's key projection", "layers.1.attn.indexer.wk.weight", 1),
+    ("an Engram gate", "layers.4.engram.q_weight", 4),
+])
+def test_damage_fails_verify_with_the_layer_named(v41, tmp_path, what, name, layer):
+    out = tmp_path / "damaged"
+    shutil.copytree(v41 / "tp1", out)
+    damage.rewrite(out, damage.files_holding(out, name)[0], lambda t: t[name].mul_(-1.0))
+    r, rep = verify(out, v41 / "ref.safetensors", "--per-layer")
+    assert r.returncode == 1 and rep["faithfulness"]["verdict"] == "FAIL", (what, r.stderr)
+    assert rep["fault_at"] == f"layer {layer}", (what, rep["fault_at"])
+
+
+def test_roles_that_do_not_line_up_are_one_line(tmp_path):
+    """A compressed layer whose entries come from one source and its choice from another's keys cannot run."""
+    from engine.config import model_config
+    from engine.models.deepseek_v41.config import v41_config as engine_config
+    from kconvert.errors import CheckpointError
+
+    bad = v41_config({**OTHER, "index_source_layer_ids": [1, 5]})  # layer 3 reuses 1's choice over 3's entries
+    with pytest.raises(CheckpointError, match="layer 3 would attend to layer 3's entries through indexer 1"):
+        engine_config(model_config(bad, "deepseek_v41").text)
+
+
+def test_a_conversion_without_its_engram_token_map_is_one_line(v41, tmp_path):
+    out = tmp_path / "no-map"
+    shutil.copytree(v41 / "tp1", out)
+    (out / "engram_token_map.json").unlink()
+    r, _ = verify(out, v41 / "ref.safetensors")
+    assert r.returncode == 2 and "engram_token_map.json is absent" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_engram_normalisation_is_the_tokenizers_one():
+    """The compressed ids' text normalisation (engine/models/deepseek_v41/engram_tokens.py) against the `tokenizers`
+    normalizer sequence the reference builds its map with."""
+    from tokenizers import Regex, normalizers
+
+    from engine.models.deepseek_v41.engram_tokens import normalise
+
+    sentinel = "\ue000"
+    ref = normalizers.Sequence([normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+                                normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+                                normalizers.Strip(), normalizers.Replace(sentinel, " ")])
+    for text in [" The", "the", "THE", "Ünïcödé", "\tTab\n", " ", "\n\n", "ﬁ ligature", "Ｆｕｌｌ", " x  y ", "Ǆ", "é"]:
+        assert normalise(text) == ref.normalize_str(text), repr(text)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_kv_bytes_are_what_the_cache_holds(v41, kv_dtype):
+    """kconvert plan's KV bytes (kconvert/plan/kv_bytes.py) equal the engine cache's, at every length."""
+    from engine.cache.latent import KVOptions
+    from engine.model import Model
+    from kconvert.plan.kv_bytes import kv_bytes
+
+    model = Model.from_converted(v41 / "tp1", dtype=torch.float32)
+    plan = kv_bytes(json.loads((v41 / "src" / "config.json").read_text())["text_config"], kv_dtype)
+    cache = model.new_cache(2, 64, kv=KVOptions(kv_dtype))
+    for length, new in ((5, 5), (6, 1), (23, 17), (24, 1)):
+        model.forward(torch.randint(1, 900, (2, new)), cache)
+        assert cache.bytes_in_use() == 2 * plan.context_bytes(length), (length, cache.bytes_in_use(), plan)
+
+
+def test_decoding_in_steps_is_one_forward(v41):
+    """The cache carries every piece of V4.1 state from step to step (the window, a pooled group still filling up,
+    entries, index keys, the Engram look-back): prefill and decode in uneven steps give one forward's logits."""
+    from engine.model import Model
+
+    model = Model.from_converted(v41 / "tp1", dtype=torch.float32)
+    ids = torch.randint(1, 900, (2, 30), generator=torch.Generator().manual_seed(7))
+    whole = model.forward(ids, model.new_cache(2, 64))
+    cache, at, parts = model.new_cache(2, 64), 0, []
+    for n in (5, 1, 1, 13, 1, 9):
+        parts.append(model.forward(ids[:, at:at + n], cache))
+        at += n
+    assert (torch.cat(parts, 1) - whole).abs().max() < 1e-4

@@ -14,17 +14,16 @@ Per decoder layer (MTP layers excluded: the converter drops them by default) a t
   (amax / 127) and the rope part in bf16 (656), keys in bf16 (256). 8-bit indexer keys flip the DSA top-k
   selection wherever two scores are near a tie, and on the trained fixtures that costs more than the whole
   8-bit latent: docs/KV_CACHE.md has the measurements behind these choices.
-Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache.
-DeepSeek-V4 (no latent; compressed entries, sliding windows, compressor state) is `compressed_kv_bytes`:
-an exact per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`), its host tier too;
+Models without the indexer (DeepSeek-V3, Kimi-K2: no `index_topk`) have no indexer cache. DeepSeek-V4
+(no latent; compressed entries, sliding windows, compressor state) is `compressed_kv_bytes`: an exact
+per-layer formula (`KVBytes.layer_terms`, `context_bytes`, `max_context`), its host tier too;
 DeepSeek-V4.1 (`v41_kv_bytes`) the same with entries and keys on the KV source layers only.
 Kimi Linear / Kimi K3 (KDA + MLA layers) is `hybrid_kv_bytes`: MLA layers keep the latent row above per token;
 KDA layers keep, per sequence whatever its length, a float32 state [heads, Dk, Dv] and their short convolutions'
 last kernel-1 inputs (3 x heads x Dk, bf16), split over tp by heads (`KVBytes.on_tp`).
 
-Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank
-holds the whole latent and indexer cache of every sequence it serves, so these are bytes per token
-*per rank*, whatever the tp degree.
+Under DeepSeek's tensor-parallel layout the latent is not split by heads (it has none): every rank holds
+the whole latent and indexer cache of every sequence it serves: bytes per token *per rank*, whatever tp.
 """
 
 from __future__ import annotations

@@ -58,6 +58,8 @@ def load_image(path, rules: ImageRules = ImageRules()) -> "PIL.Image.Image":
 
     from PIL import Image
 
+    from kconvert.io.regular import regular_file
+
     try:
         path_name(path, "image")  # an over-long name fails in the OS call below, not as one line
     except UsageError as e:
@@ -71,7 +73,7 @@ def load_image(path, rules: ImageRules = ImageRules()) -> "PIL.Image.Image":
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             Image.MAX_IMAGE_PIXELS = limit  # Pillow's own check, at open (warns past it, raises past twice it)
-            with Image.open(p) as im:
+            with Image.open(regular_file(p, ImageError)) as im:  # (a FIFO renamed in after is_file: refused)
                 w, h = im.size  # from the header: nothing decoded yet
                 if w * h > limit:
                     raise ImageError(f"{w}x{h} = {w * h / 1e6:.0f} Mpx: larger than the {limit / 1e6:.0f} Mpx "

@@ -3,11 +3,13 @@ name the first damaged file and tensor (`kconvert verify-files`, `load --verify`
 
 from __future__ import annotations
 
+import stat
 import zlib
 from pathlib import Path
 
 from kconvert.errors import ChecksumMismatch, CheckpointError, FormatError, MissingFileError
 from kconvert.io.pread import read_bytes
+from kconvert.io.regular import kind_of
 from kconvert.io.safetensors_read import read_entry_bytes, read_header
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.journal import check_not_mid_pack
@@ -27,10 +29,14 @@ def file_crc32(path: Path, size: int) -> str:
 def check_size(path: Path, rec: dict, error: type[CheckpointError] = CheckpointError) -> int:
     """The file's size on disk, after checking it is there with the size kconvert.json records
     (`error`: the type to raise, e.g. the loader's LoaderError)."""
-    if not path.is_file():
+    try:
+        st = path.stat()
+    except OSError:
         raise (MissingFileError if error is CheckpointError else error)("listed in kconvert.json but missing",
-                                                                        file=str(path))
-    size = path.stat().st_size
+                                                                        file=str(path)) from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block its reader: named for what it is
+        raise error(f"is {kind_of(st.st_mode)}, not a regular file", file=str(path))
+    size = st.st_size
     want = Catalog.stored_bytes(rec)
     if size != want:
         raise error(f"size {size} differs from the {want} bytes kconvert.json records: truncated or replaced",

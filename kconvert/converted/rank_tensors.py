@@ -18,12 +18,13 @@ import re
 from operator import itemgetter
 from pathlib import Path
 
-from kconvert.errors import CheckpointError
+from kconvert.errors import CheckpointError, MissingFileError
 from kconvert.io.atomic import write_atomic
 from kconvert.io.compact_json import compact_json
 from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.paths import contained
+from kconvert.io.side_files import MAX_CATALOG, read_bytes
 from kconvert.converted.units import unit_file, unit_layer
 
 FORMAT = "kconvert-rank-tensors"
@@ -75,26 +76,31 @@ def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict]) -> list
         raise CheckpointError(f"field {field}: {why} (rank {rank}'s tensor list, listed in kconvert.json)",
                               file=str(path))
 
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    try:  # bounded and regular files only (a FIFO would block the load forever)
+        raw = read_bytes(path, limit=MAX_CATALOG)
+    except MissingFileError:
         raise CheckpointError(f"rank {rank}'s tensor list, listed in kconvert.json, is missing", file=str(path)) from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read rank {rank}'s tensor list: {e.strerror}", file=str(path)) from None
     if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
         raise CheckpointError(f"rank {rank}'s tensor list was changed after kconvert.json was written (its sha256 "
                               "does not match kconvert.json's tensors_by_rank): convert again", file=str(path))
     with paused_gc():  # up to 100k+ records: io/gc_pause.py
         try:
             doc = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"rank {rank}'s tensor list is not valid JSON: {e}", file=str(path)) from None
+        except RecursionError:  # shallower nesting fails the row checks below
+            raise CheckpointError(f"rank {rank}'s tensor list is JSON nested too deep", file=str(path)) from None
+        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, a number past Python's digit limit
+            raise CheckpointError(f"rank {rank}'s tensor list is not valid JSON ({_short(e)})", file=str(path)) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("rank") != rank \
                 or doc.get("columns") != list(COLUMNS) or not isinstance(doc.get("tensors"), list):
             bad("format", f"not rank {rank}'s {FORMAT} list with columns {', '.join(COLUMNS)}")
         places: dict = {}  # unit -> (file, layer): a few dozen units for 100k+ rows
         seen: set = set()  # what `check` has found valid already
         return [_record(rank, i, row, files, bad, places, seen) for i, row in enumerate(doc["tensors"])]
+
+
+def _short(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _record(rank: int, i: int, row, files: dict[str, dict], bad, places: dict, seen: set) -> dict:

@@ -17,6 +17,7 @@ from kconvert.io.compressed import (CHUNK, CODEC, CODEC_VERSION, DEFAULT_LEVEL, 
                                     group_bytes)
 from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.pread import pread_fd, read_bytes
+from kconvert.io.regular import open_regular
 from kconvert.io.safetensors_read import read_header
 from kconvert.io.window import ordered_window
 
@@ -75,7 +76,7 @@ def compress_file(src: Path, dst: Path, *, level: int = DEFAULT_LEVEL, threads: 
     if header.compressed is not None:
         raise FormatError("already compressed", file=str(src))
     obj = json.loads(bytes(read_bytes(src, 8, header.data_start - 8)))
-    fd = os.open(src, os.O_RDONLY)
+    fd, _ = open_regular(src, FormatError)
     try:
         segments, pos = [(0, header.data_start, 1)], header.data_start
         for e in sorted(header.tensors.values(), key=lambda e: e.begin):

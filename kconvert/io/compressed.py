@@ -31,6 +31,7 @@ import zstandard
 
 from kconvert.errors import FormatError, UsageError
 from kconvert.io.pread import pread_fd, read_bytes
+from kconvert.io.regular import open_regular
 
 CODEC = "zstd"
 CODEC_VERSION = "1"
@@ -182,7 +183,7 @@ class ChunkIndex:
 
     def read_into(self, out: np.ndarray, pool: ThreadPoolExecutor | None = None) -> None:
         """Decompress the whole plain file into `out` (uint8, self.size), chunks in parallel on `pool`."""
-        fd = os.open(self.path, os.O_RDONLY)
+        fd, _ = open_regular(self.path, FormatError)
         try:
             def one(i: int) -> None:
                 self._decode(i, fd, out[self.u_off[i]:self.u_off[i] + self.u_len[i]])
@@ -199,7 +200,7 @@ class ChunkIndex:
         buf = bytearray(n)
         view = np.frombuffer(buf, np.uint8) if n else np.empty(0, np.uint8)
         i = max(0, bisect.bisect_right(self.u_off, lo) - 1)
-        fd = os.open(self.path, os.O_RDONLY)
+        fd, _ = open_regular(self.path, FormatError)
         try:
             while i < self.n_chunks and self.u_off[i] < lo + n:
                 a, b = self.u_off[i], self.u_off[i] + self.u_len[i]
@@ -217,7 +218,7 @@ class ChunkIndex:
 
     def iter_chunks(self, threads: int = 4):
         """Plain chunks in file order (uint8 arrays), decompressed `threads` at a time ahead of the caller."""
-        fd = os.open(self.path, os.O_RDONLY)
+        fd, _ = open_regular(self.path, FormatError)
 
         def one(i: int) -> np.ndarray:
             out = np.empty(self.u_len[i], np.uint8)

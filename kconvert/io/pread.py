@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from kconvert.errors import FormatError
+from kconvert.io.regular import open_regular
 
 MAP_AT_LEAST = 1 << 20  # below this a copy costs less than setting up and tearing down a mapping
 # A read faults a fresh buffer in a page (4 KB) at a time and copies into it; a populated read-only mapping of the
@@ -37,7 +38,7 @@ def pread_fd(fd: int, offset: int, length: int, path: Path, tensor: str | None =
 
 def read_bytes(path: Path, begin: int, length: int, *, tensor: str | None = None) -> bytearray:
     """Exactly `length` bytes of `path` from `begin`."""
-    fd = os.open(path, os.O_RDONLY)
+    fd, _ = open_regular(path, FormatError)
     try:
         return pread_fd(fd, begin, length, path, tensor)
     finally:
@@ -51,9 +52,8 @@ def map_range(path: Path, begin: int, length: int, *, tensor: str | None = None)
     made from it) does."""
     if length < MAP_AT_LEAST:
         return read_bytes(path, begin, length, tensor=tensor)
-    fd = os.open(path, os.O_RDONLY)
+    fd, size = open_regular(path, FormatError)
     try:
-        size = os.fstat(fd).st_size
         if begin + length > size:
             raise FormatError(f"file ended at byte {size} while reading: truncated", file=str(path), tensor=tensor)
         start = begin - begin % mmap.ALLOCATIONGRANULARITY

@@ -19,11 +19,12 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from kconvert.errors import FormatError
+from kconvert.errors import FormatError, MissingFileError
 from kconvert.io import typed_json
 from kconvert.io.gc_pause import paused_gc
 from kconvert.io.header_entries import TensorEntry, check_tiling, entries, from_json, from_typed
-from kconvert.io.pread import MAP_POPULATED_AT_LEAST, map_populated, map_range
+from kconvert.io.pread import MAP_POPULATED_AT_LEAST, map_populated, map_range, pread_fd
+from kconvert.io.regular import open_regular
 
 MAX_HEADER = 256 * 1024 * 1024  # safetensors' own limit is 100 MB; be a little lenient
 
@@ -51,22 +52,22 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
 
 def _read_header(path: Path) -> SafetensorsHeader:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise FormatError("truncated safetensors file (no header length)", file=str(path))
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise FormatError(f"header length {n} runs past the file ({size} bytes): truncated or not safetensors",
-                                  file=str(path))
-            raw = _header_bytes(f, n)
-    except FileNotFoundError:
+        fd, size = open_regular(path, FormatError)  # a FIFO or a device: one line, never a hang
+    except MissingFileError:
         raise FormatError("file not found", file=str(path)) from None
-    except IsADirectoryError:
-        raise FormatError("is a directory, not a safetensors file", file=str(path)) from None
-    except PermissionError:
-        raise FormatError("permission denied", file=str(path)) from None
+    try:
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise FormatError("truncated safetensors file (no header length)", file=str(path))
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise FormatError(f"header length {n} runs past the file ({size} bytes): truncated or not safetensors",
+                              file=str(path))
+        raw = _header_bytes(fd, n, path)
+    except OSError as e:
+        raise FormatError(f"cannot be read ({e.strerror or e})", file=str(path)) from None
+    finally:
+        os.close(fd)
     data_start = 8 + n
     data_len = size - data_start
     typed = typed_json.header(raw)  # the usual header, decoded and type-checked in C
@@ -96,15 +97,15 @@ def _read_header(path: Path) -> SafetensorsHeader:
     return SafetensorsHeader(path, comp.size if comp else size, data_start, tensors, metadata, comp)
 
 
-def _header_bytes(f, n: int) -> bytes | memoryview:
+def _header_bytes(fd: int, n: int, path: Path) -> bytes | memoryview:
     """The header's n bytes after its length: read, or viewed through a populated read-only mapping when large
     (io/pread.map_populated: a 200k-tensor release's headers are 2 MB each)."""
     if n >= MAP_POPULATED_AT_LEAST:
         try:
-            return memoryview(map_populated(f.fileno(), 8 + n))[8:]
+            return memoryview(map_populated(fd, 8 + n))[8:]
         except (OSError, ValueError):  # a file that cannot be mapped is read
             pass
-    return f.read(n)
+    return bytes(pread_fd(fd, 8, n, path))
 
 
 def decode_header_json(raw: bytes, path: Path) -> dict:

@@ -1,9 +1,8 @@
 """The one reader of JSON and text side files (config.json, the index, kconvert.json, tokenizer files,
 prompts, journals): bounded, and regular files only.
 
-Why each guard: a FIFO opened for reading blocks until a writer comes (forever), so the file is opened
-with O_NONBLOCK and its type checked with fstat on that same descriptor before any read; a character
-device that reads like /dev/zero never ends, and a huge file costs many times its size once parsed, so
+Why each guard: files are opened by io/regular.py (regular files only, never blocking: a FIFO would block
+forever, a character device would never end); a huge file costs many times its size once parsed, so
 every read has a byte limit chosen by the caller (`MAX_*` below); JSON nested thousands deep ends
 Python's decoder in RecursionError, and nesting deeper than any real config breaks recursive code
 later, so decoding stops at `MAX_DEPTH` levels. Every refusal is the caller's KConvertError class,
@@ -13,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Callable
 
-from kconvert.errors import CheckpointError, KConvertError, MissingFileError
+from kconvert.errors import CheckpointError, KConvertError
 from kconvert.io.pread import MAP_POPULATED_AT_LEAST, map_populated
+from kconvert.io.regular import open_regular
 
 MiB = 1 << 20
 MAX_CONFIG = 16 * MiB      # config.json, tokenizer_config.json, pack state: real ones are a few KB
@@ -27,33 +26,11 @@ MAX_CATALOG = 256 * MiB    # kconvert.json: every tensor of every rank
 MAX_TEXT = 256 * MiB       # tiktoken.model (Kimi's is 2.7 MB), chat templates, prompt files, journals
 MAX_DEPTH = 64             # JSON nesting: real configs nest under 10 levels
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def kind_of(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
-def _open_regular(path: Path, error: type[KConvertError]) -> tuple[int, int]:
-    """(fd, size) of `path` opened for reading without blocking, after checking it is a regular file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise MissingFileError("not found", file=str(path)) from None
-    except OSError as e:
-        raise error(f"cannot be opened ({e.strerror or e})", file=str(path)) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise error(f"is {kind_of(st.st_mode)}, not a regular file", file=str(path))
-    return fd, st.st_size
-
 
 def check_regular(path: str | os.PathLike, *, error: type[KConvertError] = CheckpointError) -> None:
     """Refuse `path` unless it is a regular file, without blocking: for files another library opens
     (a reference .safetensors), where a FIFO would hang it."""
-    fd, _ = _open_regular(Path(path), error)
+    fd, _ = open_regular(Path(path), error)
     os.close(fd)
 
 
@@ -70,7 +47,7 @@ def mapped_bytes(path: str | os.PathLike, *, limit: int, error: type[KConvertErr
 
 
 def _whole(path: Path, limit: int, error: type[KConvertError], mapped: bool):
-    fd, size = _open_regular(path, error)
+    fd, size = open_regular(path, error)
     try:
         if size > limit:
             raise error(f"{size} bytes: over the {_human(limit)} limit for this file", file=str(path))

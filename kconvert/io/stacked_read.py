@@ -14,7 +14,9 @@ from operator import itemgetter
 import numpy as np
 import torch
 
+from kconvert.errors import FormatError
 from kconvert.io.pread import pread_into, read_bytes
+from kconvert.io.regular import open_regular
 from kconvert.io.safetensors_read import TensorEntry
 
 _FILE, _BEGIN = itemgetter(1), itemgetter(4)  # of a TensorEntry
@@ -47,7 +49,7 @@ def read_stacked(entries: list[TensorEntry]) -> torch.Tensor:
         at = begins[rows]
         # a run ends where the next tensor lies more than GAP past this one, or would take it past RUN_BYTES
         breaks = [*(np.flatnonzero(np.diff(at) - size > GAP) + 1).tolist(), len(at)]
-        fd = os.open(path, os.O_RDONLY)
+        fd, _ = open_regular(path, FormatError)
         try:
             start = 0
             for end in breaks:

@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from kconvert.io.side_files import MAX_CONFIG, read_json
+
 STAMP_VERSION = 1
 
 
@@ -37,8 +39,8 @@ def _identity(conv) -> dict[str, list[int]]:
 def needs_crc(conv) -> bool:
     """Whether this rank's files were never CRC-checked as they are now (so this load must check them)."""
     ident = _identity(conv)
-    try:
-        stamp = json.loads(_stamp_path(conv).read_text())
+    try:  # a stamp that is not a small regular JSON file (a FIFO, a device, deep JSON) counts as none
+        stamp = read_json(_stamp_path(conv), limit=MAX_CONFIG)
     except (OSError, ValueError):
         return True
     return not ident or stamp != {"version": STAMP_VERSION, "files": ident}

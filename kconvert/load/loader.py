@@ -37,6 +37,7 @@ from kconvert.converted.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.pread import pread_into
+from kconvert.io.regular import open_regular, regular_fd
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
 from kconvert.io.window import ordered_window
 
@@ -103,7 +104,7 @@ class ConvertedCheckpoint:
 
     def _read_into(self, path: Path, buf: memoryview, size: int, pool: ThreadPoolExecutor) -> None:
         """Fill `buf` with the file, CHUNK-sized positioned reads spread over the pool's threads."""
-        fd = os.open(path, os.O_RDONLY)
+        fd, _ = open_regular(path, LoaderError)
         try:
             list(pool.map(lambda lo: pread_into(fd, buf[lo:min(lo + CHUNK, size)], lo, path), range(0, size, CHUNK)))
         finally:
@@ -267,8 +268,8 @@ def _map_file(path: Path, size: int) -> torch.Tensor:
     without copying; a write copies just that page, privately."""
     import mmap
 
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with regular_fd(path, LoaderError) as (fd, _):
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     mm.madvise(mmap.MADV_WILLNEED)
     buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
     int(buf[:: mmap.PAGESIZE].sum())  # touch every page

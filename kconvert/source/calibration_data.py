@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kconvert.errors import UsageError
+from kconvert.io.side_files import MAX_TEXT, read_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -43,12 +44,11 @@ def read_documents(data: str) -> list[str]:
 
 
 def _read(path: Path) -> str:
+    raw = read_bytes(path, limit=MAX_TEXT, error=UsageError)  # regular files only: a FIFO never blocks
     try:
-        return path.read_text(encoding="utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError("calibration file is not UTF-8 text", file=str(path)) from None
-    except OSError as e:
-        raise UsageError(f"cannot read calibration file: {e.strerror}", file=str(path)) from None
 
 
 def _documents(path: Path) -> list[str]:

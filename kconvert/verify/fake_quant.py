@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from kconvert.errors import MissingDependency, VerifyFailed
-from kconvert.io.side_files import MAX_CONFIG, read_json
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_bytes, read_json
 
 QUANTIZED = ("fp8", "int8", "int4", "fp4")
 FP8_E4M3_MAX = 448.0
@@ -276,5 +275,5 @@ def _write_source(src: str, out_dir: Path, values) -> Path:
     (out_dir / "config.json").write_text(json.dumps(config))
     for f in ck.root.iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):
-            shutil.copyfile(f, out_dir / f.name)
+            (out_dir / f.name).write_bytes(read_bytes(f, limit=MAX_TEXT))  # regular and bounded, as shard copies
     return out_dir

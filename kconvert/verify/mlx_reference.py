@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kconvert.errors import UsageError
+from kconvert.io.side_files import MAX_CONFIG, read_json
 
 
 
@@ -58,14 +59,12 @@ class MlxReference:
     def _vision_modules(self):
         """mlx-vlm's Kimi K3 vision tower and projector, strictly loaded from the checkpoint's own tensors."""
         if self._vision is None:
-            import json
-
             from mlx_vlm.models.kimi_k3.config import ModelConfig, TextConfig, VisionConfig
             from mlx_vlm.models.kimi_k3.kimi_k3 import KimiK3MultiModalProjector
             from mlx_vlm.models.kimi_k3.vision import VisionModel
 
             mx = self.mx
-            cfg = json.loads((self.root / "config.json").read_text())
+            cfg = read_json(self.root / "config.json", limit=MAX_CONFIG)
             mc = ModelConfig.from_dict(cfg)
             mc.text_config, mc.vision_config = TextConfig.from_dict(cfg["text_config"]), VisionConfig.from_dict(cfg["vision_config"])
             tower, projector = VisionModel(mc.vision_config), KimiK3MultiModalProjector(mc)
@@ -152,8 +151,6 @@ class MlxDeepseekV41(MlxReference):
     below its own noise. kconvert's engine does not round activations either (its KV formats are opt-in)."""
 
     def __init__(self, root: Path, dtype: torch.dtype):
-        import json
-
         import mlx.core as mx
         from mlx_vlm.models.deepseek_v41 import fakequant
         from mlx_vlm.models.deepseek_v41.config import ModelConfig
@@ -161,7 +158,7 @@ class MlxDeepseekV41(MlxReference):
 
         self.mx, self.root, self.torch_dtype = mx, Path(root), dtype
         fakequant.DISABLE = True
-        self.model = Model(ModelConfig.from_dict(json.loads((self.root / "config.json").read_text())))
+        self.model = Model(ModelConfig.from_dict(read_json(self.root / "config.json", limit=MAX_CONFIG)))
         self.model.aligner.act = exact_gelu()
         weights = {}
         for f in sorted(self.root.glob("*.safetensors")):

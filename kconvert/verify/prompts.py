@@ -13,8 +13,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from kconvert.errors import UsageError
-from kconvert.io.side_files import MAX_CONFIG, read_json
+from kconvert.errors import MissingFileError, UsageError
+from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 
 KINDS = ("short", "long", "chat", "image")
 
@@ -54,9 +54,9 @@ def stdlib_text(names: tuple[str, ...]) -> str:
     parts = []
     for n in names:
         try:
-            parts.append((root / n).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise UsageError(f"missing from this Python's standard library: {e.strerror}", file=str(root / n)) from None
+            parts.append(read_text(root / n, limit=MAX_TEXT, error=UsageError))
+        except MissingFileError:
+            raise UsageError("missing from this Python's standard library", file=str(root / n)) from None
     return "\n\n".join(parts)
 
 

@@ -6,6 +6,9 @@ against kconvert.json; finished files are journalled in OUT/.kconvert/ (with pac
 operation, which also makes the loader refuse the half-converted directory). kconvert.json is
 rewritten once at the end, with `files[*].stored` added (pack) or removed (unpack); the journal is
 removed last (the run's skeleton: run.py). unpack(pack(x)) is byte-identical to x, kconvert.json included.
+A damaged file (its CRC-32, header or presence) does not stop the others: it is left as it was, the rest is
+finished and recorded, and the run ends with one line naming it and the ways out (restore it and re-run, or
+the opposite command to roll back), so the directory never stays half-converted because of one file.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from kconvert.errors import ChecksumMismatch, KConvertError, UsageError
+from kconvert.errors import CheckpointError, ChecksumMismatch, KConvertError, UsageError
 from kconvert.io.atomic import write_atomic
 from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
@@ -73,6 +76,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     done = run.journalled(_journalled_size)
     run.start(sum(cat.files[rel]["bytes"] for rel in todo))
     advance = (lambda n: progress("working", n=n)) if progress else None  # in flight; counted when durable
+    damaged: list[tuple[str, KConvertError]] = []  # files left as they were: the others still convert
     with run.log(LOG) as log:
         for rel in todo:
             rec = cat.files[rel]
@@ -81,12 +85,17 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
                 if progress:
                     progress("advance", n=rec["bytes"])
                 continue
-            stored = _convert_one(out, rel, rec, cat, op, level, threads, advance)
+            try:
+                stored = _convert_one(out, rel, rec, cat, op, level, threads, advance)
+            except CheckpointError as e:  # this file's own damage (a write error stops the run: it resumes)
+                damaged.append((rel, e))
+                continue
             log.add({"file": rel, "stored": stored})
             run.wrote(rel, durable_bytes=rec["bytes"])
+    converted = [rel for rel in todo if rel not in dict(damaged)]
 
-    def rewrite_catalog(journalled: dict) -> None:  # every file of todo, as the journal recorded it
-        for rel in todo:
+    def rewrite_catalog(journalled: dict) -> None:  # every converted file, as the journal recorded it
+        for rel in converted:
             rec = cat.files[rel]
             result.bytes_in += rec["bytes"]
             if want_stored:
@@ -97,8 +106,23 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
                 result.bytes_out += rec["bytes"]
         cat.write(out)
 
-    run.finish(todo, _journalled_size, rewrite_catalog)
+    run.finish(converted, _journalled_size, rewrite_catalog)
+    if damaged:
+        raise _left_as_it_was(out, op, damaged, len(converted))
     return _pack_names(run.done())
+
+
+def _left_as_it_was(out: Path, op: str, damaged: list[tuple[str, KConvertError]], converted: int) -> KConvertError:
+    """The first damaged file's error, saying what was done and the ways out. The directory is consistent:
+    kconvert.json records every file in the form it has now (the damaged ones unchanged), so every read that
+    does not touch them works, `verify-files` names them, and the opposite command rolls the rest back."""
+    rel, e = damaged[0]
+    more = f" (and {len(damaged) - 1} more damaged files)" if len(damaged) > 1 else ""
+    undo = "unpack" if op == "pack" else "pack"
+    e.message = (f"{e.message}{more}; {op} left it as it was and finished the other {converted} files: restore it "
+                 f"(from a copy, or convert the source again) and re-run `kconvert {op} {out}`, or roll back with "
+                 f"`kconvert {undo} {out}`")
+    return e
 
 
 def _pack_names(result: RunResult) -> RunResult:

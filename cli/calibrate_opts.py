@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from kconvert.source.calibration_data import BUNDLED, DEFAULT_SEED, DEFAULT_SEQ, DEFAULT_TOKENS
+from kconvert.source.calibration_data import BUNDLED, DEFAULT_SEED, DEFAULT_SEQ, DEFAULT_TOKENS, check_data_name
 
 
 def calibration_options(f):
@@ -39,6 +39,7 @@ def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid
         if grid is not None:
             raise UsageError("--calibration-grid needs --calibrate DATA")
         return None
+    check_data_name(data)  # before any work: '' would be the current directory
     grid = grid or allowed[0]
     if grid not in allowed:
         raise UsageError(f"--calibration-grid {grid} is not one this command stores (choose from {', '.join(allowed)})")

@@ -16,8 +16,9 @@ it (the residual as the block kind carries it: DeepSeek-V4's mHC streams whole) 
 Which tensors: the conversion's policy (`quantizes(info, shape)`, `group_size`, `int4_scales`; int4: routed
 experts by default). Resume: every layer's input is kept under OUT's journal as it is reached; the caller
 says which layers its journalled files hold (`done_before(L)`) and older inputs go. A re-run starts from the
-latest kept input at or before the first layer left to do and recomputes from there (deterministic: the
-same codes).
+latest kept input at or before the first layer left to do that passes its checks (engine/calibrate/resume.py:
+a digest tied to the run and the layer, finite values) and recomputes from there (deterministic: the same
+codes).
 
 Memory (engine/calibrate/memory.py): the layer's float32 weights (each replaced by its dequantized copy once
 quantized), the activations entering it, its unquantized output (for the layer's figure), the MoE's input
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from engine.calibrate.memory import TokenRows, fixed_mmap_threshold, rel_error, small_prefill_blocks, trim
+from engine.calibrate.resume import KeptInputs, binding_of
 from engine.calibrate.routing import chosen_experts, down_input, expert_parts, keep_input, routed_moe
 from engine.calibrate.split import Split
 from engine.layers.linear import PlainLinear
@@ -40,6 +42,7 @@ from engine.model import Model
 from kconvert.converted.units import layer_unit
 from kconvert.convert.shard_plan import unit_of
 from kconvert.distributed import Group
+from kconvert.errors import CheckpointError
 from kconvert.family.engine_names import engine_keys, engine_name
 from kconvert.quant.gptq import DAMP, Grid, Hessian, gptq_quantize
 from kconvert.quant.policy import QuantPolicy
@@ -66,7 +69,7 @@ class LayerCalibration:
             info = ck.info(name)
             if info.layer is not None and unit_of(info) == layer_unit(info.layer) and info.component != "mtp":
                 self.by_layer.setdefault(info.layer, []).append(name)
-        self.state_dir: Path | None = None
+        self.kept: KeptInputs | None = None  # the resume state, once attached
         self.x: torch.Tensor | None = None  # the input of layer self.at, [n, seq, *stack.residual_shape]
         self.at = 0
         self.last: tuple[int | None, dict] = (None, {})  # the last layer's result
@@ -77,45 +80,48 @@ class LayerCalibration:
         """Calibrate together with the other processes of `group` (each computing its share of every layer)."""
         self.split = Split(group)
 
-    # ---- resume state ---------------------------------------------------------------------------
-    def attach(self, state_dir: Path) -> None:
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-
-    def _state(self, L: int) -> Path:
-        return self.state_dir / f"input-{L:04d}.safetensors"
+    # ---- resume state (engine/calibrate/resume.py: kept inputs trusted only when their digest checks) -------
+    def attach(self, state_dir: Path, identity: dict | None = None) -> None:
+        """Keep each layer's input in `state_dir` for a resume, tied to the source, this calibration's record and
+        the run's `identity` (its options)."""
+        self.kept = KeptInputs(state_dir, binding_of({"source": self.ck.fingerprint(), "calibration": self.record,
+                                                      "run": identity}))
 
     def _keep(self) -> None:
         """Keep the input of layer self.at (atomically) for a resume."""
-        if self.state_dir is None or not self.split.keeps:
+        if self.kept is None or not self.split.keeps:
             return
-        from safetensors.torch import save
-
-        from kconvert.io.atomic import write_atomic
-
-        write_atomic(self._state(self.at), save({"x": self.x.contiguous()}))
+        self.kept.keep(self.at, self.x)
 
     def done_before(self, L: int) -> None:
         """Every layer before L is in journalled files: a resume starts at L at the earliest, so older inputs go.
         Under torchrun every process says so (each journals its own files) before process 0 deletes."""
         self.split.barrier()
-        if self.state_dir is None or not self.split.keeps:
+        if self.kept is None or not self.split.keeps:
             return
-        for old in self.state_dir.glob("input-*.safetensors"):
-            if int(old.stem.split("-")[1]) < L:
-                old.unlink(missing_ok=True)
+        self.kept.drop_before(L)
 
     def _start(self, L: int) -> None:
-        """Position the activations at the input of layer L (or earlier): a kept state, else the embeddings."""
+        """Position the activations at the input of layer L (or earlier): a kept state that passes its checks
+        (process 0 decides, the others follow), else the embeddings."""
         if self.x is not None and self.at <= L:
             return
-        from safetensors.torch import load_file
-
-        kept = sorted(int(p.stem.split("-")[1]) for p in self.state_dir.glob("input-*.safetensors")) \
-            if self.state_dir else []
-        best = self.split.agree(max((k for k in kept if k <= L), default=None))
+        lead = tuple(self.windows.shape)
+        best = None
+        if self.kept is not None and self.split.keeps:
+            for k in reversed([k for k in self.kept.layers() if k <= L]):
+                x = self.kept.load(k, lead)
+                if x is not None:
+                    best = k
+                    break
+        best = self.split.agree(best)
         if best is not None:
-            self.x, self.at = load_file(str(self._state(best)))["x"], best
+            if not self.split.keeps:
+                x = self.kept.load(best, lead) if self.kept is not None else None
+                if x is None:
+                    raise CheckpointError("process 0's kept calibration input is not readable here",
+                                          file=str(self.kept.path(best) if self.kept else best))
+            self.x, self.at = x, best
             return
         m = self.model
         want = m.prefix + "model.embed_tokens.weight"  # stored as the family names it (V4: `embed.weight`)

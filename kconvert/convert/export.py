@@ -133,7 +133,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     done = run.journalled(_journalled_size)
     todo = [(name, f) for name, f in zip(names, files) if name not in done]
     if calibration is not None:
-        calibration.attach(out / JOURNAL_DIR / "calibration")
+        calibration.attach(out / JOURNAL_DIR / "calibration", identity)
     bytes_of = {name: sum(e.bytes_in for e in f) for name, f in todo}
     result.files_resumed = len(files) - len(todo)
     largest = max((e.bytes_in for f in files for e in f), default=1)

@@ -118,7 +118,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     if run.prepare(identity, job.overwrite, group=dist):
         return result
     if calibration is not None:
-        calibration.attach(out / JOURNAL_DIR / "calibration")
+        calibration.attach(out / JOURNAL_DIR / "calibration", identity)
 
     done = run.journalled(Catalog.stored_bytes)
     by_unit: dict[str, list[WorkItem]] = {}

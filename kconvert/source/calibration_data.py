@@ -27,8 +27,16 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".jsonl")
 DEFAULT_TOKENS, DEFAULT_SEQ, DEFAULT_SEED = 64 * 256, 256, 0
 
 
+def check_data_name(data: str) -> None:
+    """DATA names something: '' (or blanks) would be the current directory, read recursively."""
+    if not data.strip():
+        raise UsageError(f"--calibrate needs DATA: a text file, a directory of text files, JSONL or '{BUNDLED}' "
+                         f"(got {data!r})")
+
+
 def read_documents(data: str) -> list[str]:
     """The documents of DATA (the bundled set's name, a file, or a directory of files, sorted by name)."""
+    check_data_name(data)
     if data == BUNDLED:
         root = Path(sysconfig.get_paths()["stdlib"])
         return [_read(root / n) for n in BUNDLED_FILES]

@@ -84,6 +84,32 @@ def _require_finite_logical(out: torch.Tensor, t: LogicalTensor, rows) -> torch.
                          tensor=t.name)
 
 
+# The largest magnitude a stored code takes, by format (fp4 e2m1: 6; int4: -8) or by the weight's dtype.
+_TOP_BY_FORMAT = {"fp4_packed": 6.0, "int4_packed": 8.0}
+_TOP_BY_DTYPE = {"F8_E4M3": 448.0, "F8_E5M2": 57344.0, "I8": 128.0}
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_scale_range(t: LogicalTensor, scale: torch.Tensor) -> None:
+    """The one check of stored scales, for every reader (a dequantizing read, and the lossless copies of
+    stored_parts.read_parts: `--quant fp4`, fp8's exact FP4 re-encoding, export's copies): a scale times the
+    largest code its format stores must stay within float32, else the scale is refused, naming it. An e8m0 byte
+    0xFE is 2^127, under which FP4's code 6 is Inf: no real checkpoint holds a scale within 2^9 of float32's
+    top, so the test needs the scales alone (a max over them), never the weights."""
+    import torch
+
+    top = _TOP_BY_FORMAT.get(t.format) or _TOP_BY_DTYPE.get(t.parts["weight"].dtype if "weight" in t.parts else "")
+    if top is None or scale.numel() == 0:
+        return
+    s = e8m0_to_float(scale) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.float32)
+    biggest = float(s.abs().max())
+    if biggest * top > FLOAT32_MAX:
+        entry = t.parts["scale"]
+        raise NonFiniteError(f"a scale of {biggest:.3g} decodes this tensor's codes (up to {top:g}) past float32 "
+                             "(dequantized values overflow to Inf): the checkpoint is damaged", file=str(entry.file),
+                             tensor=entry.name)
+
+
 def declared_shape(t: LogicalTensor, shape_part: torch.Tensor) -> tuple[int, int]:
     """An INT4 tensor's stored weight_shape, refused unless it agrees with weight_packed (8 codes a word)."""
     declared = tuple(int(v) for v in shape_part.reshape(-1).tolist())
@@ -156,10 +182,12 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
     if t.format == "int4_packed":
         packed = read_tensor(t.parts["packed"], rows)
         scale = read_tensor(t.parts["scale"], rows)
+        check_scale_range(t, scale)
         declared = declared_shape(t, read_tensor(t.parts["shape"]))
         return dequant_int4_packed(packed, scale, (packed.shape[0], declared[1]), group, dtype=out_dtype)
     if t.format == "fp4_packed":  # 0xFF scales would decode to Inf; name them as the NaN they are
         scale = require_finite(read_tensor(t.parts["scale"], rows), t.parts["scale"])
+        check_scale_range(t, scale)
         return dequantize_fp4(read_tensor(t.parts["weight"], rows).view(torch.uint8), scale, out_dtype)
     w = read_tensor(t.parts["weight"], rows)
     kind = scale_kind(t)
@@ -170,7 +198,12 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
         srows = rows
     scale = read_tensor(t.parts["scale"], srows)
     if scale.dtype == torch.float8_e8m0fnu:
-        scale = e8m0_to_float(require_finite(scale, t.parts["scale"]))
+        require_finite(scale, t.parts["scale"])
+    else:
+        scale = require_finite(scale, t.parts["scale"])  # (named as the scale's NaN before its range)
+    check_scale_range(t, scale)
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = e8m0_to_float(scale)
     if kind == "block":
         return dequantize_fp8_block(w, scale, block, row_offset=a, dtype=out_dtype)
     return dequant_scaled(w, scale, block, dtype=out_dtype)

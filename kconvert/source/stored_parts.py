@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import read_tensor
-from kconvert.source.formats import LogicalTensor, declared_shape, read_checked, scale_kind
+from kconvert.source.formats import LogicalTensor, check_scale_range, declared_shape, read_checked, scale_kind
 
 
 def read_parts(t: LogicalTensor, roles: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
     """Stored parts of `t` for a lossless copy (shard's resharding, export's copies), checked as a dequantizing
-    read checks them: no NaN/Inf in any part, and an INT4 weight_shape that agrees with weight_packed."""
+    read checks them: no NaN/Inf in any part, an INT4 weight_shape that agrees with weight_packed, and scales
+    that cannot decode past float32 (formats.check_scale_range, the dequantizing read's own check)."""
     parts = tuple(read_checked(t.parts[role]) for role in roles)
     if t.format == "int4_packed":
         declared_shape(t, parts[roles.index("shape")] if "shape" in roles else read_tensor(t.parts["shape"]))
+    if "scale" in roles:
+        check_scale_range(t, parts[roles.index("scale")])
     return parts
 
 

@@ -73,3 +73,36 @@ def test_a_block_wider_than_one_scale_is_refused_with_the_reason():
     exps[3, 2] = 120 + SPAN  # the widest span a block holds
     q, s = fp4_to_fp8_block(*block_of(codes, exps))
     assert float(q.to(torch.float32).abs().min()) == 2.0 ** -9  # the smallest value lands on e4m3's last subnormal
+
+
+def nearest_e4m3(v: float) -> float:
+    """The e4m3fn value nearest v (ties to the even code), from a table built by plain arithmetic."""
+    table = []
+    for b in range(0x7F):  # the positive finite codes (0x7F is NaN)
+        e, m = b >> 3, b & 7
+        table.append((m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), b))
+    mag, b = min(table, key=lambda t: (abs(t[0] - abs(v)), t[1] & 1))
+    return -mag if v < 0 else mag
+
+
+def test_requantize_rounds_only_the_groups_one_scale_cannot_hold():
+    """Issue 42, class 4: `--requantize` promised rounding for a block spanning more than 14 octaves but still
+    refused it. With rounding the block's scale holds its largest group exactly; the groups below the span are
+    rounded to the nearest e4m3 value (subnormals, or zero), the rest stay exact."""
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (128, 128), generator=gen)
+    exps = torch.full((128, 4), 130)
+    exps[0, 0], exps[1, 1], exps[2, 2] = 130 - SPAN - 1, 130 - SPAN - 3, 130 - 40  # rounded, coarser, zero
+    packed, scale = block_of(codes, exps)
+    with pytest.raises(UsageError, match="--requantize"):
+        fp4_to_fp8_block(packed, scale)
+    q, s = fp4_to_fp8_block(packed, scale, rounding=True)
+    assert float(s) == 2.0 ** (130 - 127 - 6)
+    got = fp8_value(q, s)
+    for r in range(128):
+        for c in range(128):
+            want = plain_value(int(codes[r, c]), int(exps[r, c // 32]))
+            assert float(got[r, c]) == nearest_e4m3(want / float(s)) * float(s), (r, c, want)
+    assert bool((q[2, 64:96].to(torch.float32) == 0).all())  # 40 octaves down: nothing left
+    assert not torch.equal(got[0, :32], torch.tensor([plain_value(int(codes[0, c]), int(exps[0, 0])) for c in range(32)],
+                                                     dtype=torch.float64))  # something was indeed rounded

@@ -78,3 +78,16 @@ def test_null_sliding_window_is_refused(checkpoint, copy_checkpoint, tmp_path, p
     for args in (("inspect", src), ("shard", src, tmp_path / "out", "--tp", "1")):
         assert_one_line_error(cli_here(*args), "sliding_window = None", "must be an integer")
 
+
+def test_requantize_rounds_a_wide_fp4_block(checkpoint, copy_checkpoint, tmp_path):
+    """Class 4: a block whose FP4 group scales span more than 14 octaves is refused by `--quant fp8` with a
+    message that suggests `--requantize`; under `--requantize` it used to be refused all the same."""
+    src = copy_checkpoint(checkpoint("tiny-dsv4-flash"))
+    _poke_byte(src, EXPERT_SCALE, 0, 100)  # 2^-27 beside the row's 2^-4 .. 2^-6: 23 octaves in one block
+    name = EXPERT_SCALE.replace(".scale", ".weight")
+    assert_one_line_error(cli_here("shard", src, tmp_path / "a", "--tp", "1", "--quant", "fp8"),
+                          f"tensor {name}", "more than the 14 octaves", "--requantize")
+    out = tmp_path / "b"
+    p = cli_here("shard", src, out, "--tp", "1", "--quant", "fp8", "--requantize")
+    assert p.returncode == 0, p.stderr
+    assert cli_here("verify-files", out).returncode == 0

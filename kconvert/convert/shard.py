@@ -90,7 +90,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     check_paths(ck, out)
     layout = Layout.make(job.tp, job.ep)
     policy = QuantPolicy(job.quant, job.keep, job.force, job.scale_format, job.group_size, job.int4_scales,
-                         source_fp8_block(ck.quantization_config))
+                         source_fp8_block(ck.quantization_config), job.requantize)
     with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes
         pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=job.requantize, keep_mtp=job.keep_mtp),
                              layout.tp, job.pp, ck.model.text.layer_count, pp_layers=job.pp_layers,

@@ -7,7 +7,9 @@ FP8 value is c * 2^(k - m). e4m3fn holds c * 2^d for every c exactly when -8 <= 
 <= 448 at the top, 0.5 * 2^-8 = 2^-9 (the smallest subnormal) and 1.5 * 2^-8 = 3 * 2^-9 at the bottom.
 So m = (largest k in the block) - 6 holds every group whose k is at least m - 8, that is, a block
 whose groups' exponents span at most 14 octaves. A block spanning more cannot be held exactly by one
-scale: the conversion is refused with that reason (or `--requantize` rounds it), never rounded silently.
+scale: the conversion is refused with that reason, never rounded silently, unless `shard --requantize` asks
+for rounding: then the block's scale still holds its largest group exactly and the groups more than 14 octaves
+below it are rounded to the nearest e4m3 value (its subnormals, or zero), the only values that change.
 Groups whose codes are all zero carry no value, so their scale does not count."""
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ TOP = 6  # 6 * 2^6 = 384: the largest e2m1 value lands under e4m3's 448
 SPAN = 14  # d from -8 to 6: the octaves one block scale holds exactly
 
 
-def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "", block: int = FP8_BLOCK) -> torch.Tensor:
+def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "", block: int = FP8_BLOCK,
+                    rounding: bool = False) -> torch.Tensor:
     """int32 [ceil(R/b), ceil(C/b)]: the exponent m of each block's scale 2^m (refuses a block whose
-    groups span more than SPAN octaves)."""
+    groups span more than SPAN octaves, unless `rounding`)."""
     import torch
 
     rows = packed.shape[0]
@@ -41,31 +44,34 @@ def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "", b
     lo = fold(torch.where(live, k, big), big, torch.min)
     empty = hi == small  # an all-zero block: any scale
     wide = ~empty & (hi - lo > SPAN)
-    if wide.any():
+    if wide.any() and not rounding:
         b = wide.nonzero()[0].tolist()
         raise UsageError(
             f"--quant fp8: FP4 block ({b[0]}, {b[1]}) has group scales 2^{int(lo[b[0], b[1]])} .. 2^{int(hi[b[0], b[1]])}, "
-            f"more than the {SPAN} octaves one FP8 block scale holds exactly; pass --requantize to round it "
-            f"(or --quant fp4 to keep FP4)", tensor=name)
+            f"more than the {SPAN} octaves one FP8 block scale holds exactly; `shard --requantize` rounds the "
+            f"smallest groups (or --quant fp4 keeps FP4)", tensor=name)
     return torch.where(empty, torch.zeros_like(hi), hi - TOP)
 
 
-def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "",
-                     block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "", block: int = FP8_BLOCK,
+                     rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 [R, C/2] e2m1 pairs, e8m0 [R, C/32]) -> (float8_e4m3fn [R, C], float32 [ceil(R/128), ceil(C/128)])
-    with q * scale equal to the FP4 value, element for element. Each q is code * 2^(k - m), computed in that
+    with q * scale equal to the FP4 value, element for element (`rounding`: except in the groups more than SPAN
+    octaves under their block's largest, rounded to nearest). Each q is code * 2^(k - m), computed in that
     form (never as the FP4 value itself, which overflows float32 at e8m0's top scales)."""
     import torch
 
-    m = block_exponents(packed, scale, name, block)
+    m = block_exponents(packed, scale, name, block, rounding)
     rows, cols = packed.shape[0], packed.shape[1] * 2
     k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
     m_groups = m.repeat_interleave(block, 0)[:rows].repeat_interleave(block // GROUP, 1)[:, : k.shape[1]]
-    d = (k - m_groups).clamp_(-SPAN + TOP, TOP)  # in range for every live group; an all-zero group stays 0
+    # in range for every live group of an exact block; below it (rounding) e4m3's cast rounds to nearest, and
+    # from 2^-13 down even code 6 is under half e4m3's smallest subnormal 2^-9: zero, as at the clamp
+    d = (k - m_groups).clamp_(-SPAN + TOP - 8 if rounding else -SPAN + TOP, TOP)
     lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(rows, cols)
     q = lut[codes.long()] * torch.exp2(d.to(torch.float32)).repeat_interleave(GROUP, dim=1)
-    return q.to(torch.float8_e4m3fn), torch.exp2(m.to(torch.float32))  # every q is an e4m3 value: no rounding
+    return q.to(torch.float8_e4m3fn), torch.exp2(m.to(torch.float32))  # exact blocks: every q is an e4m3 value
 
 
 def recode(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor]:
@@ -76,14 +82,14 @@ def recode(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor
     return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name))
 
 
-def recoder(block: int):
-    """`recode` into blocks of `block` (fp8_block.lossless_copy's, per run)."""
-    if block == FP8_BLOCK:
+def recoder(block: int, rounding: bool = False):
+    """`recode` into blocks of `block` (fp8_block.lossless_copy's, per run); `rounding`: `--requantize`'s."""
+    if block == FP8_BLOCK and not rounding:
         return recode
     import torch
 
     def recode_block(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor]:
         packed, scale = parts
-        return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name, block))
+        return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name, block, rounding))
 
     return recode_block

@@ -102,7 +102,8 @@ class Fp8Block(Scheme):
         experts (DeepSeek-V4): re-encoded exactly with power-of-two block scales, valid in either format."""
         b = opts.fp8_block
         if source.format == "fp4_packed":
-            return LosslessCopy("fp4_to_fp8", ("weight", "scale"), b, whole=True, recode=fp4_to_fp8.recoder(b))
+            return LosslessCopy("fp4_to_fp8", ("weight", "scale"), b, whole=True,
+                                recode=fp4_to_fp8.recoder(b, rounding=opts.requantize))
         if source.format != "block_fp8" or source.block != (b, b):
             return None
         if same_scale_format:

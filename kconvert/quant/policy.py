@@ -43,6 +43,7 @@ class QuantPolicy:
     group_size: int = 32  # int4
     int4_scales: str = "mse"  # int4: clipping search ("mse") or plain amax / 7 ("amax")
     fp8_block: int = FP8_BLOCK  # fp8: the block of one scale (the source's own where it is block FP8: copied)
+    requantize: bool = False  # --requantize: FP4 blocks one FP8 scale cannot hold exactly are rounded, not refused
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -64,7 +65,8 @@ class QuantPolicy:
 
     @property
     def options(self) -> Options:
-        return Options(self.scale_format, self.group_size, self.int4_scales, fp8_block=self.fp8_block)
+        return Options(self.scale_format, self.group_size, self.int4_scales, fp8_block=self.fp8_block,
+                       requantize=self.requantize)
 
     def quantizes(self, info: TensorInfo, shape: tuple[int, ...]) -> bool:
         return selected(self.quant, info, shape, self.keep, self.force)

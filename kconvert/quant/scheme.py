@@ -39,6 +39,7 @@ class Options:
     int4_scales: str = "mse"  # int4, kconvert encoding: clipping search "mse" | plain "amax"
     encoding: str = KCONVERT  # how values are laid out on disk: KCONVERT | COMPRESSED_TENSORS
     fp8_block: int = FP8_BLOCK  # block fp8: rows = columns of one scale's block (a 32 x 32 source keeps its own)
+    requantize: bool = False  # `shard --requantize`: what a source's own scales cannot hold exactly is rounded
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,11 @@ def _vision(c: dict, v: dict, text: TextConfig, image_token_id: int, kind: str =
     )
 
 
+def text_schedules(names) -> dict[str, list[str]]:
+    """Each layer schedule's kind per layer, whichever text part reads it (DeepSeek-V4.1: its block part)."""
+    return {k: v for p in names.parts if p.group == "text" for k, v in p.schedules.items()}
+
+
 def model_config(config: dict, family: str) -> ModelConfig:
     known = engine_families()
     if family not in known:
@@ -224,7 +229,7 @@ def model_config(config: dict, family: str) -> ModelConfig:
     fam = names.family  # with its text model's traits: Kimi over DeepSeek-V4 runs V4's layer kinds
     engine = fam["engine"]
     section = _section(config, fam.get("text_config", "."), family)
-    text = replace(_text(section), section=section, schedules=names.text.schedules,
+    text = replace(_text(section), section=section, schedules=text_schedules(names),
                    **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
     vision = None
     if engine.get("vision_config"):

@@ -23,7 +23,7 @@ from torch import nn
 from engine import pipeline
 from engine.cache.latent import KVCache, KVOptions
 from engine.config import ModelConfig, model_config
-from engine.draft.registry import build_draft_head, check_draft_shares
+from engine.draft.registry import build_draft_head, check_draft_shares, runs_drafts
 from engine.models.registry import block_stack, decoder_layer, image_tokens, vision_modules
 from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.layers.rope import Rotary
@@ -62,7 +62,9 @@ class Model(nn.Module):
         self.prefix = self.names.text.module_prefix
         stages = stages or [range(self.cfg.num_layers)]
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in stages]
-        self.draft_layers = sorted({L for s in stages for L in s if L >= self.cfg.num_layers})  # built: last stage
+        drafts = sorted({L for s in stages for L in s if L >= self.cfg.num_layers})
+        self.draft_layers = drafts if runs_drafts(self.cfg) else []  # built: last stage
+        self.carried_drafts = [] if self.draft_layers else drafts  # a kind the engine does not run (DSpark): unread
         self.draft_heads = nn.ModuleDict()  # str(L) -> engine/draft head
         self.shared_embed: torch.Tensor | None = None  # the embeddings on the last stage, for the draft heads
         if len(self.stages) != self.par.pp:

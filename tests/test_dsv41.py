@@ -102,6 +102,8 @@ def test_fp8_copies_the_32x32_blocks(v41, tmp_path):
 
     src, rank1 = read(v41 / "src", name), read(out / "rank-001", name)
     assert torch.equal(src[src.shape[0] // 2:].view(torch.uint8), rank1.view(torch.uint8))
+    for name in ("mtp.0.main_proj.weight", "mtp.1.attn.wq_a.weight"):  # the DSpark stages: replicated, copied
+        assert torch.equal(read(v41 / "src", name).view(torch.uint8), read(out / "rank-001", name).view(torch.uint8))
     r, rep = verify(out, v41 / "ref.safetensors")
     assert r.returncode == 0 and rep["cost"]["overall"]["mean_kld"] < 1e-5, rep["cost"]["overall"]
 
@@ -183,3 +185,88 @@ def test_decoding_in_steps_is_one_forward(v41):
         parts.append(model.forward(ids[:, at:at + n], cache))
         at += n
     assert (torch.cat(parts, 1) - whole).abs().max() < 1e-4
+
+
+def stored_names(folder) -> set[str]:
+    from safetensors import safe_open
+
+    names = set()
+    for f in sorted(folder.rglob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    return names
+
+
+def test_the_dspark_drafter_travels_with_the_conversion_and_the_engine_says_it_does_not_run_it(v41, tmp_path):
+    """The release's DSpark stages (mtp.0.., main_proj / main_norm on the first, the Markov and confidence heads on the
+    last) are every rank's in a conversion (as vLLM loads them), none with --no-draft-heads; the engine runs the
+    target on either and says, in one line, that it does not draft with DSpark."""
+    from engine.draft.drafter import new_drafter
+    from engine.model import Model
+    from kconvert.errors import UsageError
+
+    drafts = {n for n in stored_names(v41 / "src") if n.startswith("mtp.")}
+    assert {"mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.1.norm.weight", "mtp.1.markov_head.embed.weight",
+            "mtp.1.markov_head.head.weight", "mtp.1.confidence_head.proj.weight", "mtp.1.ffn.experts.7.w2.weight"} <= drafts
+    assert "mtp.1.main_proj.weight" not in drafts and "mtp.0.markov_head.embed.weight" not in drafts
+    for rank in ("rank-000", "rank-001"):
+        held = {n for n in stored_names(v41 / "tp2" / rank) if n.startswith("mtp.")}
+        assert {n for n in drafts if not n.endswith(".scale") and ("experts." not in n or "shared_" in n)} <= held
+    out = tmp_path / "no-drafts"
+    r = cli_here("shard", v41 / "src", out, "--tp", 1, "--no-draft-heads")
+    assert r.returncode == 0, r.stderr
+    assert not {n for n in stored_names(out) if n.startswith("mtp.")}
+    r, rep = verify(out, v41 / "ref.safetensors")
+    assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
+    with one_thread():
+        model = Model.from_converted(v41 / "tp1", dtype=torch.float32)
+    assert model.carried_drafts == [7, 8] and not model.draft_heads
+    with pytest.raises(UsageError, match=r"DSpark block drafter, which the engine does not run yet"):
+        new_drafter(model)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"dspark_target_layer_ids": [5, 6, 7]}, "text_config.dspark_target_layer_ids names layer 7: layers are 0..6"),
+    ({"dspark_target_layer_ids": 5}, "text_config.dspark_target_layer_ids = 5: must be a list"),
+    ({"dspark_markov_rank": 10**9}, "text_config.dspark_markov_rank = 1000000000: outside [0, 65536]"),
+    ({"engram_n_heads": 10**9}, "text_config.engram_n_heads = 1000000000: outside [1, 4096]"),
+])
+def test_a_bad_drafter_config_is_one_line(tmp_path, change, needle):
+    from helpers import assert_one_line_error
+
+    src = tmp_path / "src"
+    write_v41_checkpoint(src, v41_config(OTHER), seed=4)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"].update(change)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(cli_here("inspect", src), "config.json", needle)
+
+
+def test_a_drafter_tensor_of_the_wrong_shape_is_named(v41, tmp_path):
+    """The first stage's context projection is as wide as the target layers it reads: one more or fewer is refused,
+    naming the tensor, not loaded into a drafter that would draft nothing useful."""
+    from helpers import assert_one_line_error
+
+    src = tmp_path / "src"
+    shutil.copytree(v41 / "src", src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["dspark_target_layer_ids"] = [5, 6]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(cli_here("inspect", src), "mtp.0.main_proj.weight")
+
+
+def test_plan_judges_fp8_alignment_by_the_sources_own_blocks(tmp_path):
+    """V4.1-Flash at tp 8: its shared expert splits into 288-wide slices, aligned to the release's 32 x 32 FP8 blocks
+    (copied as they are) but not to 128 x 128 ones: plan warns only for a source whose blocks they straddle."""
+    from kconvert.family.families import manifests_dir
+    from kconvert.plan.memory import make_plan
+
+    def straddles(block: int) -> bool:
+        cfg = json.loads((manifests_dir() / "examples" / "deepseek-v41-flash" / "config.json").read_text())
+        cfg["quantization_config"]["weight_block_size"] = [block, block]
+        d = tmp_path / str(block)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return any("straddle" in w for w in make_plan(str(d), tp=8, quant="fp8").warnings)
+
+    assert not straddles(32) and straddles(128)

@@ -34,6 +34,8 @@ def engine_name(names: ModelMap, stored: str) -> str:
     pattern = _pattern(info) if info is not None else None
     if pattern is None:
         return stored
+    if "{M}" in pattern:  # a draft stage's own path (DeepSeek-V4.1's DSpark: mtp.{M}.)
+        pattern = pattern.replace("{M}", str(info.layer - info.rule.part.layer_count))
     return pattern.replace("{L}", str(info.layer)).replace("{E}", str(info.expert)) + suffix
 
 

@@ -23,7 +23,7 @@ from kconvert.family.families import any_alias, family_aliases, families, find_f
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
 from kconvert.family.rule_names import name_key, placeholders, rule_regex, scale_block, tensor_key  # noqa: F401 (API)
-from kconvert.family.schedule import read_schedules
+from kconvert.family.schedule import list_length, read_schedules
 
 SPLITS = ("vocab", "col", "row", "expert", "replicate", "table")  # table: rows in ceil(n / tp) slices
 
@@ -86,11 +86,10 @@ class BoundPart:
     def __init__(self, name: str, spec: dict, prefix: str, config: dict, *, section: str = ".",
                  config_file: str = "config.json", decoder_only: bool = False, engine_prefix: str | None = None,
                  names: dict[str, str] | None = None, family_defaults: dict | None = None):
-        self.name, self.prefix, self.config = name, prefix, config
+        self.name, self.prefix, self.config, self.config_file = name, prefix, config, config_file
         self.engine_prefix = engine_prefix  # the engine's module path of its `engine` names (None: the root)
         self.decoder_only = decoder_only  # {L} names only decoder layers (V4 names its MTP blocks mtp.{M}.)
         self.engine_rename: str | None = spec.get("part", {}).get("engine_rename")  # + stored name: engine path
-        self.config_file = config_file
         head = spec.get("part", {})
         self.group = head.get("group", name)
         self.traits: dict = head.get("family", {})  # a text model's family traits (engine kinds, shard modes)
@@ -104,10 +103,12 @@ class BoundPart:
             section_key, _, tail = key.partition(".")
             if tail and isinstance(self._env.get(section_key), dict) and self._env[section_key].get(tail) is None:
                 self._env[section_key] = {**self._env[section_key], tail: value}
-        check_part(name, config, self._env, defaults, prefix="" if section == "." else f"{section}.",
-                   file=config_file, limits_path=manifests_dir() / LIMITS_FILE)
-        schedules = read_schedules(spec.get("schedules", {}), self._env,
-                                   prefix="" if section == "." else f"{section}.", file=config_file)
+        where = "" if section == "." else f"{section}."  # the section's prefix in messages
+        check_part(name, config, self._env, defaults, prefix=where, file=config_file,
+                   limits_path=manifests_dir() / LIMITS_FILE)
+        for key, path in head.get("lengths", {}).items():  # a config list's length, for shape expressions
+            self._env[key] = list_length(self._env, path, prefix=where, file=config_file)
+        schedules = read_schedules(spec.get("schedules", {}), self._env, prefix=where, file=config_file)
         self._env.update(schedules)
         # (expression, layer) -> value: 384 experts x 61 layers share each layer's few shape expressions
         self._values: dict[tuple, object] = {}

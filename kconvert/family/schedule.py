@@ -148,6 +148,16 @@ def _from_names(names, kinds: list, n: int, length: int, extra: int, field: str,
     return out + [extra] * (length - n)
 
 
+def list_length(env: Mapping, path: str, *, prefix: str, file: str) -> int:
+    """The length of the config list at `path` (absent or null: 0), for a part's `lengths` (shape expressions)."""
+    value = _lookup(env, path)
+    if value is None:
+        return 0
+    if not isinstance(value, list):
+        raise ManifestError(f"{prefix}{path} = {_show(value)}: must be a list", file=file)
+    return len(value)
+
+
 def _lookup(env: Mapping, path: str):
     """env["a"]["b"] for "a.b" (None where a level is absent)."""
     value = env

@@ -119,7 +119,8 @@ def _warnings(sz: Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> li
                    "memory is computed, but the model was not trained for it")
     misaligned = sz.misaligned(layout)
     if misaligned:
-        out.append(f"--tp {layout.tp} --ep {layout.ep} --quant fp8: {misaligned}: 128x128 scale blocks "
+        b = sz.policy.fp8_block
+        out.append(f"--tp {layout.tp} --ep {layout.ep} --quant fp8: {misaligned}: {b}x{b} scale blocks "
                    "straddle ranks, so a block-FP8 source is not resharded losslessly and engines that need "
                    "aligned slices (vLLM's block-FP8 linear) refuse it")
     if sz.policy.scheme == "fp8" and not dev.fp8:

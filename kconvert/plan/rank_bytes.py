@@ -14,7 +14,7 @@ from kconvert.source.checkpoint import Checkpoint
 from kconvert.convert.layout import Layout, pieces
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.quant.policy import QuantPolicy
-from kconvert.io.dtypes import FP8_BLOCK, ITEMSIZE
+from kconvert.io.dtypes import ITEMSIZE
 
 COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts", "engram",
               "dense_mlp", "router", "hash_router", "norm", "embed", "head", "vision", "projector")
@@ -125,15 +125,17 @@ def rank_bytes(groups, copies: list[list[int]], tp: int) -> list[dict[str, int]]
 
 
 def fp8_misaligned(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> str | None:
-    """The first fp8 tensor whose per-rank slice starts inside a 128x128 scale block, if any."""
+    """The first fp8 tensor whose per-rank slice starts inside a scale block (the run's block: 128 x 128, or a
+    block-FP8 source's own, DeepSeek-V4.1's 32 x 32), if any."""
     if policy.scheme != "fp8":
         return None
+    block = policy.fp8_block
     for g in groups:
         if policy.quantizes(g.info, g.shape):
             for p in pieces(g.info, g.shape, layout, n_experts):
-                if p.dim is not None and p.start % FP8_BLOCK:
+                if p.dim is not None and p.start % block:
                     return (f"{g.info.name} splits into {p.stop - p.start}-wide slices (dim {p.dim}), not "
-                            f"{FP8_BLOCK}-aligned")
+                            f"{block}-aligned")
     return None
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import click
 
-from kconvert.source.calibration_data import BUNDLED, DEFAULT_SEED, DEFAULT_SEQ, DEFAULT_TOKENS, check_data_name
+from kconvert.source.calibration_data import (BUNDLED, DEFAULT_SEED, DEFAULT_SEQ, DEFAULT_TOKENS, MAX_SEQ, MAX_TOKENS,
+                                              check_data_name)
+
+from .params import SEED, Whole
 
 
 def calibration_options(f):
@@ -14,11 +17,11 @@ def calibration_options(f):
         click.option("--calibrate", "calibrate_data", metavar="DATA",
                      help=f"int4: GPTQ codes calibrated layer by layer on DATA (a text file, a directory of text files, "
                           f"JSONL of {{\"text\"}} or {{\"messages\"}}; '{BUNDLED}': bundled Python sources, for tests)."),
-        click.option("--calibration-tokens", type=click.IntRange(min=1), default=DEFAULT_TOKENS, show_default=True,
+        click.option("--calibration-tokens", type=Whole(1, MAX_TOKENS), default=DEFAULT_TOKENS, show_default=True,
                      help="Calibration tokens (rounded up to whole sequences)."),
-        click.option("--calibration-seq", type=click.IntRange(min=2), default=DEFAULT_SEQ, show_default=True,
+        click.option("--calibration-seq", type=Whole(2, MAX_SEQ), default=DEFAULT_SEQ, show_default=True,
                      help="Tokens per calibration sequence."),
-        click.option("--calibration-seed", type=int, default=DEFAULT_SEED, show_default=True,
+        click.option("--calibration-seed", type=SEED, default=DEFAULT_SEED, show_default=True,
                      help="Seed of the sequences drawn from DATA (recorded in kconvert.json)."),
         click.option("--calibration-grid", type=click.Choice(["kconvert", "minmax", "kimi"]),
                      help="Codes and static scales: shard's own (kconvert: -8..7, amax / 7 with the clipping search; "

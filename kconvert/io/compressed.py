@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from kconvert import arguments
 from kconvert.errors import FormatError, UsageError
 from kconvert.io.pread import pread_fd, read_bytes
 from kconvert.io.regular import open_regular
@@ -50,10 +51,7 @@ def parse_codec(text: str) -> tuple[str, int]:
     name, _, level = text.partition(":")
     if name != CODEC:
         raise UsageError(f"unknown codec {name!r}: supported is zstd[:LEVEL]")
-    try:
-        lvl = int(level) if level else DEFAULT_LEVEL
-    except ValueError:
-        raise UsageError(f"zstd level {level!r} is not an integer (1..22, or negative for faster)") from None
+    lvl = arguments.integer(level, "--compress zstd:LEVEL") if level else DEFAULT_LEVEL  # ASCII digits only
     if not -7 <= lvl <= 22 or lvl == 0:
         raise UsageError(f"zstd level {lvl} out of range (1..22, or -7..-1 for faster)")
     return name, lvl

@@ -25,6 +25,9 @@ BUNDLED = "stdlib"
 BUNDLED_FILES = ("argparse.py", "dataclasses.py", "enum.py", "functools.py")
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".jsonl")
 DEFAULT_TOKENS, DEFAULT_SEQ, DEFAULT_SEED = 64 * 256, 256, 0
+# Bounds of the options (one line past them, never an allocation failure): 2^24 tokens is 64x the 256k GPTQ
+# usually calibrates on and 1024x the default (every token's activations are held per layer); 2^20 a window.
+MAX_TOKENS, MAX_SEQ = 1 << 24, 1 << 20
 
 
 def check_data_name(data: str) -> None:
@@ -90,8 +93,9 @@ def calibration_windows(data: str, encode, tokens: int = DEFAULT_TOKENS, seq: in
                         seed: int = DEFAULT_SEED) -> tuple[torch.Tensor, dict]:
     """(ids [n, seq] int64 with n = ceil(tokens / seq), record) from DATA, encoded by `encode(text) -> ids`.
     The documents are joined by blank lines; window starts are drawn by a generator seeded with `seed`."""
-    if tokens < 1 or seq < 2:
-        raise UsageError(f"--calibration-tokens must be >= 1 and --calibration-seq >= 2 (got {tokens}, {seq})")
+    if not (1 <= tokens <= MAX_TOKENS and 2 <= seq <= MAX_SEQ):
+        raise UsageError(f"--calibration-tokens must be in [1, {MAX_TOKENS}] and --calibration-seq in [2, {MAX_SEQ}] "
+                         f"(got {tokens}, {seq})")
     docs = read_documents(data)
     text = "\n\n".join(docs)
     import torch  # here, not at import: the CLI reads this module's defaults for its --help

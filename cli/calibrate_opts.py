@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from kconvert.source.calibration_data import (BUNDLED, DEFAULT_SEED, DEFAULT_SEQ, DEFAULT_TOKENS, MAX_SEQ, MAX_TOKENS,
-                                              check_data_name)
+                                              check_data_name, check_out_outside)
 
 from .params import SEED, Whole
 
@@ -33,9 +33,10 @@ def calibration_options(f):
 
 
 def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid: str | None,
-                        allowed: tuple[str, ...] = ("kconvert", "kimi")):
+                        allowed: tuple[str, ...] = ("kconvert", "kimi"), *, out: str | None = None):
     """None without --calibrate; else `make(ck, policy, progress)` -> engine.calibrate.layerwise.LayerCalibration.
-    `grid` None: the command's default, allowed[0] (the grid whose scales its encoding stores as they are)."""
+    `grid` None: the command's default, allowed[0] (the grid whose scales its encoding stores as they are).
+    `out`: the command's OUT, refused inside a DATA directory (its files would be read as data by a rerun)."""
     from kconvert.errors import UsageError
 
     if data is None:
@@ -43,6 +44,8 @@ def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid
             raise UsageError("--calibration-grid needs --calibrate DATA")
         return None
     check_data_name(data)  # before any work: '' would be the current directory
+    if out is not None:
+        check_out_outside(data, out)
     grid = grid or allowed[0]
     if grid not in allowed:
         raise UsageError(f"--calibration-grid {grid} is not one this command stores (choose from {', '.join(allowed)})")
@@ -51,11 +54,9 @@ def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid
         from engine.calibrate.layerwise import LayerCalibration
         from kconvert.quant.gptq import GRIDS
         from kconvert.source.calibration_data import calibration_windows
-        from kconvert.source.tokenizer import load_kimi_tokenizer
+        from kconvert.source.tokenizer import load_tokenizer
 
-        if not (ck.root / "tiktoken.model").exists():
-            raise UsageError("--calibrate needs the checkpoint's tokenizer (tiktoken.model)", file=str(ck.root))
-        enc = load_kimi_tokenizer(ck.root)
+        enc = load_tokenizer(ck.root)  # tiktoken.model or tokenizer.json; none: one line naming the directory
         windows, record = calibration_windows(data, lambda t: enc.encode(t, allowed_special="all"), tokens, seq, seed)
         return LayerCalibration(ck, windows, policy, GRIDS[grid], record, progress)
 

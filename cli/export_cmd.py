@@ -46,7 +46,8 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
     job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size, "--max-shard-size"), workers, overwrite)
     with byte_progress(f"export {fmt}", enabled=not as_json) as cb:
         r = _export(job, progress=cb, calibrate=calibration_factory(
-            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("minmax", "kimi")))
+            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("minmax", "kimi"),
+            out=out))
     print_run(r, out, as_json, f"wrote {r.files_written} of {r.details.files} files ({r.files_resumed} resumed), "
               f"{r.details.tensors} tensors ({r.details.quantized} quantized to {fmt})", io_facts(r),
               how=f" with {r.details.workers} workers")

@@ -83,7 +83,8 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
                    overwrite, compress, group_size, int4_scales, pp, pp_layers)
     with byte_progress(f"shard tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" {quant}", enabled=not as_json and _rank0()) as cb:
         r = _shard(job, progress=cb, calibrate=calibration_factory(
-            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("kconvert", "kimi")))
+            calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("kconvert", "kimi"),
+            out=out))
     if not _rank0():
         return
     table = Table(title="bytes per rank")

@@ -33,3 +33,74 @@ def test_compress_level_in_ascii_digits(conversion, tmp_path, level):
     shutil.copytree(conversion("tiny-k25-dsv32", tp=2, quant="fp8"), out)
     assert_one_line_error(cli_here("pack", out, "--compress", f"zstd:{level}"), "zstd:LEVEL")
     assert not (out / ".kconvert").exists()
+
+
+def _nest(root, depth: int) -> None:
+    """`depth` directories one inside the other under root, a text file at the bottom (made relative to a
+    descriptor: the whole path is longer than PATH_MAX)."""
+    import os
+
+    root.mkdir()
+    cur = os.open(root, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=cur)
+        nxt = os.open("d", os.O_RDONLY, dir_fd=cur)
+        os.close(cur)
+        cur = nxt
+    with open(os.open("t.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=cur), "w") as f:
+        f.write("some text " * 200)
+    os.close(cur)
+
+
+def _unnest(root) -> None:
+    """Remove _nest's tree bottom-up without recursing (shutil.rmtree recurses once per level)."""
+    import os
+
+    fds = [os.open(root, os.O_RDONLY)]
+    while "d" in os.listdir(fds[-1]):
+        fds.append(os.open("d", os.O_RDONLY, dir_fd=fds[-1]))
+    os.unlink("t.txt", dir_fd=fds[-1])
+    for parent, child in zip(reversed(fds[:-1]), reversed(fds[1:])):
+        os.close(child)
+        os.rmdir("d", dir_fd=parent)
+    os.close(fds[0])
+
+
+BAD_DATA = {  # calibration data that used to end in an internal error (exit 3)
+    "JSONL nested 200k deep": ("d.jsonl", lambda p: p.write_text('{"text": ' + "[" * 200_000 + "]" * 200_000 + "}\n"),
+                               "nested deeper than 64"),
+    "a 5000-digit number": ("n.jsonl", lambda p: p.write_text('{"text": "hi", "n": ' + "9" * 5000 + "}\n"),
+                            "line 1 is not valid JSON"),
+    "a lone surrogate": ("s.jsonl", lambda p: p.write_text('{"text": "' + "some words " * 100 + '\\ud800"}\n'),
+                         "lone surrogate"),
+    "a directory nested 1500 deep": ("nest", lambda p: _nest(p, 1500), "deeper than 64 levels"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_DATA))
+def test_bad_calibration_data_is_one_line(checkpoint, tmp_path, what):
+    name, make, needle = BAD_DATA[what]
+    make(tmp_path / name)
+    out = tmp_path / "out"
+    p = cli_here("shard", checkpoint("tiny-k25-dsv32"), out, "--tp", "1", "--quant", "int4", "--calibrate",
+                 tmp_path / name, "--calibration-tokens", "64", "--calibration-seq", "32")
+    try:
+        assert_one_line_error(p, name, needle)
+        assert not (out / "kconvert.json").exists()
+    finally:
+        if name == "nest":
+            _unnest(tmp_path / name)
+
+
+@pytest.mark.parametrize("command", ["shard", "export"])
+def test_out_inside_the_calibration_directory_is_refused(checkpoint, tmp_path, command):
+    """A rerun read OUT's own JSON as calibration text and then found OUT 'a different conversion'."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("some words to calibrate on " * 100)
+    out = data / "sub" / "out"
+    args = ("--tp", "1", "--quant", "int4") if command == "shard" else ("--format", "w4a16")
+    p = cli_here(command, checkpoint("tiny-k25-dsv32"), out, *args, "--calibrate", data)
+    assert_one_line_error(p, "OUT lies inside the --calibrate directory")
+    assert not out.exists()
+

@@ -10,13 +10,13 @@ calibrated it and a re-run with other data is not taken for a resume."""
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kconvert.errors import UsageError
-from kconvert.io.side_files import MAX_TEXT, read_bytes
+from kconvert.io.side_files import MAX_TEXT, parse_json, read_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,7 @@ DEFAULT_TOKENS, DEFAULT_SEQ, DEFAULT_SEED = 64 * 256, 256, 0
 # Bounds of the options (one line past them, never an allocation failure): 2^24 tokens is 64x the 256k GPTQ
 # usually calibrates on and 1024x the default (every token's activations are held per layer); 2^20 a window.
 MAX_TOKENS, MAX_SEQ = 1 << 24, 1 << 20
+MAX_DIR_DEPTH = 64  # directories below DATA: a tree nested deeper is refused (a walk must not recurse 1500 deep)
 
 
 def check_data_name(data: str) -> None:
@@ -35,6 +36,17 @@ def check_data_name(data: str) -> None:
     if not data.strip():
         raise UsageError(f"--calibrate needs DATA: a text file, a directory of text files, JSONL or '{BUNDLED}' "
                          f"(got {data!r})")
+
+
+def check_out_outside(data: str, out: str) -> None:
+    """OUT must not lie inside a DATA directory: a rerun would read OUT's own JSON (kconvert.json, rank lists,
+    an export's config) as calibration text, calibrate on other data and find OUT "a different conversion"."""
+    if data == BUNDLED or not Path(data).is_dir():
+        return
+    root, target = Path(data).resolve(), Path(out).resolve()
+    if target == root or root in target.parents:
+        raise UsageError(f"OUT lies inside the --calibrate directory {data}: a rerun would read its files as "
+                         "calibration data; choose an OUT outside it", file=str(out))
 
 
 def read_documents(data: str) -> list[str]:
@@ -45,13 +57,34 @@ def read_documents(data: str) -> list[str]:
         return [_read(root / n) for n in BUNDLED_FILES]
     path = Path(data)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        files = sorted(_text_files(path))
         if not files:
             raise UsageError(f"no text files ({', '.join(TEXT_SUFFIXES)}) in the calibration directory", file=data)
         return [d for f in files for d in _documents(f)]
     if not path.is_file():
         raise UsageError("calibration data not found (a text file, a directory or JSONL)", file=data)
     return _documents(path)
+
+
+def _text_files(root: Path) -> list[Path]:
+    """The files under `root` with a text suffix: an iterative walk, at most MAX_DIR_DEPTH directories deep,
+    not into symlinked directories (as Path.rglob), refused past the depth rather than recursing."""
+    found, stack = [], [(root, 0)]
+    while stack:
+        folder, depth = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as e:
+            raise UsageError(f"cannot list the calibration directory ({e.strerror or e})", file=str(folder)) from None
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if depth + 1 > MAX_DIR_DEPTH:
+                    raise UsageError(f"the calibration directory nests deeper than {MAX_DIR_DEPTH} levels",
+                                     file=str(root))
+                stack.append((Path(entry.path), depth + 1))
+            elif entry.name.endswith(TEXT_SUFFIXES) and entry.is_file():
+                found.append(Path(entry.path))
+    return found
 
 
 def _read(path: Path) -> str:
@@ -70,11 +103,16 @@ def _documents(path: Path) -> list[str]:
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        try:  # nesting bounded, numbers within Python's digit limit: one line, never RecursionError
+            row = parse_json(line, file=str(path), error=UsageError)
+        except UsageError as e:
+            raise UsageError(f"line {i} is {e.message}", file=str(path)) from None
+        doc = _render(row, path, i)
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"line {i} is not JSON: {e.msg}", file=str(path)) from None
-        docs.append(_render(row, path, i))
+            doc.encode("utf-8")
+        except UnicodeEncodeError as e:  # a \ud800 escape decodes to a lone surrogate: no text to tokenize
+            raise UsageError(f"line {i} holds a lone surrogate ({doc[e.start]!r}): not text", file=str(path)) from None
+        docs.append(doc)
     return docs
 
 

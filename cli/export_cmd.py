@@ -42,9 +42,11 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
       kconvert verify ./tiny-k25-dsv32-w4a16 --against ./tiny-k25-dsv32
     """
     from kconvert.convert.export import ExportJob, export as _export
+    from kconvert.io.workdir import terminate_as_interrupt
 
     job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size, "--max-shard-size"), workers, overwrite)
-    with byte_progress(f"export {fmt}", enabled=not as_json) as cb:
+    # SIGTERM as Ctrl-C: the shard being written (.NAME.tmp-PID in OUT) is removed on the way out, not left
+    with terminate_as_interrupt(), byte_progress(f"export {fmt}", enabled=not as_json) as cb:
         r = _export(job, progress=cb, calibrate=calibration_factory(
             calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("minmax", "kimi"),
             out=out))

@@ -104,3 +104,29 @@ def test_out_inside_the_calibration_directory_is_refused(checkpoint, tmp_path, c
     assert_one_line_error(p, "OUT lies inside the --calibrate directory")
     assert not out.exists()
 
+
+def test_sigterm_of_export_leaves_no_temporary_in_out(checkpoint, tmp_path):
+    """SIGTERM while a shard is being written used to end the process on the spot, leaving `.NAME.tmp-PID` in OUT
+    until the next run; now it is Ctrl-C's path (exit 130) and the temporary goes. The signal is sent by the
+    export itself, after its first tensor is written: no race with a timer."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from helpers import ROOT
+
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from kconvert.io import safetensors_write as w
+        real = w.SafetensorsWriter.write
+        def write(self, *a, **k):
+            real(self, *a, **k)
+            os.kill(os.getpid(), signal.SIGTERM)
+        w.SafetensorsWriter.write = write
+        from cli.main import main
+        sys.exit(main(["export", {str(checkpoint("tiny-k25-dsv32"))!r}, {str(out)!r}, "--format", "w4a16"]))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert not [f.name for f in out.rglob("*") if ".tmp-" in f.name]

@@ -1,4 +1,5 @@
-"""The Kimi tokenizer (tiktoken.model + tokenizer_config.json) and its chat template, read from the checkpoint.
+"""The checkpoint's tokenizer (Kimi's tiktoken.model, or a tokenizer.json as DeepSeek releases it; with
+tokenizer_config.json) and its chat template, read from the checkpoint.
 
 Every tokenizer file must lie inside the checkpoint directory: a symlink leading out of it is refused, so a
 converted directory cannot make the engine read (and tokenize) an arbitrary file of this machine."""
@@ -11,10 +12,10 @@ from engine.chat.template import render
 from kconvert.io.paths import contained
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 from kconvert.errors import CheckpointError, EngineError, TokenizerError
-from kconvert.source.tokenizer import load_kimi_tokenizer
+from kconvert.source.tokenizer import load_tokenizer
 
 IMAGE_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
-FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja")
+FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _inside(d: Path, name: str) -> Path:
@@ -30,14 +31,16 @@ class Tokenizer:
     def __init__(self, model_dir):
         d = Path(model_dir)
         paths = {name: _inside(d, name) for name in FILES}
-        if not paths["tiktoken.model"].exists():
-            raise TokenizerError("no tiktoken.model next to the checkpoint", file=str(d))
-        self.enc = load_kimi_tokenizer(d)
+        self.enc = load_tokenizer(d)
+        self.kimi = paths["tiktoken.model"].exists()  # Kimi's turn format is the default only for Kimi's tokenizer
         self.cfg = self._read_config(paths["tokenizer_config.json"])
         self.specials = dict(self.enc._special_tokens)
+        self.special_ids = set(self.specials.values())
         self.template, self.template_where = self._find_template(paths)
         self.media_pad = self.specials.get("<|media_pad|>")
-        self.stop_ids = {self.specials[t] for t in ("[EOS]", "<|im_end|>", "[EOT]") if t in self.specials}
+        eos = self.cfg.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos  # tokenizer_config writes it either way
+        self.stop_ids = {self.specials[t] for t in ("[EOS]", "<|im_end|>", "[EOT]", eos) if t in self.specials}
 
     @staticmethod
     def _read_config(path: Path) -> dict:
@@ -65,8 +68,8 @@ class Tokenizer:
         return self.enc.encode(text, allowed_special="all")
 
     def decode_bytes(self, ids, skip_special: bool = True) -> bytes:
-        limit = min(self.specials.values(), default=self.enc.n_vocab) if skip_special else self.enc.n_vocab
-        return self.enc.decode_bytes([int(i) for i in ids if int(i) < limit])
+        skip = self.special_ids if skip_special else ()  # DeepSeek's specials sit at 0..2, Kimi's past the vocabulary
+        return self.enc.decode_bytes([int(i) for i in ids if int(i) not in skip and int(i) < self.enc.n_vocab])
 
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -80,6 +83,9 @@ class Tokenizer:
                 if isinstance(self.cfg.get(key), str):
                     context[key] = self.cfg[key]
             return render(self.template, context, self.template_where)
+        if not self.kimi:
+            raise TokenizerError("has no chat_template (nor a chat_template.jinja beside it): chat needs one; "
+                                 "--complete continues plain text", file=str(self.template_where).split(":")[0])
         out = []
         for m in messages:
             role = m["role"]

@@ -1,6 +1,7 @@
-"""Read a Kimi-format tokenizer (`tiktoken.model` + `tokenizer_config.json`), as released by Moonshot
-(Kimi-K2 / K2.5) and as our fixtures write it: a byte-level BPE in `tiktoken.model` (lines
-`base64(token_bytes) rank`), then 256 special tokens right after the base vocabulary."""
+"""Read a checkpoint's tokenizer (`load_tokenizer`): a Kimi-format one (`tiktoken.model` + `tokenizer_config.json`),
+as released by Moonshot (Kimi-K2 / K2.5 / K3) and as our fixtures write it: a byte-level BPE in `tiktoken.model`
+(lines `base64(token_bytes) rank`), then 256 special tokens right after the base vocabulary; or a Hugging Face
+`tokenizer.json` as DeepSeek releases it (source/hf_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,16 @@ def load_kimi_tokenizer(model_dir: str | Path) -> tiktoken.Encoding:
         raise TokenizerError("added_tokens_decoder gives two special tokens the same name",
                              file=str(d / "tokenizer_config.json"))
     return tiktoken.Encoding(name=d.name or "kimi", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's tokenizer, whichever format it ships: Kimi's `tiktoken.model` (a tiktoken Encoding) or a
+    Hugging Face `tokenizer.json` (DeepSeek's releases: source/hf_tokenizer.HFEncoding, the same calls)."""
+    d = Path(model_dir)
+    if (d / "tiktoken.model").exists():
+        return load_kimi_tokenizer(d)
+    if (d / "tokenizer.json").exists():
+        from kconvert.source.hf_tokenizer import HFEncoding
+
+        return HFEncoding(d / "tokenizer.json")
+    raise TokenizerError("no tokenizer beside the checkpoint (tiktoken.model or tokenizer.json)", file=str(d))

@@ -40,16 +40,17 @@ class PromptInputs:
 
 
 def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_token_id: int | None = None) -> list[PromptInputs]:
-    """Tokenize (Kimi chat format where asked) and preprocess images, expanding each image's
-    placeholder (`image_token_id`, default config.json's) to the text positions its vision kind gives it."""
-    from kconvert.source.tokenizer import load_kimi_tokenizer
+    """Tokenize and preprocess images, expanding each image's placeholder (`image_token_id`, default config.json's)
+    to the text positions its vision kind gives it. Chat and image prompts take Kimi's turn format with Kimi's
+    tokenizer, the checkpoint's own chat template with a tokenizer.json (DeepSeek's releases)."""
+    from kconvert.source.tokenizer import load_tokenizer
 
-    if not (Path(model_dir) / "tiktoken.model").exists():
-        raise UsageError("no tiktoken.model beside the checkpoint: a Kimi-format tokenizer is needed", file=str(model_dir))
-    enc = load_kimi_tokenizer(model_dir)
+    enc = load_tokenizer(model_dir)  # tiktoken.model or tokenizer.json; none: one line naming the directory
+    templated = None if (Path(model_dir) / "tiktoken.model").exists() else _templated(model_dir, enc, config,
+                                                                                       image_token_id)
     out = []
     for p in prompts:
-        text = _render(p)
+        text = _render(p) if templated is None else templated(p)
         ids = enc.encode(text, allowed_special="all")
         pixel_values = grid = None
         if p.get("image"):
@@ -64,6 +65,25 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_tok
             ids = ids[:i] + [pad] * n + ids[i + 1:]
         out.append(PromptInputs(p, torch.tensor(ids, dtype=torch.int64), pixel_values, grid))
     return out
+
+
+def _templated(model_dir: Path, enc, config: dict, image_token_id: int | None):
+    """A prompt's text through the checkpoint's chat template (engine/chat/tokenizer.py renders it, sandboxed); the
+    image placeholder is the text of the image token."""
+    from engine.chat.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    pad = config.get("image_token_id") if image_token_id is None else image_token_id
+    image = enc.decode_single_token_bytes(pad).decode("utf-8", "replace") if pad is not None else ""
+
+    def render(p: dict) -> str:
+        if p.get("chat"):
+            return tok.render([{"role": m["role"], "content": m["content"]} for m in p["chat"]])
+        if p["kind"] == "image":
+            return tok.render([{"role": "user", "content": (image if p.get("image") else "") + p["text"]}])
+        return p["text"]
+
+    return render
 
 
 def _render(p: dict) -> str:

@@ -21,6 +21,9 @@ from .params import COUNT, Real
 _TOKEN_UNITS = {"": 1, "K": 1024, "M": 1024**2}
 
 
+MAX_CONTEXT = 1 << 30  # --context: past any model's max_position_embeddings (limits.toml: at most 2^26) by 16x
+
+
 def parse_tokens(text: str) -> int:
     """'1M' -> 1048576, '128k' -> 131072, '4096' -> 4096, '1.5M' -> 1572864 (k = 1024, M = 1024**2)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*", str(text), re.ASCII)  # no Unicode digits
@@ -29,6 +32,9 @@ def parse_tokens(text: str) -> int:
     n = int(float(m.group(1)) * _TOKEN_UNITS[m.group(2).upper()])
     if n < 1:
         raise UsageError(f"token count {text!r} must be at least 1")
+    if n > MAX_CONTEXT:
+        raise UsageError(f"token count {text!r} is past {fmt_tokens(MAX_CONTEXT)} tokens: 16 times the largest "
+                         "max_position_embeddings a config may declare (manifests/limits.toml)")
     return n
 
 
@@ -174,8 +180,10 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
         con.print(f"verdict{at}: {verdict} ({_room(mem['headroom_bytes'])} headroom): weights + reserve alone exceed "
                   "the usable memory, at any context")
     else:
+        top = " (the model's max_position_embeddings)" \
+            if mem["max_context"] and mem["max_context"] == p.model["max_position_embeddings"] else ""
         con.print(f"verdict{at}: {verdict} ({_room(mem['headroom_bytes'])} headroom); largest context that fits at "
-                  f"batch {mem['batch']}: {fmt_tokens(mem['max_context'])} tokens")
+                  f"batch {mem['batch']}: {fmt_tokens(mem['max_context'])} tokens{top}")
     smallest = next((r["tp"] for r in p.tp_table if r["fits"]), None)
     if not mem["fits"]:
         con.print(f"smallest tp that fits on {mem['device']} at {ctx}: "

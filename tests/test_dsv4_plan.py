@@ -63,8 +63,9 @@ def test_auto_quant_follows_what_the_device_runs():
 
 def test_plan_sizes_v4_kv_with_the_exact_formula():
     """The KV at --context and the largest context that fits use the per-layer formula (entries per rate, plus each
-    layer's sliding window and compressor state per sequence), not an average per token."""
-    context, batch = 300_001, 3
+    layer's sliding window and compressor state per sequence), not an average per token. (Batch 16: memory, not
+    the model's 1M max_position_embeddings, binds.)"""
+    context, batch = 300_001, 16
     plan = make_plan("deepseek-v4-flash", 8, context=context, batch=batch, kv_dtype="fp8").to_json()
     kv = kv_bytes(json.loads(_example("deepseek-v4-flash")), "fp8")
     mem = plan["memory"]
@@ -72,6 +73,19 @@ def test_plan_sizes_v4_kv_with_the_exact_formula():
     free, n = mem["headroom_bytes"] + mem["kv_bytes"], mem["max_context"]
     assert batch * kv.context_bytes(n) <= free < batch * kv.context_bytes(n + 1)  # the largest that fits
     assert plan["kv_cache"]["bytes_per_sequence"] == kv.per_sequence > 0
+
+
+def test_largest_context_stops_at_max_position_embeddings():
+    """Issue 42: at batch 1 an H200 node holds more than 1M tokens of V4-Flash's KV, but the model reads at most
+    its max_position_embeddings: the plan's largest context (every table of it) stops there."""
+    plan = make_plan("deepseek-v4-flash", 8, batch=1, kv_dtype="fp8").to_json()
+    top = json.loads(_example("deepseek-v4-flash"))["max_position_embeddings"]
+    mem = plan["memory"]
+    assert mem["headroom_bytes"] + mem["kv_bytes"] > 2 * kv_bytes(json.loads(_example("deepseek-v4-flash")),
+                                                                  "fp8").context_bytes(top)  # memory would give more
+    assert mem["max_context"] == top
+    assert all(o["max_context"] <= top and o["tiered_max_context"] <= top for o in plan["kv_options"])
+    assert all(d["max_context"] is None or d["max_context"] <= top for d in plan["devices"] + plan["tp_table"])
 
 
 def _example(name: str) -> str:

@@ -130,3 +130,10 @@ def test_sigterm_of_export_leaves_no_temporary_in_out(checkpoint, tmp_path):
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 130, (p.returncode, p.stderr)
     assert not [f.name for f in out.rglob("*") if ".tmp-" in f.name]
+
+
+@pytest.mark.parametrize("context", ["100000000000000", "2048M"])
+def test_plan_refuses_a_context_past_any_model(context):
+    """`plan --context 10^14` was planned (with a warning); past 2^30 tokens (16x the largest
+    max_position_embeddings a config may declare) it is refused."""
+    assert_one_line_error(cli_here("plan", "k25-dsv32-3t", "--tp", "8", "--context", context), "past 1024M tokens")

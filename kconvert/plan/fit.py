@@ -23,8 +23,14 @@ def default_reserve(hidden_size: int) -> int:
     return RUNTIME_RESERVE + PREFILL_CHUNK * hidden_size * 2 * ACTIVATION_BUFFERS
 
 
+def capped(context: int | None, limit: int) -> int | None:
+    """A context that fits, at most the model's max_position_embeddings (`limit`; 0 when the config has none):
+    memory alone would offer more than the model reads (None, any context: sliding windows only)."""
+    return context if not limit else limit if context is None else min(context, limit)
+
+
 def fit(device: DevicePreset, weights: int, reserve: int, kv: KVBytes, context: int, batch: int,
-        mem_fraction: float) -> dict:
+        mem_fraction: float, limit: int = 0) -> dict:
     usable = int(device.memory_bytes * mem_fraction)
     need_kv = batch * kv.context_bytes(context)
     free = usable - weights - reserve
@@ -38,7 +44,7 @@ def fit(device: DevicePreset, weights: int, reserve: int, kv: KVBytes, context: 
         "kv_bytes": need_kv,
         "fits": weights + reserve + need_kv <= usable,
         "headroom_bytes": free - need_kv,  # negative: the shortfall
-        "max_context": kv.max_context(free, batch),
+        "max_context": capped(kv.max_context(free, batch), limit),
     }
 
 
@@ -55,6 +61,7 @@ class Sizing:
     batch: int
     mem_fraction: float
     model: ModelMap | None = field(default=None, compare=False, repr=False)  # whose dims a layout must divide
+    max_position: int = 0  # the model's max_position_embeddings (0: none in its config): no max context past it
     _copies: dict = field(default_factory=dict, compare=False, repr=False)  # Layout -> copies(layout)
     _problems: dict = field(default_factory=dict, compare=False, repr=False)  # Layout -> problem(layout)
 
@@ -76,7 +83,8 @@ class Sizing:
         return rank_bytes(self.groups, self.copies(layout), layout.tp)
 
     def fit(self, device: DevicePreset, weights: int, tp: int = 1) -> dict:
-        return fit(device, weights, self.reserve, self.kv.on_tp(tp), self.context, self.batch, self.mem_fraction)
+        return fit(device, weights, self.reserve, self.kv.on_tp(tp), self.context, self.batch, self.mem_fraction,
+                   self.max_position)
 
     def misaligned(self, layout: Layout) -> str | None:
         return fp8_misaligned(self.groups, layout, self.policy, self.n_experts)

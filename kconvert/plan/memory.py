@@ -34,7 +34,7 @@ from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
 from kconvert.errors import CheckpointError, UsageError
 from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.plan.device_presets import GIB, DevicePreset, auto_quant, devices, find_device
-from kconvert.plan.fit import MEM_FRACTION, Sizing, default_reserve, fit  # noqa: F401 (default_reserve, fit: API)
+from kconvert.plan.fit import MEM_FRACTION, Sizing, capped, default_reserve, fit  # noqa: F401 (default_reserve, fit: API)
 from kconvert.plan.kv_bytes import kv_bytes, kv_options
 from kconvert.plan.pipeline import GPUS_PER_NODE, pipeline_fit, search, stage_inputs
 from kconvert.plan.rank_bytes import COMPONENTS, checkpoint_groups, config_groups
@@ -165,7 +165,7 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
     max_pos = int(tc.get("max_position_embeddings") or 0)
     reserve = int(reserve_gb * GIB) if reserve_gb is not None else default_reserve(int(tc["hidden_size"]))
     sz = Sizing(groups, policy, model.text.expert_count, kv_bytes(tc, kv_dtype), reserve,
-                 context or max_pos or 4096, batch, mem_fraction, model)
+                 context or max_pos or 4096, batch, mem_fraction, model, max_pos)
     check(model, layout, sz.problem)  # the one-line error naming the tp degrees that work
 
     per_rank = sz.per_rank(layout)
@@ -206,7 +206,10 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
         devices=[{**f, "fp8": d.fp8, "backend": d.backend, "bandwidth_tbs": d.bandwidth_tbs}
                  for f, d in zip(dev_fits, devices().values())],
         tp_table=_tp_table(sz, model, layout, dev),
-        kv_options=kv_options({**tc, "num_hidden_layers": kv_layers}, kv_free, batch, int(host_gb * GIB), layout.tp),
+        kv_options=[{**o, "max_context": capped(o["max_context"], max_pos),
+                     "tiered_max_context": capped(o["tiered_max_context"], max_pos)}
+                    for o in kv_options({**tc, "num_hidden_layers": kv_layers}, kv_free, batch, int(host_gb * GIB),
+                                        layout.tp)],
         pipeline=pipe, pp_search=search(sz, model, layout, dev, gpus_per_node),
         warnings=_warnings(sz, layout, dev, max_pos), quant_reason=reason,
     )

@@ -57,7 +57,8 @@ def pipeline_fit(sz: Sizing, inputs: StageInputs, layout: Layout, pp: int, dev: 
     for s, (a, b) in enumerate(split.layers):
         kv = sz.kv.stage(a, b).on_tp(layout.tp)
         stages.append({"stage": s, "layers": [a, b - 1], "layer_count": b - a,
-                       **fit(dev, split.bytes[s], sz.reserve, kv, sz.context, sz.batch, sz.mem_fraction)})
+                       **fit(dev, split.bytes[s], sz.reserve, kv, sz.context, sz.batch, sz.mem_fraction,
+                             sz.max_position)})
     worst = min(stages, key=lambda f: f["headroom_bytes"])
     contexts = [f["max_context"] for f in stages if f["max_context"] is not None]
     world = layout.tp * pp

@@ -144,12 +144,16 @@ def test_trained_v4_learns_and_distils_its_indexers(monkeypatch, checkpoint, tmp
     checkpoint holds the trained weights under the released names with its training record."""
     from kconvert.fixtures import trained
 
+    from kconvert.fixtures import trained_mtp
+
     monkeypatch.setattr(trained, "STEPS", 12)
     monkeypatch.setitem(trained.RECIPE_OVERRIDES, "tiny-dsv4", {"indexer_steps": 6})
+    monkeypatch.setattr(trained_mtp, "STEPS", 6)  # its MTP block's training too
     out = build_fixture("tiny-dsv4-trained", tmp_path / "t", seed=5)  # seed 5: not the session's cached training
     rec = json.loads((out / "kconvert_training.json").read_text())
     assert rec["loss_last"] < rec["loss_first"] - 2 and rec["indexer_steps"] == 6, rec
     assert rec["indexer_kl_last"] < rec["indexer_kl_first"], rec
+    assert rec["mtp_steps"] == 6 and rec["mtp_kl_last"] < rec["mtp_kl_first"], rec
     assert json.loads((out / "config.json").read_text())["kconvert_prompts"] == "stdlib-heldout"
     got, seeded = Checkpoint.open(out), Checkpoint.open(checkpoint("tiny-dsv4"))
     assert set(got.logical) == set(seeded.logical)

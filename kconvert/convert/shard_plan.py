@@ -14,7 +14,7 @@ from kconvert.errors import UsageError
 from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
 from kconvert.convert.shard_outputs import OUTPUT_FIELDS, SRC, Output, WorkItem, bytes_of, spec_suffixes
 from kconvert.family.manifest import TensorInfo
-from kconvert.convert.quant_policy import FP8_BLOCK, QuantPolicy, source_quant
+from kconvert.convert.quant_policy import QuantPolicy, rows_copy, source_quant
 from kconvert.quant.scheme import LosslessCopy
 from kconvert.source.logical import stack_form
 
@@ -100,8 +100,10 @@ class _Plan:
         return items, misaligned, whole_copies
 
     def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
+        if info.rule.scale_block is not None:  # its own FP8 grid (V4.1's Engram rows): copied as stored, any scheme
+            return False, rows_copy(self.ck, t)
         quant = self.policy.quantizes(info, t.shape)
-        key = (t.format, info.rule.scale_block)  # a rule with its own scale grid (V4.1's Engram rows) copies apart
+        key = t.format
         if quant and key not in self.copies:
             self.copies[key] = self.policy.quant.lossless_copy(source_quant(self.ck, t), self.policy.options)
         return quant, self.copies[key] if quant else None

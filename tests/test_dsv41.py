@@ -4,7 +4,9 @@ roles, another candidate source, Engram with 4-grams on other layers, 3 residual
 mlx-vlm loads strictly; conversions at tp 1, tp 2 and tp 2 x pp 2 (a stage boundary after the KV source whose
 entries, keys, choice and candidate blocks the next stage reads) give its log-probs; `--quant fp8` copies the
 32 x 32 FP8 blocks bit for bit; a damaged conversion FAILs verify with its layer named; a config whose roles do not
-line up, or a conversion without its Engram token map, is one line."""
+line up, or a conversion without its Engram token map, is one line; the DSpark drafter travels with conversions;
+the Engram tables keep their FP8 rows. Over 300 lines: one module fixture (the non-preset V4.1, its three
+conversions and its MLX reference: a minute to build) serves every test here."""
 
 from __future__ import annotations
 
@@ -270,3 +272,36 @@ def test_plan_judges_fp8_alignment_by_the_sources_own_blocks(tmp_path):
         return any("straddle" in w for w in make_plan(str(d), tp=8, quant="fp8").warnings)
 
     assert not straddles(32) and straddles(128)
+
+
+def test_the_engram_tables_keep_the_releases_fp8_rows(v41):
+    """Every scheme copies an Engram table as stored: each rank's run of whole rows, FP8 values and their e8m0 scales
+    bit for bit (half the bytes of bf16; the conversions above verify against the reference with them)."""
+    from safetensors import safe_open
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys() if ".engram.embed." in k or k.endswith("embed.scale")})
+        return out
+
+    src = tensors(v41 / "src")
+    w, s = src["layers.4.engram.embed.weight"], src["layers.4.engram.embed.scale"]
+    per = -(-w.shape[0] // 2)
+    for rank, rows in ((0, slice(0, per)), (1, slice(per, None))):
+        got = tensors(v41 / "tp2" / f"rank-{rank:03d}")
+        assert got["layers.4.engram.embed.weight"].dtype == torch.float8_e4m3fn
+        assert torch.equal(got["layers.4.engram.embed.weight"].view(torch.uint8), w[rows].view(torch.uint8))
+        assert torch.equal(got["layers.4.engram.embed.weight_scale"].view(torch.uint8), s[rows].view(torch.uint8))
+
+
+def test_plan_counts_the_engram_tables_as_fp8_rows():
+    """V4.1-Flash at tp 8: its two Engram tables (384M rows of 256) in FP8 rows, an eighth of their rows per rank."""
+    from kconvert.plan.memory import make_plan
+
+    rows = -(-384_006_168 // 8) + -(-384_016_682 // 8)
+    tables = rows * (256 + 256 // 32)  # e4m3 values + one e8m0 scale per 32 (bf16: rows * 512)
+    for quant in ("none", "fp8", "int4"):
+        engram = make_plan("deepseek-v41-flash", tp=8, quant=quant).rank["bytes"]["engram"]
+        assert tables < engram < tables + 700_000_000, (quant, engram)  # + the two layers' projections and gates

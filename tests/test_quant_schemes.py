@@ -29,6 +29,9 @@ def _by_hand(name: str, enc: str, stored: list[torch.Tensor], group: int, cols: 
         mag = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])[(codes & 7).long()] * (1 - 2 * (codes >> 3))
         e = stored[1].view(torch.uint8).double() - 127
         return (mag.double() * (2.0 ** e)[:, torch.arange(cols) // 32]).float()
+    if name == "fp8_rows":  # e4m3 values, one scale 2^(e-127) per 32 values of a row (V4.1's Engram tables)
+        e = stored[1].view(torch.uint8).double() - 127
+        return (q.double() * (2.0 ** e)[:, torch.arange(cols) // 32]).float()
     if enc == KCONVERT:  # two nibbles a byte, even column low
         codes = torch.stack([(q.to(torch.int16) & 0xF), (q.to(torch.int16) >> 4)], -1).view(rows, -1) - 8
     else:  # eight nibbles an int32 word, low nibble first

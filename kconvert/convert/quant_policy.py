@@ -31,3 +31,19 @@ def source_fp8_block(quantization_config: dict) -> int:
 def source_quant(ck: Checkpoint, t: LogicalTensor) -> SourceQuant:
     """How the source stores `t`, as a scheme's `lossless_copy` asks it."""
     return SourceQuant(t.format, ck.block_of(t.name), source_scale_fmt(ck), ck.int4_group())
+
+
+def rows_copy(ck: Checkpoint, t: LogicalTensor):
+    """A tensor stored in FP8 rows (DeepSeek-V4.1's Engram tables, the manifest's `scale_block = [1, 32]`): its
+    bytes, cut by whole rows, under every scheme (quant/fp8_rows.py). A source whose scales are not powers of two,
+    or that is stored otherwise: UsageError naming it (the table would be written twice its size, or rounded)."""
+    from kconvert.errors import UsageError
+    from kconvert.quant.fp8_rows import SCHEME
+
+    scale = t.parts.get("scale")
+    fmt = "ue8m0" if scale is not None and scale.dtype == "F8_E8M0" else source_scale_fmt(ck)
+    copy = SCHEME.lossless_copy(SourceQuant(t.format, ck.block_of(t.name), fmt), None)
+    if copy is None:
+        raise UsageError(f"stored as {t.format} with {fmt} scales: kconvert copies this table only as the release "
+                         "stores it (FP8 e4m3 rows, one power-of-two scale per 32 values)", tensor=t.name)
+    return copy

@@ -73,6 +73,10 @@ class QuantPolicy:
 
     def stored_bytes(self, info: TensorInfo, shape: tuple[int, ...], src_itemsize: int = 2) -> int:
         """Bytes this tensor takes in the converted checkpoint, scales included."""
+        if info.rule.scale_block is not None:  # FP8 rows (V4.1's Engram tables): copied as stored by every scheme
+            from kconvert.quant.fp8_rows import SCHEME
+
+            return SCHEME.stored_bytes(tuple(shape), self.options)
         if not self.quantizes(info, shape):
             return math.prod(shape) * (4 if src_itemsize == 4 else 2)
         return self.quant.stored_bytes(tuple(shape), self.options)

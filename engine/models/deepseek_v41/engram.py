@@ -118,8 +118,9 @@ class EngramHashes:
 
 
 class EngramTable(nn.Module):
-    """`weight` [rows of this rank, head_dim] (+ `scale`, the release's per-row FP8 scales, when kept FP8): the rank
-    holds rows [start, start + len) of the table; lookups elsewhere are zero here and summed over the tp group."""
+    """`weight` [rows of this rank, head_dim] (+ `weight_scale`, the release's FP8 rows' scales, which conversions
+    keep: quant/fp8_rows.py): the rank holds rows [start, start + len) of the table; lookups elsewhere are zero here
+    and summed over the tp group."""
 
     def __init__(self, rows: int, par: Group, group: int = 32):
         super().__init__()
@@ -127,7 +128,7 @@ class EngramTable(nn.Module):
         self.start = par.tp_rank * self.per_rank
         self.group = group
         slot(self, "weight")
-        slot(self, "scale", optional=True)
+        slot(self, "weight_scale", optional=True)
 
     def forward(self, index: torch.Tensor, dtype: torch.dtype, par: Group) -> torch.Tensor:
         """index [...] of table rows -> [..., head_dim] in `dtype`."""
@@ -136,8 +137,8 @@ class EngramTable(nn.Module):
         here = (local >= 0) & (local < n)
         local = local.clamp(0, max(n - 1, 0))
         rows = self.weight[local.to(self.weight.device)]
-        if self.scale is not None:  # FP8 e4m3 rows, one e8m0 scale per `group` values
-            s = self.scale[local.to(self.scale.device)].float()
+        if self.weight_scale is not None:  # FP8 e4m3 rows, one e8m0 scale per `group` values
+            s = self.weight_scale[local.to(self.weight_scale.device)].float()
             rows = (rows.float().unflatten(-1, (-1, self.group)) * s[..., None]).flatten(-2)
         rows = rows.to(dtype) * here[..., None].to(dtype)
         return par.all_reduce(rows) if par.tp > 1 else rows

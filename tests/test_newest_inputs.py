@@ -137,3 +137,37 @@ def test_plan_refuses_a_context_past_any_model(context):
     """`plan --context 10^14` was planned (with a warning); past 2^30 tokens (16x the largest
     max_position_embeddings a config may declare) it is refused."""
     assert_one_line_error(cli_here("plan", "k25-dsv32-3t", "--tp", "8", "--context", context), "past 1024M tokens")
+
+
+@pytest.fixture(scope="module")
+def w4a16(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "w4a16"
+    assert cli_here("export", checkpoint("tiny-k25-dsv32"), out, "--format", "w4a16").returncode == 0
+    return out
+
+
+def _set(qc: dict, what: str) -> None:
+    if what == "quant_method":
+        qc["quant_method"] = "bogus"
+    elif what == "num_bits":
+        next(iter(qc["config_groups"].values()))["weights"]["num_bits"] = 3
+    else:
+        qc["config_groups"] = {}
+
+
+@pytest.mark.parametrize("what, needle", [("quant_method", "quant_method = 'bogus'"), ("num_bits", "num_bits = 3"),
+                                          ("config_groups", "at least one group")])
+def test_an_exports_quantization_config_is_validated(w4a16, tmp_path, what, needle):
+    """An export's quantization_config edited to a method, bit width or group list kconvert does not read was
+    accepted (inspect, shard, chat read the tensors by name alone); now one line naming the field."""
+    import json
+
+    out = tmp_path / "x"
+    shutil.copytree(w4a16, out)
+    config = json.loads((out / "config.json").read_text())
+    for c in (config, config.get("text_config") or {}):
+        if c.get("quantization_config"):
+            _set(c["quantization_config"], what)
+    (out / "config.json").write_text(json.dumps(config))
+    for args in (("inspect", out), ("shard", out, tmp_path / "o", "--tp", "1")):
+        assert_one_line_error(cli_here(*args), "config.json", needle)

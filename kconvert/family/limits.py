@@ -18,6 +18,11 @@ from kconvert.errors import ManifestError, MissingKey
 from kconvert.family.expr import evaluate
 
 LIMITS_FILE = "limits.toml"
+# The quantization_config kinds kconvert reads, and what their weight groups may say: a config that names another
+# method (bitsandbytes' uint8, a typo) or bits kconvert does not store would be read by tensor names alone, and
+# what the config claims would silently disagree with what engines and transformers do with it.
+QUANT_METHODS = ("fp8", "compressed-tensors")
+WEIGHT_BITS = {"int": (4, 8), "float": (4, 8)}  # compressed-tensors weights: INT4 / INT8, FP4 (MXFP4) / FP8
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,6 +97,13 @@ def check_quantization(qc, *, field: str, file: str, limits_path: Path) -> None:
     if not isinstance(qc, Mapping):
         raise ManifestError(f"{field} = {_show(qc)}: must be an object", file=file)
     bounds = limits(limits_path).get("quantization", {})
+    method = qc.get("quant_method")
+    if method is not None and method not in QUANT_METHODS:
+        raise ManifestError(f"{field}.quant_method = {_show(method)}: kconvert reads {' and '.join(QUANT_METHODS)} "
+                            "checkpoints", file=file)
+    if method == "compressed-tensors" and not (isinstance(qc.get("config_groups"), Mapping) and qc["config_groups"]):
+        raise ManifestError(f"{field}.config_groups = {_show(qc.get('config_groups'))}: compressed-tensors needs at "
+                            "least one group", file=file)
     if qc.get("weight_block_size") is not None:
         check_value(f"{field}.weight_block_size", qc["weight_block_size"], bounds["weight_block_size"], file=file)
     groups = qc.get("config_groups")
@@ -105,6 +117,17 @@ def check_quantization(qc, *, field: str, file: str, limits_path: Path) -> None:
         weights = group.get("weights")
         if weights is not None and not isinstance(weights, Mapping):
             raise ManifestError(f"{field}.config_groups.{name}.weights = {_show(weights)}: must be an object", file=file)
+        if weights:
+            _check_weight_bits(weights, f"{field}.config_groups.{name}.weights", file)
         if weights and weights.get("group_size") is not None:
             check_value(f"{field}.config_groups.{name}.weights.group_size", weights["group_size"],
                         bounds["group_size"], file=file)
+
+
+def _check_weight_bits(weights: Mapping, field: str, file: str) -> None:
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    if kind not in WEIGHT_BITS:
+        raise ManifestError(f"{field}.type = {_show(kind)}: must be one of {', '.join(WEIGHT_BITS)}", file=file)
+    if bits is not None and (not _is_int(bits) or bits not in WEIGHT_BITS[kind]):
+        raise ManifestError(f"{field}.num_bits = {_show(bits)}: {kind} weights are stored in "
+                            f"{' or '.join(map(str, WEIGHT_BITS[kind]))} bits", file=file)

@@ -22,6 +22,7 @@ Exit codes: 0 done, 2 bad input (one line naming the file), 3 internal error, 13
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch
@@ -158,7 +159,13 @@ def main(argv=None) -> int:
         world = launch.world_for(open_converted(a.path), a.nproc, a.device)
         return 0
 
-    with contextlib.ExitStack() as stack:
+    from kconvert.io.workdir import terminate_as_interrupt
+
+    # SIGTERM as Ctrl-C in the process the user started: the stack's exits run (a source's temporary conversion
+    # is removed, the ranks it started are stopped). A rank it started, or one under torchrun, keeps the default:
+    # it must end at once with its parent or launcher, not when a collective it is blocked in returns.
+    ours = not (launch.under_launcher() or os.environ.get(launch.PARENT_ENV))
+    with terminate_as_interrupt() if ours else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         code = run_reporting_errors(lambda: size_the_world(stack), launch.say_once)
         if code:
             return code

@@ -6,7 +6,7 @@ import click
 
 from .progress import byte_progress
 from .units import fmt_bytes, parse_size
-from .params import SEED
+from .params import SEED, Whole
 
 
 def _presets_help() -> str:
@@ -17,13 +17,16 @@ def _presets_help() -> str:
     return "\n".join(f"  {name:<14} {desc}" for name, desc in PRESETS.items())
 
 
+MAX_EXPERT_INSTANCES = 262144  # limits.toml's expert_instances: layers x routed experts a config may hold
+
+
 @click.command(epilog="\b\nPresets:\n" + _presets_help())
 @click.argument("preset")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random seed (same seed, same bytes).")
 @click.option("--size", help="Target size for the `scale` preset, e.g. 2GB, 8GB.")
-@click.option("--layers", type=click.IntRange(min=2), help="Decoder layers of a topo-* preset (default: the release's).")
-@click.option("--experts", type=click.IntRange(min=1), help="Routed experts of a topo-* preset (default: the release's).")
+@click.option("--layers", type=Whole(2, 1024), help="Decoder layers of a topo-* preset (default: the release's).")
+@click.option("--experts", type=Whole(1, 65536), help="Routed experts of a topo-* preset (default: the release's).")
 def fixture(preset: str, out: str, seed: int, size: str | None, layers: int | None, experts: int | None) -> None:
     """Write checkpoint PRESET (real names, shapes and formats) to OUT: seeded random weights, or for
     the `-trained` presets a small base model trained on Python standard-library sources.
@@ -44,12 +47,19 @@ def fixture(preset: str, out: str, seed: int, size: str | None, layers: int | No
     """
     from kconvert import renamed
     from kconvert.fixtures import build_fixture
-    from kconvert.fixtures.presets import TRAINED_PRESETS
+    from kconvert.fixtures.presets import TOPOLOGY_PRESETS, TRAINED_PRESETS
 
     old = renamed.note(renamed.PRESETS, preset, "preset")
     if old:
         click.echo(old, err=True)
         preset = renamed.current(renamed.PRESETS, preset)
+    if preset in TOPOLOGY_PRESETS:  # the bounds kconvert reads a config with (limits.toml), before any memory is used
+        n_layers, n_experts = layers or TOPOLOGY_PRESETS[preset][0], experts or TOPOLOGY_PRESETS[preset][1]
+        if n_layers * n_experts > MAX_EXPERT_INSTANCES:
+            from kconvert.errors import UsageError
+
+            raise UsageError(f"--layers {n_layers} x --experts {n_experts} = {n_layers * n_experts} routed experts: "
+                             f"past the {MAX_EXPERT_INSTANCES} kconvert reads (manifests/limits.toml)")
     with byte_progress(f"fixture {preset}", unit="items", enabled=preset in TRAINED_PRESETS) as cb:
         def training(event: str, **kw) -> None:  # the -trained presets: steps and loss as they go
             if event == "start":

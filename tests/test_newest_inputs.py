@@ -171,3 +171,12 @@ def test_an_exports_quantization_config_is_validated(w4a16, tmp_path, what, need
     (out / "config.json").write_text(json.dumps(config))
     for args in (("inspect", out), ("shard", out, tmp_path / "o", "--tp", "1")):
         assert_one_line_error(cli_here(*args), "config.json", needle)
+
+
+@pytest.mark.parametrize("args, needle", [(("--layers", "1000000000"), "at most 1024"),
+                                          (("--layers", "1024"), "past the 262144"),
+                                          (("--experts", "٣"), "ASCII digits")])
+def test_topology_fixture_sizes_are_bounded(tmp_path, args, needle):
+    """`kconvert fixture topo-k25 --layers 1000000000` ended in MemoryError (exit 3)."""
+    assert_one_line_error(cli_here("fixture", "topo-k25", tmp_path / "t", *args), needle)
+    assert not (tmp_path / "t").exists()

@@ -98,3 +98,27 @@ def test_no_tokenizer_at_all_is_one_line(tmp_path):
     (src / "tiktoken.model").unlink()
     assert_one_line_error(cli_here("reference", src, "--out", tmp_path / "ref.safetensors"),
                           "no tokenizer beside the checkpoint (tiktoken.model or tokenizer.json)")
+
+
+def test_the_v41_preset_ships_deepseeks_tokenizer_and_runs_on_it(tmp_path, capsys):
+    """tiny-dsv41 as released (tokenizer.json, no tiktoken.model): its image prompts go through the template with the
+    image token's text, verify PASSes on them, and chat answers an image turn."""
+    from PIL import Image
+
+    from engine.chat import session as chat_mod
+
+    src, out, ref = tmp_path / "src", tmp_path / "tp1", tmp_path / "ref.safetensors"
+    for args in (("fixture", "tiny-dsv41", src), ("shard", src, out, "--tp", 1), ("reference", src, "--out", ref)):
+        r = cli_here(*args)
+        assert r.returncode == 0, r.stderr
+    assert (src / "tokenizer.json").is_file() and not (src / "tiktoken.model").exists()
+    with one_thread():
+        r = cli_here("verify", out, "--reference", ref, "--json")
+    rep = json.loads(r.stdout)
+    assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
+    assert rep["faithfulness"]["by_kind"]["image"]["positions"] > 0
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(tmp_path / "red.png")
+    code = chat_mod.main([str(out), "--prompt", "what is it", "--image", str(tmp_path / "red.png"),
+                          "--max-new-tokens", "3"])
+    got = capsys.readouterr()
+    assert code == 0 and "TTFT" in got.out, got.err

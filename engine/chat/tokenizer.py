@@ -27,6 +27,19 @@ def _inside(d: Path, name: str) -> Path:
         raise TokenizerError(f"is a symlink to {p.resolve()}, outside the checkpoint: refused", file=str(p)) from None
 
 
+def _image_token_id(d: Path) -> int | None:
+    """config.json's `image_token_id` (top level, else the text config's), or None."""
+    p = d / "config.json"
+    if not p.is_file():
+        return None
+    cfg = read_json(p, limit=MAX_CONFIG, error=TokenizerError)
+    for where in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
+        v = where.get("image_token_id") if isinstance(where, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return None
+
+
 class Tokenizer:
     def __init__(self, model_dir):
         d = Path(model_dir)
@@ -37,7 +50,11 @@ class Tokenizer:
         self.specials = dict(self.enc._special_tokens)
         self.special_ids = set(self.specials.values())
         self.template, self.template_where = self._find_template(paths)
-        self.media_pad = self.specials.get("<|media_pad|>")
+        self.media_pad, self.image_text = self.specials.get("<|media_pad|>"), IMAGE_PLACEHOLDER
+        if not self.kimi:  # the image token config.json names (DeepSeek-V4.1: `image_token_id`), written as its text
+            self.media_pad = _image_token_id(d)
+            if self.media_pad is not None and self.media_pad < self.enc.n_vocab:
+                self.image_text = self.enc.decode_single_token_bytes(self.media_pad).decode("utf-8", "replace")
         eos = self.cfg.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos  # tokenizer_config writes it either way
         self.stop_ids = {self.specials[t] for t in ("[EOS]", "<|im_end|>", "[EOT]", eos) if t in self.specials}
@@ -78,6 +95,8 @@ class Tokenizer:
         """The checkpoint's chat template (jinja, sandboxed and bounded: engine/chat/template.py) or, without
         one, Kimi's turn format."""
         if self.template:
+            if not self.kimi:  # a DeepSeek template reads text content: an image is its token's text in it
+                messages = [{**m, "content": self._text_of(m["content"])} for m in messages]
             context = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": None}
             for key in ("bos_token", "eos_token"):
                 if isinstance(self.cfg.get(key), str):
@@ -90,14 +109,16 @@ class Tokenizer:
         for m in messages:
             role = m["role"]
             tag = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(role, "<|im_system|>")
-            content = m["content"]
-            if not isinstance(content, str):
-                content = "".join(IMAGE_PLACEHOLDER if p["type"] in ("image", "image_url") else p.get("text", "")
-                                  for p in content)
-            out.append(f"{tag}{role}<|im_middle|>{content}<|im_end|>")
+            out.append(f"{tag}{role}<|im_middle|>{self._text_of(m['content'])}<|im_end|>")
         if add_generation_prompt:
             out.append("<|im_assistant|>assistant<|im_middle|>")
         return "".join(out)
+
+    def _text_of(self, content) -> str:
+        """A message's content as text: its parts joined, each image as the image placeholder."""
+        if isinstance(content, str):
+            return content
+        return "".join(self.image_text if p["type"] in ("image", "image_url") else p.get("text", "") for p in content)
 
     def chat_ids(self, messages: list[dict], image_tokens: list[int]) -> list[int]:
         """Token ids of the conversation, each image's single <|media_pad|> expanded to its token count."""

@@ -25,7 +25,7 @@ from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.safetensors_read import read_header
 from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import check_size, file_crc32, first_bad_tensor
+from kconvert.converted.integrity import by_file, check_listed, check_size, file_crc32, first_bad_tensor
 from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE
 from kconvert.convert.run import PackFigures, Run, RunResult
 
@@ -77,6 +77,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     run.start(sum(cat.files[rel]["bytes"] for rel in todo))
     advance = (lambda n: progress("working", n=n)) if progress else None  # in flight; counted when durable
     damaged: list[tuple[str, KConvertError]] = []  # files left as they were: the others still convert
+    listed = by_file(cat)
     with run.log(LOG) as log:
         for rel in todo:
             rec = cat.files[rel]
@@ -86,7 +87,7 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
                     progress("advance", n=rec["bytes"])
                 continue
             try:
-                stored = _convert_one(out, rel, rec, cat, op, level, threads, advance)
+                stored = _convert_one(out, rel, rec, cat, op, level, threads, advance, listed[rel])
             except CheckpointError as e:  # this file's own damage (a write error stops the run: it resumes)
                 damaged.append((rel, e))
                 continue
@@ -135,11 +136,12 @@ def _pack_names(result: RunResult) -> RunResult:
 
 
 def _convert_one(out: Path, rel: str, rec: dict, cat: Catalog, op: str, level: int | None, threads: int,
-                 advance) -> dict | None:
+                 advance, listed: list[dict]) -> dict | None:
     path = cat.path_of(out, rel)
     if not path.is_file():
         check_size(path, rec)  # names the missing file
     header = read_header(path)
+    check_listed(path, header, listed)  # rows that do not describe the file: damage, as a bad CRC is
     try:
         if op == "pack":
             if header.compressed is not None:  # renamed into place by a run killed before it journalled the file

@@ -44,17 +44,55 @@ def check_size(path: Path, rec: dict, error: type[CheckpointError] = CheckpointE
     return size
 
 
+def by_file(cat: Catalog) -> dict[str, list[dict]]:
+    """Every file's tensor records (one pass over the rank lists, not one per file)."""
+    out: dict[str, list[dict]] = {rel: [] for rel in cat.files}
+    for t in cat.tensors:
+        out.setdefault(t["file"], []).append(t)
+    return out
+
+
+def check_listed(path: Path, header, records: list[dict], error: type[CheckpointError] = CheckpointError) -> None:
+    """A shard's header against its rank list's rows for it: the same tensors, each listed once, with the dtype and
+    shape the list records. Every byte of a list is covered by kconvert.json's digest, but a list rewritten together
+    with its digests, or a shard swapped for another, must not be read by rows that do not describe it."""
+    names = set()
+    for t in records:
+        if t["name"] in names:
+            raise error("listed twice in its rank's tensor list", file=str(path), tensor=t["name"])
+        names.add(t["name"])
+        e = header.tensors.get(t["name"])
+        if e is None:
+            raise error("tensor listed in kconvert.json is missing from the shard", file=str(path), tensor=t["name"])
+        if e.dtype != t["dtype"] or list(e.shape) != t["shape"]:
+            raise error(f"stored as {e.dtype}{list(e.shape)}, kconvert.json says {t['dtype']}{t['shape']}",
+                        file=str(path), tensor=t["name"])
+    if len(header.tensors) != len(names):
+        extra = next(n for n in header.tensors if n not in names)
+        raise error("in the shard but not in its rank's tensor list", file=str(path), tensor=extra)
+
+
+def check_headers(out: Path, cat: Catalog) -> None:
+    """check_listed for every file of a converted directory (headers only: no tensor data read)."""
+    listed = by_file(cat)
+    for rel, rec in cat.files.items():
+        path = cat.path_of(out, rel)
+        check_size(path, rec)
+        check_listed(path, read_header(path), listed[rel])
+
+
 def verify_files(out: str | Path, progress=None) -> dict:
     """Recompute every file's size and CRC-32 against kconvert.json. Raises on the first damaged file,
     naming the first damaged tensor in it. Returns {"files": n, "bytes": b}."""
     out = Path(out)
     cat = Catalog.read(out)
     check_not_mid_pack(out)
-    cat.tensors  # every rank's tensor list, each against its sha256 in kconvert.json
+    listed = by_file(cat)  # every rank's tensor list, each against its sha256 in kconvert.json
     total = 0
     for rel, rec in cat.files.items():
         path = cat.path_of(out, rel)
         size = check_size(path, rec)
+        check_listed(path, read_header(path), listed[rel])
         if rec.get("stored"):  # compressed: the CRC-32 is of the plain bytes it decompresses to
             comp = read_header(path).compressed
             if comp is None:

@@ -30,7 +30,7 @@ import torch
 
 from kconvert import devices
 from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import check_size
+from kconvert.converted.integrity import check_listed, check_size
 from kconvert.load.first_load import mark_checked, needs_crc
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.converted.ranks import resolve_rank
@@ -92,14 +92,7 @@ class ConvertedCheckpoint:
         if (header.compressed is not None) != bool(rec.get("stored")):
             raise LoaderError("shard is " + ("compressed" if header.compressed is not None else "plain") +
                               " but kconvert.json records otherwise", file=str(path))
-        for t in self._tensors.get(rel, []):
-            e = header.tensors.get(t["name"])
-            if e is None:
-                raise LoaderError("tensor listed in kconvert.json is missing from the shard", file=str(path),
-                                  tensor=t["name"])
-            if e.dtype != t["dtype"] or list(e.shape) != t["shape"]:
-                raise LoaderError(f"stored as {e.dtype}{list(e.shape)}, kconvert.json says {t['dtype']}{t['shape']}",
-                                  file=str(path), tensor=t["name"])
+        check_listed(path, header, self._tensors.get(rel, []), LoaderError)
         return header
 
     def _read_into(self, path: Path, buf: memoryview, size: int, pool: ThreadPoolExecutor) -> None:

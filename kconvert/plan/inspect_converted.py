@@ -1,5 +1,5 @@
 """`kconvert inspect OUT` of a converted directory: what its kconvert.json says, read through `Catalog`
-(digest and schema checked, no tensor data read): family, tp x pp and ranks, scheme and its options, bytes
+(digest and schema checked, every rank list against its shards' headers, no tensor data read): family, tp x pp and ranks, scheme and its options, bytes
 on disk per rank, whether its shards are compressed, and the source it was converted from."""
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def is_converted(path: str | Path) -> bool:
 def summarize_converted(out: str | Path) -> ConvertedSummary:
     from kconvert.converted.catalog import Catalog  # here: `inspect` of a source checkpoint never needs it
 
+    from kconvert.converted.integrity import check_headers
+
     cat = Catalog.read(out)
+    check_headers(Path(out), cat)  # rank lists that do not describe their shards: one line, not a wrong summary
     per_rank = {r: sum(Catalog.stored_bytes(rec) for rec in cat.rank_files(r).values()) for r in range(cat.world_size)}
     packed = sum(1 for rec in cat.files.values() if rec.get("stored"))
     compressed = "no" if packed == 0 else "yes" if packed == len(cat.files) else "partly"

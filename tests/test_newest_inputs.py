@@ -180,3 +180,42 @@ def test_topology_fixture_sizes_are_bounded(tmp_path, args, needle):
     """`kconvert fixture topo-k25 --layers 1000000000` ended in MemoryError (exit 3)."""
     assert_one_line_error(cli_here("fixture", "topo-k25", tmp_path / "t", *args), needle)
     assert not (tmp_path / "t").exists()
+
+
+def test_calibration_text_reaches_the_tokenizer_in_bounded_pieces(tmp_path):
+    """Class 6: one long run without whitespace (300 MB) went to the tokenizer whole, which asked for 10-64 GB
+    and aborted (SIGABRT). Every piece it is handed is now at most ENCODE_CHUNK characters."""
+    from kconvert.source import calibration_data as cd
+
+    (tmp_path / "run.txt").write_text("x" * (3 * cd.ENCODE_CHUNK + 5))
+    pieces = []
+
+    def encode(text):
+        pieces.append(len(text))
+        return [1] * (len(text) // 4)
+
+    windows, _ = cd.calibration_windows(str(tmp_path / "run.txt"), encode, tokens=64, seq=32)
+    assert windows.shape == (2, 32) and max(pieces) <= cd.ENCODE_CHUNK and sum(pieces) == 3 * cd.ENCODE_CHUNK + 5
+
+
+def test_pieces_encode_ordinary_text_as_whole(checkpoint):
+    """Pieces end before a space that follows a word: the tokenizer's own pre-split boundary, so ordinary text
+    gives the ids of one whole encode (small pieces here, to cut many times)."""
+    from kconvert.source.calibration_data import encode_chunked, read_documents
+    from kconvert.source.tokenizer import load_kimi_tokenizer
+
+    enc = load_kimi_tokenizer(checkpoint("tiny-k25-dsv32"))
+    text = "\n\n".join(read_documents("stdlib"))
+    whole = enc.encode(text, allowed_special="all")
+    assert encode_chunked(text, lambda t: enc.encode(t, allowed_special="all"), 4096) == whole
+
+
+def test_calibration_data_is_bounded_in_total(tmp_path, monkeypatch):
+    from kconvert.errors import UsageError
+    from kconvert.source import calibration_data as cd
+
+    monkeypatch.setattr(cd, "MAX_DATA", 1000)
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text("word " * 100)
+    with pytest.raises(UsageError, match="over 0 MiB of text: pass a subset"):
+        cd.read_documents(str(tmp_path))

@@ -29,6 +29,13 @@ DEFAULT_TOKENS, DEFAULT_SEQ, DEFAULT_SEED = 64 * 256, 256, 0
 # usually calibrates on and 1024x the default (every token's activations are held per layer); 2^20 a window.
 MAX_TOKENS, MAX_SEQ = 1 << 24, 1 << 20
 MAX_DIR_DEPTH = 64  # directories below DATA: a tree nested deeper is refused (a walk must not recurse 1500 deep)
+# All of DATA together, in bytes of text (each file is also at most side_files.MAX_TEXT): 16x the text of
+# MAX_TOKENS at ~4 bytes a token; a larger corpus is a subset's job, not a 10 GB tokenizer buffer's.
+MAX_DATA = 256 * 1024 * 1024
+# The tokenizer is handed at most this many characters at a time, cut before a space that follows a word (a
+# boundary of the tokenizer's own pre-split, so ordinary text encodes to the same ids as whole): one long run
+# without whitespace (300 MB of it made the tokenizer ask for 10-64 GB and abort) is cut there too.
+ENCODE_CHUNK = 1 << 20
 
 
 def check_data_name(data: str) -> None:
@@ -60,10 +67,33 @@ def read_documents(data: str) -> list[str]:
         files = sorted(_text_files(path))
         if not files:
             raise UsageError(f"no text files ({', '.join(TEXT_SUFFIXES)}) in the calibration directory", file=data)
-        return [d for f in files for d in _documents(f)]
+        docs, total = [], 0
+        for f in files:
+            docs += _documents(f)
+            total += f.stat().st_size
+            if total > MAX_DATA:
+                raise UsageError(f"calibration data over {MAX_DATA >> 20} MiB of text: pass a subset (the run draws "
+                                 f"at most {MAX_TOKENS} tokens)", file=data)
+        return docs
     if not path.is_file():
         raise UsageError("calibration data not found (a text file, a directory or JSONL)", file=data)
     return _documents(path)
+
+
+def encode_chunked(text: str, encode, chunk: int = ENCODE_CHUNK) -> list[int]:
+    """`encode(text)` a piece of at most `chunk` characters at a time (ENCODE_CHUNK's note says where pieces end)."""
+    ids: list[int] = []
+    start = 0
+    while start < len(text):
+        end = min(start + chunk, len(text))
+        if end < len(text):
+            cut = text.rfind(" ", start + chunk // 2, end)
+            while cut > start and text[cut - 1].isspace():  # before a run of blanks, not inside it
+                cut = text.rfind(" ", start + chunk // 2, cut - 1) if cut - 1 > start + chunk // 2 else -1
+            end = cut if cut > start else end  # no word boundary in the second half: a hard cut
+        ids += encode(text[start:end])
+        start = end
+    return ids
 
 
 def _text_files(root: Path) -> list[Path]:
@@ -138,7 +168,7 @@ def calibration_windows(data: str, encode, tokens: int = DEFAULT_TOKENS, seq: in
     text = "\n\n".join(docs)
     import torch  # here, not at import: the CLI reads this module's defaults for its --help
 
-    ids = torch.tensor(encode(text), dtype=torch.int64)
+    ids = torch.tensor(encode_chunked(text, encode), dtype=torch.int64)
     if ids.numel() < seq:
         raise UsageError(f"calibration data holds {ids.numel()} tokens, fewer than one window of {seq}", file=data)
     n = -(-tokens // seq)

@@ -101,7 +101,7 @@ def stored_alike(ts: list[LogicalTensor]) -> bool:
     return True
 
 
-STACKED_FORMATS = ("plain", "int4_packed")  # what source/stacked.py reads many of as one stack
+STACKED_FORMATS = ("plain", "int4_packed", "fp4_packed")  # what source/stacked.py reads many of as one stack
 
 
 def stack_form(t: LogicalTensor) -> tuple | None:

@@ -1,5 +1,5 @@
 """Read many small logical weights of one shape and stored form as one stack [N, ...], dequantized as
-Checkpoint.read gives each (plain: kept dtype; INT4 pack-quantized: float32), with the same checks made
+Checkpoint.read gives each (plain: kept dtype; INT4 pack-quantized and FP4: float32), with the same checks made
 over the whole stack at once. When a check fails, NotStackable: the caller reads those weights one at a
 time, and that read names the file and tensor as it always has."""
 
@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from kconvert.io.dtypes import e8m0_to_float
 from kconvert.io.stacked_read import read_stacked
+from kconvert.quant.fp4_e2m1 import dequantize_fp4
 from kconvert.quant.stacked import NotStackable, dequantize_int4_words
-from kconvert.source.formats import LogicalTensor, all_finite, declared_shape
+from kconvert.source.formats import _TOP_BY_FORMAT, FLOAT32_MAX, LogicalTensor, all_finite, declared_shape
+
 
 def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
     """Logical weights sharing a logical.stack_form -> [N, *shape]."""
@@ -19,6 +22,8 @@ def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
         if not all_finite(x):
             raise NotStackable
         return x
+    if t0.format == "fp4_packed":
+        return _fp4_stack(ts)
     shapes = read_stacked([t.stored["shape"] for t in ts]).reshape(len(ts), -1)
     rows, cols = declared_shape(t0, shapes[0])  # a CheckpointError here: the one-by-one read names it too
     if not bool((shapes == shapes[0]).all()):
@@ -30,3 +35,15 @@ def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
     if not all_finite(scale.to(torch.float32) * 8):
         raise NotStackable
     return dequantize_int4_words(packed, scale, cols, group)
+
+
+def _fp4_stack(ts: list[LogicalTensor]) -> torch.Tensor:
+    """FP4 e2m1 experts (DeepSeek-V4's int8 pairs, Kimi K3's MXFP4 bytes) with their e8m0 scales -> float32
+    [N, rows, cols], decoded by the fp4 scheme's own dequantize_fp4 (the one decoder). Every value is finite when
+    6 x the largest scale is: a stack with a scale past that (or 0xFF, NaN) is read one by one, which names it."""
+    n, (rows, cols) = len(ts), ts[0].shape
+    packed = read_stacked([t.stored["weight"] for t in ts]).view(torch.uint8).reshape(n * rows, -1)
+    scale = read_stacked([t.stored["scale"] for t in ts]).reshape(n * rows, -1)
+    if scale.numel() and float(e8m0_to_float(scale).max()) * _TOP_BY_FORMAT["fp4_packed"] > FLOAT32_MAX:
+        raise NotStackable
+    return dequantize_fp4(packed, scale).view(n, rows, cols)

@@ -80,3 +80,22 @@ def test_rows_that_do_not_describe_the_shard_are_one_line(pristine, packed, tmp_
         for command in commands:
             args = (command, out, "--rank", "1", "--device", "cpu") if command == "load" else (command, out)
             assert_one_line_error(cli_here(*args), FILE, f"tensor {name}", needle)
+
+
+@pytest.mark.parametrize("body, needle", [("[" * 100_000 + "]" * 100_000, "nested too deep"),
+                                          ("9" * 6000, "not valid JSON")], ids=["nested 100k deep", "6000 digits"])
+def test_a_rank_list_past_the_json_decoder_is_one_line(pristine, tmp_path, body, needle):
+    """Class 7: a rank list nested 100k deep or holding a 6000-digit number, behind rewritten digests, ended in
+    RecursionError / ValueError (exit 3)."""
+    import hashlib
+
+    out = tmp_path / "tp2"
+    shutil.copytree(pristine, out)
+    meta = read_meta(out)
+    meta.pop("tensors")
+    raw = ('{"format": "kconvert-rank-tensors", "rank": 1, "tensors": ' + body + "}").encode()
+    (out / "rank-001" / "tensors.json").write_bytes(raw)
+    meta["tensors_by_rank"][1]["sha256"] = hashlib.sha256(raw).hexdigest()
+    rewrite_catalog(out, meta)
+    for args in (("verify-files", out), ("inspect", out), ("load", out, "--rank", "1", "--device", "cpu")):
+        assert_one_line_error(cli_here(*args), "rank-001/tensors.json", needle)

@@ -14,7 +14,10 @@ tiny-k25-dsv32 / small-k25-dsv32 fixtures (bf16) converted as-is and to fp8, and
   verify     `kconvert verify` of the fixtures with the engine on the device (bf16 and fp8 conversions; V4's
              release storage, Kimi over V4 text and Kimi K3 (its KDA on the device, MLX's reference on the CPU)
              among them;
-             the engine computes in fp32 there, as kconvert verify does everywhere)
+             the engine computes in fp32 there, as kconvert verify does everywhere). The step judges
+             faithfulness, the device's engine against the fake-quantized source run on the CPU (a healthy
+             machine agrees to round-off); the cost is reported, not judged: on these random-weight fixtures
+             fp8 costs more than the budget set for trained weights (0.0475 mean KLD > 0.025 on a healthy CPU)
   decode     engine decode ms/token on the device (small-k25-dsv32, bf16) at each --contexts
   decode_v4  the same on DeepSeek-V4's layers (tiny-dsv4-flash dequantized: sliding / CSA / HCA, mHC, V4 cache)
   tp2        tiny-k25-dsv32 tp 2 over the device's collective backend, when >= 2 devices
@@ -123,7 +126,7 @@ def build(work: Path, scale_size: int, fixtures: list[str], steps: set[str], n_d
     src = fixture("scale", work / "scale-src", size=scale_size)
     built["scale"] = conversion(src, work / "scale-conv", workers=2)
     for fx in fixtures:  # bf16 source: verified as converted (none) and quantized (fp8)
-        src = fixture(fx, work / f"{fx}-src")
+        src = built[f"{fx}-src"] = fixture(fx, work / f"{fx}-src")
         for quant in ("none", "fp8") if "verify" in steps else ("none",):
             built[f"{fx}-{quant}"] = conversion(src, work / f"{fx}-{quant}-conv", quant=quant)
         ref = work / f"{fx}.ref.safetensors"
@@ -208,12 +211,18 @@ def verify(dev, paths: dict, fixtures: list[str]) -> dict:
     out = {}
     for fx in fixtures:
         for quant in ("none", "fp8"):
-            rep = run_verify(str(paths[f"{fx}-{quant}"]), reference=str(paths[f"{fx}-ref"]), device=str(dev))
-            out[f"{fx}-{quant}"] = {"verdict": rep.verdict, "faithful": rep.faithfulness.overall,
-                                    "cost": rep.cost.overall, "failures": rep.failures, "seconds": rep.seconds}
-    failed = any(v["verdict"] != "PASS" for v in out.values())  # a verify that FAILs is this step's FAIL
-    return {"status": "FAIL" if failed else "ok", "compute_dtype": "float32 (the dtype kconvert verify's engine "
-            "computes in)", "fixtures": out}
+            src = paths.get(f"{fx}-src")
+            rep = run_verify(str(paths[f"{fx}-{quant}"]), reference=str(paths[f"{fx}-ref"]), device=str(dev),
+                             against=str(src) if src else None)
+            faith = rep.faithfulness
+            out[f"{fx}-{quant}"] = {"verdict": faith.verdict, "verify": rep.verdict, "faithful": faith.overall,
+                                    "cost": rep.cost.overall, "cost_verdict": rep.cost.verdict,
+                                    "failures": faith.failures or ([faith.reference] if faith.verdict != "PASS" else []),
+                                    "seconds": rep.seconds}
+    # faithfulness decides (a SKIPPED one judged nothing: a FAIL here); the cost is a fact of random weights
+    failed = any(v["verdict"] != "PASS" for v in out.values())
+    return {"status": "FAIL" if failed else "ok", "judged": "faithfulness (device vs the CPU reference); cost "
+            "reported", "compute_dtype": "float32 (the dtype kconvert verify's engine computes in)", "fixtures": out}
 
 
 def decode(dev, conv_dir: Path, contexts: list[int], steps: int) -> dict:
@@ -276,8 +285,9 @@ def table(steps: dict) -> str:
         elif name == "ready":
             res = ", ".join(f"{k} {v:.2f}s" for k, v in s["phases"].items())
         elif name == "verify":
-            res = "; ".join(f"{fx} {v['verdict']} (faithful mean KLD {v['faithful'].get('mean_kld', float('nan')):.2e}, "
-                            f"cost {v['cost'].get('mean_kld', float('nan')):.2e})" for fx, v in s["fixtures"].items())
+            res = "; ".join(f"{fx} faithful {v['verdict']} (mean KLD {v['faithful'].get('mean_kld', float('nan')):.2e}; "
+                            f"cost {v['cost'].get('mean_kld', float('nan')):.2e}, {v.get('cost_verdict', '-')} on its "
+                            "budget, not judged)" for fx, v in s["fixtures"].items())
         elif name in ("decode", "decode_v4"):
             res = ", ".join(f"{c} ctx {v['ms_per_token']:.1f} ms/token" for c, v in s["contexts"].items())
         else:

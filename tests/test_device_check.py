@@ -32,7 +32,8 @@ def test_device_check_runs_on_cpu(tmp_path):
 
 
 def test_a_verify_fail_is_shown_as_fail_and_builds_are_kept_apart_by_size(monkeypatch, tmp_path):
-    """A verify that FAILs is the step's FAIL (status, table, exit), never "ok"; the default build folder is
+    """A verify whose faithfulness FAILs is the step's FAIL (status, table, exit), never "ok"; its cost over budget
+    (fp8 on random weights) is reported, not judged; the default build folder is
     keyed by the sizes, so a --quick run never reuses a full-size build nor the other way round."""
     import importlib.util
     from types import SimpleNamespace
@@ -42,14 +43,26 @@ def test_a_verify_fail_is_shown_as_fail_and_builds_are_kept_apart_by_size(monkey
     spec.loader.exec_module(dc)
     import kconvert.verify.verdict as verdict
 
-    def run_verify(out, **kw):
-        check = SimpleNamespace(overall={"mean_kld": 0.5})
-        return SimpleNamespace(verdict="FAIL", faithfulness=check, cost=check, seconds=0.1,
-                               failures=["the conversion is wrong: mean KLD 0.5 > 1e-05"])
+    def report(faithful: str, cost: str):
+        def run_verify(out, **kw):
+            assert kw["against"] == "src"  # faithfulness judged against the source, never skipped for want of it
+            faith = SimpleNamespace(verdict=faithful, overall={"mean_kld": 0.5 if faithful == "FAIL" else 1e-9},
+                                    reference="fake-quantized source", failures=[] if faithful == "PASS" else
+                                    ["mean KLD 0.5 > 1e-05"])
+            spent = SimpleNamespace(verdict=cost, overall={"mean_kld": 0.0475})
+            return SimpleNamespace(verdict="FAIL" if "FAIL" in (faithful, cost) else "PASS", faithfulness=faith,
+                                   cost=spent, seconds=0.1, failures=[])
+        return run_verify
 
-    monkeypatch.setattr(verdict, "run_verify", run_verify)
+    paths = {"tiny-k25-dsv32-none": "a", "tiny-k25-dsv32-fp8": "b", "tiny-k25-dsv32-ref": "r", "tiny-k25-dsv32-src": "src"}
+    # issue 42: a healthy machine, fp8 over its cost budget on random weights: faithful, so the step is ok
+    monkeypatch.setattr(verdict, "run_verify", report("PASS", "FAIL"))
     run = dc.Run(budget=60)
-    run.step("verify", dc.verify, "cpu", {"tiny-k25-dsv32-none": "a", "tiny-k25-dsv32-fp8": "b", "tiny-k25-dsv32-ref": "r"}, ["tiny-k25-dsv32"])
+    run.step("verify", dc.verify, "cpu", paths, ["tiny-k25-dsv32"])
+    assert run.steps["verify"]["status"] == "ok"
+    assert "cost 4.75e-02, FAIL on its budget, not judged" in dc.table(run.steps)
+    monkeypatch.setattr(verdict, "run_verify", report("FAIL", "PASS"))  # a damaged conversion or a wrong device
+    run.step("verify", dc.verify, "cpu", paths, ["tiny-k25-dsv32"])
     assert run.steps["verify"]["status"] == "FAIL"
     row = next(line for line in dc.table(run.steps).splitlines() if line.startswith("verify"))
     assert row.split()[1] == "FAIL" and " ok " not in row, row

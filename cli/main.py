@@ -69,7 +69,16 @@ def main(argv: list[str] | None = None) -> int:
             line += ": run the same command again to resume (finished files are kept)"
         click.echo(f"kconvert: {line}", err=True)
 
-    return run_reporting_errors(run, say, interrupts=(KeyboardInterrupt, click.exceptions.Abort))
+    def peer(e: Exception) -> int | None:  # under torchrun: another worker died, this one is not at fault
+        from kconvert.distributed import peer_gone
+
+        line = peer_gone(e)
+        if line is None:
+            return None
+        say(f"error: {line}")
+        return 1
+
+    return run_reporting_errors(run, say, interrupts=(KeyboardInterrupt, click.exceptions.Abort), on_internal=peer)
 
 
 def entry() -> None:

@@ -56,6 +56,22 @@ class StoppedWatch:
 _TP_GROUPS: dict[tuple[int, int], list] = {}  # (tp, pp) -> every stage's tp group, made once per process
 
 
+def peer_gone(e: BaseException) -> str | None:
+    """The line for a collective's error caused by another process of this run ending first (gloo's "Connection
+    closed by peer", torch's DistError family), or None for any other error. A surviving torchrun worker saw
+    gloo's RuntimeError and called it an internal error of kconvert; the process that ended says why itself."""
+    if world_from_env() <= 1 or not isinstance(e, RuntimeError):
+        return None
+    import torch.distributed as dist
+
+    text = str(e)
+    if not (isinstance(e, getattr(dist, "DistError", ())) or "gloo" in text.lower() or "closed by peer" in text):
+        return None
+    why = text.split("] ", 1)[-1].split(". ", 1)[0][:200]  # gloo's sentence, without its source path
+    return (f"rank {os.environ.get('RANK', '?')}: another process of this run ended first ({why}); its own output "
+            "says why")
+
+
 def world_from_env() -> int:
     """The world size a launcher (torchrun, engine.runtime.launch) set for this process; 1 when none did."""
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -4,6 +4,7 @@ error (exit 3: a 10^12-token calibration allocating, a 10^23 seed overflowing th
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -219,3 +220,41 @@ def test_calibration_data_is_bounded_in_total(tmp_path, monkeypatch):
         (tmp_path / f"{i}.txt").write_text("word " * 100)
     with pytest.raises(UsageError, match="over 0 MiB of text: pass a subset"):
         cd.read_documents(str(tmp_path))
+
+
+def test_a_surviving_torchrun_worker_names_its_peer_not_an_internal_error(checkpoint, tmp_path):
+    """Class 7: when one worker of `torchrun ... kconvert shard` is killed, the other's next collective fails in
+    gloo ("Connection closed by peer"), which it reported as an internal error (exit 3). Two workers are started
+    here as torchrun starts them (RANK, WORLD_SIZE, MASTER_*); worker 1 ends itself right after joining."""
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    from helpers import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["shard", str(checkpoint("tiny-k25-dsv32")), str(tmp_path / "out"), "--tp", "2", "--quant", "fp8"]
+    script = textwrap.dedent(f"""
+        import os, sys
+        from kconvert import distributed
+        if os.environ["RANK"] == "1":
+            join = distributed.Group.from_env.__func__
+            def joined_then_killed(cls, *a, **k):
+                join(cls, *a, **k)
+                os._exit(9)
+            distributed.Group.from_env = classmethod(joined_then_killed)
+        from cli.main import main
+        sys.exit(main({args!r}))
+    """)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert procs[1].returncode == 9
+    lines = [l for l in outs[0][1].splitlines() if l.strip()]
+    assert procs[0].returncode == 1 and len(lines) == 1, (procs[0].returncode, outs[0][1][-2000:])
+    assert "rank 0: another process of this run ended first" in lines[0] and "internal" not in lines[0], lines[0]

@@ -29,7 +29,7 @@ from kconvert.converted.journal import JOURNAL_DIR
 from kconvert.convert.export_formats import (Exported, ignore_list, load, plan_tensor, produce, quantization_config,
                                              quantizes)
 from kconvert.convert.export_table import EXPORT_FORMATS, FORMATS
-from kconvert.convert.quant_policy import source_scale_fmt
+from kconvert.convert.quant_policy import source_fp8_block, source_scale_fmt
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
 from kconvert.convert.run import ExportFigures, Run, RunResult, default_workers
 
@@ -224,7 +224,8 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
     kept = [ck.info(e.src) for f in files for e in f
             if e.transform in ("copy", "bf16") and len(e.shape) == 2 and ck.info(e.src).component not in ("embed", "norm")]
     quantized = [ck.info(e.src) for f in files for e in f if e.transform not in ("copy", "bf16")]
-    qc = quantization_config(job.format, job.group_size, scale_fmt, ignore_list(kept, quantized))
+    qc = quantization_config(job.format, job.group_size, scale_fmt, ignore_list(kept, quantized),
+                             source_fp8_block(ck.quantization_config))
     config = json.loads(json.dumps(ck.config))
     config["quantization_config"] = qc
     if isinstance(config.get("text_config"), dict):  # multimodal: the text model reads its own copy

@@ -26,7 +26,7 @@ from kconvert.io.dtypes import FP8_BLOCK, specs_bytes
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import LogicalTensor
 from kconvert.source.stored_parts import read_parts
-from kconvert.convert.quant_policy import selected, source_quant
+from kconvert.convert.quant_policy import rows_copy, selected, source_fp8_block, source_quant
 from kconvert.quant.registry import get_scheme
 from kconvert.quant.scheme import (COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, LosslessCopy, Options, Scheme, input_bytes,
                                   stored_output)
@@ -49,6 +49,7 @@ class Exported:
     encoding: str = KCONVERT
     scale_fmt: str = "fp32"
     copy: LosslessCopy | None = None  # a lossless copy: the source parts written unchanged or re-encoded exactly
+    fp8_block: int = FP8_BLOCK  # fp8-block: a block-FP8 source's own square block (DeepSeek-V4.1's 32), else 128
 
     @property
     def scheme(self) -> Scheme | None:
@@ -56,7 +57,7 @@ class Exported:
 
     @property
     def options(self) -> Options:
-        return Options(self.scale_fmt, self.group, "amax", self.encoding)
+        return Options(self.scale_fmt, self.group, "amax", self.encoding, fp8_block=self.fp8_block)
 
     def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         scheme = self.scheme
@@ -94,21 +95,27 @@ def encoding_of(ck: Checkpoint, fmt: str) -> str:
 def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: int, scale_fmt: str) -> Exported:
     info = ck.info(name)
     shape = tuple(t.shape)
+    encoding = encoding_of(ck, fmt)
+    if info.rule.scale_block is not None and t.format != "plain" and encoding == DEEPSEEK_V4:
+        # the release's FP8 rows (V4.1's Engram tables), copied in its own layout
+        return Exported(name, "fp8_rows", shape, t.stored_dtype, group, (), "fp8_rows", encoding, "ue8m0", rows_copy(ck, t))
     if not quantizes(fmt, info, shape, group):
         return Exported(name, "copy" if t.format == "plain" else "bf16", shape, t.stored_dtype)
     f = EXPORT_FORMATS[fmt]
-    encoding, scheme_name, transform = encoding_of(ck, fmt), f.scheme, f.transform
+    scheme_name, transform = f.scheme, f.transform
+    block = source_fp8_block(ck.quantization_config)  # a 32 x 32 source keeps its blocks (copied, not re-blocked)
     if encoding == DEEPSEEK_V4:
         scale_fmt = "ue8m0"  # V4 stores every block scale as an e8m0 power of two
         if t.format == "fp4_packed":  # the release's FP4 experts stay FP4, byte for byte
             scheme_name, transform = "fp4", "fp4"
-    opts = Options(scale_fmt, group, "amax", encoding)
+    opts = Options(scale_fmt, group, "amax", encoding, fp8_block=block)
     copy = get_scheme(scheme_name).lossless_copy(source_quant(ck, t), opts, same_scale_format=True)
     if copy is None:
-        return Exported(name, transform, shape, t.stored_dtype, group, (), scheme_name, encoding, scale_fmt)
+        return Exported(name, transform, shape, t.stored_dtype, group, (), scheme_name, encoding, scale_fmt, None, block)
     # a copied pack-quantized source keeps the dtypes it stores its scale and weight_shape in
     tags = tuple(t.parts[role].dtype for role in copy.roles[1:]) if f.encoding == COMPRESSED_TENSORS else ()
-    return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, scheme_name, encoding, scale_fmt, copy)
+    return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, scheme_name, encoding, scale_fmt, copy,
+                    block)
 
 
 def load(ck: Checkpoint, e: Exported):
@@ -155,10 +162,10 @@ def ignore_list(kept: list[TensorInfo], quantized: list[TensorInfo]) -> list[str
     return pats
 
 
-def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str]) -> dict:
+def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str], fp8_block: int = FP8_BLOCK) -> dict:
     if fmt == "fp8-block":
         qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-              "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+              "weight_block_size": [fp8_block, fp8_block]}
         if scale_fmt == "ue8m0":
             qc["scale_fmt"] = "ue8m0"
         return qc

@@ -100,8 +100,8 @@ class _Plan:
         return items, misaligned, whole_copies
 
     def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
-        if info.rule.scale_block is not None:  # its own FP8 grid (V4.1's Engram rows): copied as stored, any scheme
-            return False, rows_copy(self.ck, t)
+        if info.rule.scale_block is not None and t.format != "plain":  # its own FP8 grid (V4.1's Engram rows):
+            return False, rows_copy(self.ck, t)  # copied as stored under any scheme (a bf16 table stays bf16)
         quant = self.policy.quantizes(info, t.shape)
         key = t.format
         if quant and key not in self.copies:

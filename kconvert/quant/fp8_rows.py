@@ -3,12 +3,13 @@ its Engram tables (`X.weight` F8_E4M3 [rows, width] + `X.scale` F8_E8M0 [rows, w
 row at a time, so its rows carry their own scales, and a rank holds a run of whole rows.
 
 Never a `--quant` choice: the manifest marks such tensors (`scale_block = [1, 32]`) and every scheme copies them as
-stored, bit for bit, written `X.weight` + `X.weight_scale` (converted/ FORMAT.md). `quantize` is the encoder the
+stored, bit for bit, written `X.weight` + `X.weight_scale` (docs/FORMAT.md), or `X.weight` + `X.scale` in an
+export in the release's layout (fp8-block of DeepSeek-V4.1). `quantize` is the encoder the
 fixtures write the release's tables with; `dequantize` is what the engine computes per looked-up row."""
 
 from __future__ import annotations
 
-from kconvert.quant.scheme import LosslessCopy, Options, Scheme, SourceQuant
+from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, SourceQuant, sidecar
 
 ROW_GROUP = 32  # values of a row per scale
 E4M3_MAX = 448.0
@@ -25,7 +26,8 @@ class Fp8Rows(Scheme):
 
     def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list:
         r, c = shape
-        return [(src, "F8_E4M3", (r, c)), (src + "_scale", "F8_E8M0", (r, c // ROW_GROUP))]
+        scale = sidecar(src) if opts.encoding == DEEPSEEK_V4 else src + "_scale"  # the release's `.scale` in exports
+        return [(src, "F8_E4M3", (r, c)), (scale, "F8_E8M0", (r, c // ROW_GROUP))]
 
     def quantize(self, w, opts: Options, name: str = ""):
         import torch

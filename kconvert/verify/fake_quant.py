@@ -209,16 +209,21 @@ def stored_rule(qc: dict) -> dict:
     return dict(groups[0]["weights"])
 
 
-def export_values(stored, x: torch.Tensor, rule: dict) -> torch.Tensor:
+def export_values(stored, x: torch.Tensor, rule: dict, block: tuple[int, int] | None = None) -> torch.Tensor:
     """What an export faithful to source values x holds for one logical tensor `stored`
-    (source.formats.LogicalTensor): x fake-quantized by the export's rule with the scales the export
-    stores, or x rounded to the dtype of a tensor it keeps unquantized."""
+    (source.formats.LogicalTensor; `block` its scale grid in the export): x fake-quantized by the export's rule with
+    the scales the export stores, x rounded to the dtype of a tensor it keeps unquantized, or x itself where the
+    export keeps the source's own encoding, which its rule cannot write (DeepSeek's fp8-block layout copies the FP4
+    experts and V4.1's Engram FP8 rows byte for byte)."""
     from kconvert.io.dtypes import DTYPES
     from kconvert.io.safetensors_read import read_tensor
 
     if stored.format == "plain":
         dtype = DTYPES[stored.main.dtype]
         return x.to(dtype).to(torch.float32) if dtype.is_floating_point else x
+    if stored.format == "fp4_packed" or (block is not None and "block_structure" in rule
+                                         and list(block) != list(rule["block_structure"])):
+        return x
     return _fq(x, read_tensor(stored.parts["scale"]).to(torch.float32), **rule)
 
 
@@ -239,7 +244,8 @@ def write_export_fake_quant_source(src: str, export_dir: str, meta: dict, out_di
     plan, q = planned_slices(meta), meta["quantization"]
 
     def values(name, x):
-        y = export_values(exp.logical[name], x, rule)
+        t = exp.logical[name]
+        y = export_values(t, x, rule, exp.block_of(name) if t.format == "block_fp8" else None)
         return expected_tensor(y, plan[name], q) if name in plan else y
 
     return _write_source(src, out_dir, values)

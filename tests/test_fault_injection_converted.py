@@ -1,5 +1,6 @@
 """Fault injection on converted directories (issue 10, item 7): a seeded campaign of damaged shards
-(any byte, truncation, trailing bytes, swapped or missing files) and damaged kconvert.json files;
+(any byte, truncation, trailing bytes, swapped or missing files), of damaged rank lists (issue 42: bytes, a
+FIFO, rows that disagree with the shards behind rewritten digests) and damaged kconvert.json files;
 every one must fail `verify-files` cleanly (one line, exit 1 or 2) and change nothing."""
 
 from __future__ import annotations
@@ -82,6 +83,84 @@ def test_campaign_converted_shards(converted):
             assert snapshot(root) == before, f"{what}: verify changed a file"
         finally:
             for rel, data in saved.items():
+                (out / rel).write_bytes(data)
+    for out in outs:
+        verify_files(out)  # restored: intact again
+
+
+# ------------------------------------------------------------------- rank lists (issue 42, the newest surface)
+
+N_RANK_LISTS = 40
+
+
+def _damage_rank_list(rng: random.Random, out: Path) -> tuple[str, dict[str, bytes]]:
+    """Damage a rank's tensors.json: its bytes (its sha256 then disagrees), or its rows with every digest
+    rewritten to match (then only the shards' headers can tell: integrity.check_listed), or a FIFO in its place
+    (the one reader refuses it rather than block). Returns what was done and the bytes to restore."""
+    import copy
+    import os
+
+    from helpers import read_meta, rewrite_catalog
+
+    rank = rng.randrange(2)
+    rel = f"rank-{rank:03d}/tensors.json"
+    saved = {rel: (out / rel).read_bytes(), MANIFEST: (out / MANIFEST).read_bytes()}
+    kind = rng.choice(["byte", "truncate", "fifo", "dtype", "shape", "drop", "duplicate", "extra"])
+    if kind in ("byte", "truncate"):
+        data = bytearray(saved[rel])
+        pos = rng.randrange(len(data))
+        if kind == "byte":
+            data[pos] ^= rng.randrange(1, 256)
+        else:
+            del data[pos:]
+        (out / rel).write_bytes(bytes(data))
+        return f"{rel}: {kind} at {pos}", saved
+    if kind == "fifo":
+        (out / rel).unlink()
+        os.mkfifo(out / rel)
+        return f"{rel}: a FIFO", saved
+    meta = read_meta(out)
+    mine = [i for i, t in enumerate(meta["tensors"]) if t["rank"] == rank]
+    i = rng.choice(mine)
+    t = meta["tensors"][i]
+    if kind == "dtype":
+        t["dtype"] = "F32" if t["dtype"] != "F32" else "BF16"
+    elif kind == "shape":
+        t["shape"] = [*t["shape"][:-1], t["shape"][-1] + rng.randrange(1, 4)] if t["shape"] else [1]
+    elif kind == "drop":
+        meta["tensors"].pop(i)
+    elif kind == "duplicate":
+        meta["tensors"].insert(i, copy.deepcopy(t))
+    else:
+        meta["tensors"].insert(i, {**copy.deepcopy(t), "name": t["name"] + ".extra"})
+    rewrite_catalog(out, meta)
+    return f"{rel}: row {i} {kind}, digests rewritten", saved
+
+
+def test_campaign_rank_lists(converted):
+    """Every damaged rank list is refused by verify-files (and, one case in CLI_EVERY // 4, by inspect and load
+    too) in one line, exit 2, and nothing changes (pack and unpack, which finish the other files by design:
+    tests/test_rank_lists_vs_headers.py)."""
+    import os
+
+    root, outs = converted
+    rng = random.Random(SEED + 42)
+    for case in range(N_RANK_LISTS):
+        out = outs[case % len(outs)]
+        what, saved = _damage_rank_list(rng, out)
+        try:
+            before = snapshot(root)
+            assert refused(lambda: verify_files(out)) is not None, f"case {case}, {what}: verify-files passed"
+            if case % (CLI_EVERY // 4) == 1:
+                rank = what[len("rank-"):len("rank-000")]  # the damaged list's rank: load reads only its own
+                for args in (("inspect", out), ("load", out, "--rank", str(int(rank)), "--device", "cpu")):
+                    r = cli_here(*args)
+                    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (what, args[0], r.stderr)
+            assert snapshot(root) == before, f"{what}: a reader changed a file"
+        finally:
+            for rel, data in saved.items():
+                if (out / rel).is_fifo():
+                    os.unlink(out / rel)
                 (out / rel).write_bytes(data)
     for out in outs:
         verify_files(out)  # restored: intact again

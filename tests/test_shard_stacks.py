@@ -122,45 +122,6 @@ def test_stacked_shard_writes_the_same_bytes(checkpoint, tmp_path, monkeypatch, 
     assert len(stacked_files) > 4 and stacked_files == _digest(tmp_path / "alone")
 
 
-@pytest.mark.parametrize("preset,quant,tp", [("topo-kimi-k3", "none", 8), ("topo-kimi-k3", "int8", 2),
-                                            ("topo-dsv4-pro", "none", 2)])
-def test_fp4_experts_are_read_as_stacks_with_the_same_bytes(checkpoint, tmp_path, monkeypatch, preset, quant, tp):
-    """Kimi K3's MXFP4 experts (U8 pairs + e8m0) and DeepSeek-V4's FP4 ones (int8 pairs + .scale), decoded a stack
-    at a time by the one FP4 decoder: every output byte as the one-at-a-time path writes it."""
-    src = checkpoint(preset, layers=3, experts=8)
-    stacks = []
-    real = shard_unit.write_stack
-    monkeypatch.setattr(shard_unit, "write_stack", lambda ck, srcs, by_src: stacks.extend(srcs) or real(ck, srcs, by_src))
-    shard(ShardJob(str(src), str(tmp_path / "stacked"), tp=tp, quant=quant))
-    assert sum(".experts." in name for name in stacks) >= 2 * 3 * 8
-    monkeypatch.setattr(shard_plan, "STACK_ELEMS", 0)
-    shard(ShardJob(str(src), str(tmp_path / "alone"), tp=tp, quant=quant))
-    stacked_files = _digest(tmp_path / "stacked")
-    assert len(stacked_files) > 4 and stacked_files == _digest(tmp_path / "alone")
-
-
-@pytest.mark.parametrize("byte", [b"\xff", b"\xfd"])  # e8m0 NaN; 2^126, under which code 6 overflows float32
-def test_a_damaged_fp4_scale_in_a_stack_is_named_as_before(checkpoint, copy_checkpoint, tmp_path, monkeypatch, byte):
-    src = copy_checkpoint(checkpoint("topo-kimi-k3", layers=3, experts=8))
-    suffix = "layers.2.block_sparse_moe.experts.5.w3.weight_scale"
-    files = [f for f in sorted(src.glob("*.safetensors")) if any(k.endswith(suffix) for k in read_header(f).tensors)]
-    entry = next(e for k, e in read_header(files[0]).tensors.items() if k.endswith(suffix))
-    with open(files[0], "r+b") as fh:
-        fh.seek(entry.begin + 1)
-        fh.write(byte)
-    errors, stacked_names = [], []
-    real = shard_unit.write_stack
-    monkeypatch.setattr(shard_unit, "write_stack",
-                        lambda ck, srcs, by_src: stacked_names.extend(srcs) or real(ck, srcs, by_src))
-    for tag, elems in (("stacked", shard_plan.STACK_ELEMS), ("alone", 0)):
-        monkeypatch.setattr(shard_plan, "STACK_ELEMS", elems)
-        with pytest.raises(KConvertError) as e:
-            shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant="none"))
-        errors.append(e.value.one_line())
-    assert any(".experts.5.w3" in n for n in stacked_names)  # the damaged expert was read in a stack first
-    assert errors[0] == errors[1] and "experts.5.w3" in errors[0], errors
-
-
 @pytest.mark.parametrize("scale", [b"\xc0\x7f", b"\x7f\x7f"])  # a bf16 NaN; the largest bf16 (x 8 overflows)
 def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpoint, tmp_path, monkeypatch, scale):
     src = copy_checkpoint(checkpoint("topo-k25", layers=3, experts=8))

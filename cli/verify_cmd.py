@@ -72,8 +72,10 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
 @click.option("--tp", type=COUNT, default=1, show_default=True,
               help="An exported (Hugging Face-layout) OUT is resharded for this many ranks first.")
 @click.option("--threshold", "threshold", multiple=True, metavar="KEY=VALUE",
-              help="Override a limit: mean_kld, p99_kld, same_top1_pct, ppl_ratio (cost budget) or "
-                   "faithful.KEY (faithfulness); repeatable.")
+              help="Override a limit: mean_kld, p99_kld, same_top1_pct, ppl_ratio (cost budget), "
+                   "faithful.KEY (faithfulness) or draft.mean_kld / draft.mean_kld_quantized / draft.acceptance_drop / "
+                   "draft.new_tokens "
+                   "(draft heads); repeatable.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Write a PNG (needs matplotlib).")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES),
               help="Run the engine with this KV cache format: the KLD then includes what KV quantization adds "
@@ -88,7 +90,9 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
     engine on OUT match the source fake-quantized with OUT's own scheme (any slicing, scale or
     placement fault FAILs: "the conversion is wrong")? Cost: KLD, same-top-1, RMS Δp, PPL ratio
     (llama.cpp's --kl-divergence report) vs the unquantized reference, by prompt kind, against the
-    scheme's budget ("the scheme is too lossy for this model"). Exit 0 PASS, 1 FAIL, 2 bad input.
+    scheme's budget ("the scheme is too lossy for this model"). Draft heads (MTP) OUT holds: each head's
+    predictions vs the reference's and its acceptance in greedy speculative decoding vs the source head's
+    own. Exit 0 PASS, 1 FAIL, 2 bad input.
 
     \b
     Example:
@@ -103,6 +107,8 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
     from kconvert.errors import VerifyFailed
     from kconvert.verify.verdict import CHECKED, run_verify
 
+    DRAFT_KEYS = ("draft.mean_kld", "draft.mean_kld_quantized", "draft.acceptance_drop", "draft.new_tokens")
+
     from engine.cache.budget import kv_options
 
     kv_options(kv_dtype, kv_budget, kv_device_budget, device)  # bad KV options fail before any work
@@ -113,9 +119,11 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
     limits = {}
     for item in threshold:
         key, _, value = item.partition("=")
-        if key.removeprefix("faithful.") not in CHECKED:
-            raise UsageError(f"unknown threshold {key!r} ({', '.join(CHECKED)}, or faithful.KEY)")
+        if key.removeprefix("faithful.") not in CHECKED and key not in DRAFT_KEYS:
+            raise UsageError(f"unknown threshold {key!r} ({', '.join(CHECKED)}, faithful.KEY or {', '.join(DRAFT_KEYS)})")
         limits[key] = number(value, f"--threshold {key}", 0)
+        if key == "draft.new_tokens":
+            limits[key] = int(limits[key])
     from kconvert.io.workdir import terminate_as_interrupt
     from kconvert.plan.inspect_converted import is_converted
     from kconvert.verify.exported import as_converted, describe
@@ -191,5 +199,28 @@ def _print_report(rep) -> None:
             for r in rows[:8]:
                 at.add_row(r["tensor"], f"{100 * r['share']:.1f} %")
             con.print(at)
+    if rep.draft is not None:
+        _print_draft(con, rep.draft)
     color = "green" if rep.verdict == "PASS" else "red"
     con.print(f"[bold {color}]{rep.verdict}[/] in {rep.seconds:.1f} s" + (f": {'; '.join(rep.failures)}" if rep.failures else ""))
+
+
+def _print_draft(con, check) -> None:
+    """The draft heads' table: predictions vs the reference, acceptance vs the source head's own."""
+    from rich.table import Table
+
+    t = Table(title=f"draft heads: predictions vs {check.reference}; greedy speculative decoding, "
+                    f"{check.limits.get('new_tokens')} tokens a prompt")
+    for col in ("head", "mean KLD", "top-1", "acceptance", "source head", "tokens/step", "verdict"):
+        t.add_column(col, justify="left" if col == "head" else "right")
+    for h in check.heads:
+        kl = h.get("mean_kld")
+        t.add_row(h["head"], "-" if kl is None else f"{kl:.3g}",
+                  "-" if kl is None else f"{h['same_top1_pct']:.2f}%", f"{100 * h['acceptance']:.1f}%",
+                  "-" if h.get("reference_acceptance") is None else f"{100 * h['reference_acceptance']:.1f}%",
+                  f"{h['tokens_per_step']:.2f}", h.get("verdict", check.verdict))
+    con.print(t)
+    color = {"PASS": "green", "FAIL": "red"}.get(check.verdict, "yellow")
+    limits = (f"mean KLD {check.limits['mean_kld']} copied / {check.limits['mean_kld_quantized']} quantized, "
+              f"acceptance drop {check.limits['acceptance_drop']}")
+    con.print(f"  [{color}]{check.verdict}[/] ({limits})" + (f": {'; '.join(check.failures)}" if check.failures else ""))

@@ -81,6 +81,15 @@ class Drafter:
         self.logits = self.ctx.logits(normed[:, -1:], self.head.own("head"))[0, -1]
         self.carry, self.tail = carry[:, -1:], x[:, -1:]
 
+    @torch.inference_mode()
+    def score(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [S, V] of the head at every position of a sequence read from its start (a fresh cache): x
+        [1,S,...] the target's residuals, tokens [1,S] the token after each (verify's next-token check)."""
+        self.start(x.shape[1])
+        normed, _ = self.head(self.ctx, self.head.from_target(self.model, x), tokens.to(self.model.device), 0,
+                              self.cache)
+        return self.ctx.logits(normed, self.head.own("head"))[0]
+
     def resume(self, n: int) -> torch.Tensor:
         """A new turn continues the target at its length n (this drafter's length): forget the last position
         (the token after it may differ now) and give back the target's residual there, to read it again with

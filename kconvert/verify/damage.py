@@ -84,6 +84,27 @@ def swap_expert_ranks(out: str | Path, layer: int) -> None:
         rewrite(out, rel, lambda t, m=moved: t.update(m))
 
 
+def randomize(out: str | Path, name: str, seed: int = 0) -> None:
+    """Replace tensor `name` (each rank's slice) by random values of its shape, scale and dtype: a weight loaded from
+    nowhere (a draft head on random weights, vLLM #43456)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def fill(t):
+        w = t[name].float()
+        t[name] = (torch.randn(w.shape, generator=gen) * w.std()).to(t[name].dtype)
+
+    for rel in files_holding(out, name):
+        rewrite(out, rel, fill)
+
+
+def zero(out: str | Path, *names: str) -> None:
+    """Zero tensors `names` (each rank's slice): a weight a loader skipped (a draft head without one of its
+    experts, vLLM #43459)."""
+    for name in names:
+        for rel in files_holding(out, name):
+            rewrite(out, rel, lambda t, n=name: t.__setitem__(n, torch.zeros_like(t[n])))
+
+
 @dataclass(frozen=True)
 class Damage:
     apply: Callable[[Path], None]

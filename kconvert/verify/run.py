@@ -19,12 +19,14 @@ from kconvert.verify.forward import engine_inputs, hidden_states
 
 
 def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], result_path: str,
-             per_layer: dict | None = None, device: str = "cpu", kv: tuple | None = None, progress=None) -> None:
+             per_layer: dict | None = None, device: str = "cpu", kv: tuple | None = None, progress=None,
+             draft: dict | None = None) -> None:
     """Forward every prompt on this rank; rank 0 saves `prompt.i.logprobs` (+ hidden states with
     per_layer), or, when per_layer names an `attribute_layer`, only that layer's tensor ranking.
     kv: the command line's (--kv-dtype, --kv-budget, --kv-device-budget) texts, read on each rank (a fraction
     is of that rank's free memory); the KV cache every model.new_cache takes, so the KLD includes what KV
-    quantization and the host tier add (default: the compute dtype, unbounded)."""
+    quantization and the host tier add (default: the compute dtype, unbounded). draft: the draft check's options
+    (verify/draft.py: its head predictions and speculative acceptance join the results)."""
     from engine.cache.latent import KVOptions
     from engine.cache.budget import kv_options
     from engine.model import Model
@@ -59,6 +61,10 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
                 result[f"prompt.{i}.logprobs"] = logits[0].float().log_softmax(-1).contiguous()
             if progress:  # this process's ranks only (spawned ranks: counted when they finish)
                 progress("advance", n=1)
+        if draft is not None:
+            from kconvert.verify.draft import engine_draft
+
+            result.update(engine_draft(model, prompts, tokens, draft["new_tokens"]))
     if par.rank == 0:
         from safetensors.torch import save_file
 
@@ -71,7 +77,7 @@ def run_rank(out_dir: str, prompts: list[dict], tokens: list[torch.Tensor], resu
                              "or set TMPDIR") from None
 
 
-def spawn_main(rank: int, world: int, port: int, args: tuple, parent: int | None = None) -> None:
+def spawn_main(rank: int, world: int, port: int, args: tuple, parent: int | None = None, draft: dict | None = None) -> None:
     """Entry point of a spawned rank (torch.multiprocessing). It ends when `parent` (the verify process)
     does, however that ends: a forkserver's children are not the verify process's, so nothing else would."""
     if parent is not None:
@@ -79,7 +85,7 @@ def spawn_main(rank: int, world: int, port: int, args: tuple, parent: int | None
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    run_rank(*args)
+    run_rank(*args, draft=draft)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -96,16 +102,16 @@ def free_port() -> int:
 
 
 def run_all_ranks(out_dir: str, world: int, prompts, tokens, result_path: str, per_layer=None, device="cpu",
-                  kv: tuple | None = None, progress=None) -> None:
+                  kv: tuple | None = None, progress=None, draft: dict | None = None) -> None:
     """Run the converted model's `world` (tp x pp) ranks (spawned unless already under torchrun) to result_path;
     `progress("advance", n=1)` per prompt."""
     args = (out_dir, prompts, tokens, result_path, per_layer, device, kv)
     if world == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        run_rank(*args, progress=progress)
+        run_rank(*args, progress=progress, draft=draft)
         return
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(spawn_main, args=(world, free_port(), args, os.getpid()), nprocs=world, join=False,
+    ctx = mp.start_processes(spawn_main, args=(world, free_port(), args, os.getpid(), draft), nprocs=world, join=False,
                              start_method=_start_method())
     stopped = StoppedWatch()
     try:

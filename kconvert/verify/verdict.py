@@ -8,22 +8,23 @@
    however small next to the quantization noise ("the conversion is wrong");
 4. cost: llama.cpp-style statistics against the unquantized reference, overall and per prompt kind,
    against the scheme's budget (manifests/verify_thresholds.toml; "the scheme is too lossy for this model");
-5. with per_layer: hidden-state error after every layer for both, the first layer where the
+5. draft heads (a conversion that holds them): each head's predictions against the reference's and its
+   acceptance in greedy speculative decoding against the source head's own (verify/draft.py);
+6. with per_layer: hidden-state error after every layer for both, the first layer where the
    faithfulness error appears (`first_fault_layer`), the layer that adds the most quantization error
    (`largest_error_step_layer`), and the tensors of the faulty layer that cause it (attribution).
 
 JSON (VerifyReport.to_json): verdict, scheme, tp, failures, faithfulness {verdict, reference, overall,
 by_kind, limits, failures, per_layer, first_fault_layer}, cost {verdict, overall, by_kind, limits,
-failures, per_layer, largest_error_step_layer}, vision_error, attribution, seconds.
+failures, per_layer, largest_error_step_layer}, draft {verdict, reference, heads, limits, failures},
+vision_error, attribution, seconds.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from kconvert.io.workdir import work_dir
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,31 +33,16 @@ import torch
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import verify_files
 from kconvert.errors import KConvertError, UsageError, VerifyFailed
-from kconvert.family.manifest import manifests_dir
 from kconvert.verify import kld
 from kconvert.verify.reference import load_reference, run_reference
 from kconvert.verify.layer_error import first_fault, largest_step, layer_curve, vision_error
 from kconvert.verify.run import load_result, run_all_ranks
+from kconvert.verify.thresholds import draft_limits, limits_for, thresholds  # noqa: F401 (thresholds: read here by tests)
 
 WRONG = "the conversion is wrong"
 LOSSY = "the scheme is too lossy for this model"
 CHECKED = ("mean_kld", "p99_kld", "same_top1_pct", "ppl_ratio")
 KIND_FACTOR = 2.0  # every prompt kind's mean KLD must stay within this multiple of the budget (fewer positions)
-
-
-@functools.lru_cache(maxsize=None)
-def thresholds() -> dict:
-    with open(manifests_dir() / "verify_thresholds.toml", "rb") as f:
-        return tomllib.load(f)
-
-
-def limits_for(scheme: str, overrides: dict | None = None) -> tuple[dict, dict]:
-    """(faithfulness limits, cost budget) for a scheme; overrides `faithful.KEY` / `KEY` win."""
-    t = thresholds()
-    over = overrides or {}
-    faithful = {**t["faithful"], **{k.split(".", 1)[1]: v for k, v in over.items() if k.startswith("faithful.")}}
-    budget = {**t["cost"][scheme], **{k: v for k, v in over.items() if not k.startswith("faithful.")}}
-    return faithful, budget
 
 
 @dataclass
@@ -87,6 +73,7 @@ class VerifyReport:
     largest_error_step_layer: int | None = None  # the layer that adds the most error vs the unquantized reference
     vision_error: float | None = None
     attribution: list[dict] | None = None
+    draft: object | None = None  # verify/draft.DraftCheck of a conversion that holds draft heads
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -166,9 +153,13 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         layer_opts = {"source": source, "attribute_layer": None} if per_layer else None
         world = meta["layout"]["tp"] * meta["layout"].get("pp", 1)  # every rank of the tp x pp layout
         tick = phase(f"engine on {world} rank{'s' * (world > 1)}", len(tokens))
-        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv, progress=tick)
+        draft = _draft_options(meta, export, limits)
+        run_all_ranks(out, world, ref_meta["prompts"], tokens, result_path, layer_opts, device, kv, progress=tick,
+                      draft=draft)
         got = load_result(result_path)
         report = _report(out, meta, ref_meta, refs, got, fq, limits, export)
+        if draft:
+            _check_draft(report, meta, ref_meta, tokens, got, against, draft, Path(tmp), phase)
         if per_layer:
             report.cost.per_layer = layer_curve(ref_meta, ref_tensors, got)
             report.largest_error_step_layer = largest_step(report.cost.per_layer)
@@ -186,6 +177,32 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
                 report.attribution = json.loads(Path(result_path + ".attribution.json").read_text())
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _draft_options(meta: dict, export, overrides: dict | None) -> dict | None:
+    """The draft check's options when OUT holds draft heads (an export's are not checked)."""
+    from kconvert.verify.draft import draft_layers
+
+    if export is not None or not draft_layers(meta):
+        return None
+    return draft_limits(meta["quantization"]["scheme"], overrides)
+
+
+def _check_draft(report: VerifyReport, meta, ref_meta, tokens, got, against, limits: dict, tmp: Path, phase) -> None:
+    """The draft heads' check (verify/draft.py) into the report: the source's own head as the reference."""
+    from kconvert.verify import draft
+    from kconvert.verify.fake_quant import planned_slices
+
+    src = against or meta["source"]["path"]
+    ref, label = None, "no source checkpoint at hand (pass --against SRC)"
+    if against is not None or (src and Path(src).exists()):
+        phase("draft heads: the source's own head")
+        label, ref = draft.reference_draft(src, ref_meta["prompts"], tokens, limits["new_tokens"], tmp)
+    copied = all(e["transform"] == "copy" for e in planned_slices(meta).values())
+    report.draft = draft.check(meta, ref_meta["prompts"], tokens, got, ref, label, copied, limits)
+    if report.draft.failures:
+        report.failures.append("draft heads: " + "; ".join(report.draft.failures))
+        report.verdict = "FAIL"
 
 
 def _check_reference(path, ref_meta, ref_tensors, made_from: str | None, force: bool, per_layer: bool) -> None:

@@ -16,6 +16,7 @@ from kconvert.convert.shard_outputs import OUTPUT_FIELDS, SRC, Output, WorkItem,
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import QuantPolicy, rows_copy, source_quant
 from kconvert.quant.scheme import LosslessCopy
+from kconvert.quant.stacked import STACKED_COPIES
 from kconvert.source.logical import stack_form
 
 
@@ -26,8 +27,10 @@ def _stack_part(parts: dict[tuple, int], form: tuple | None, p: Piece, copy, inf
                 how: tuple) -> int | None:
     """A small id per distinct (stored form, cut, how it is stored): a stack key, hashed per weight, stays cheap.
     how: (transform, scale_format, group_size, int4_scales, fp8_block)."""
-    if form is None or copy is not None or info.rule.values_below is not None:
-        return None  # read alone, a lossless copy, a table checked by value
+    if form is None or info.rule.values_below is not None:
+        return None  # read alone, a table checked by value
+    if copy is not None and (p.dim is not None or copy.transform not in STACKED_COPIES):
+        return None  # a lossless copy other than a whole FP4 expert's (quant/stacked.py copy_parts)
     return parts.setdefault((form, p.dim, p.start, p.stop, how), len(parts))
 
 

@@ -22,7 +22,7 @@ from kconvert.io.dtypes import TAGS
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.quant import stacked
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.stacked import read_stack
+from kconvert.source.stacked import read_fp4_parts, read_stack
 
 STACK_BYTES = 64 << 20  # float32 bytes of one stack at most (a real model's large experts are not stacked)
 
@@ -58,6 +58,7 @@ def _key(src: str, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool
     ok = stackable.get(parts)
     if ok is None:  # once per distinct key: every output stackable, and stored in a way quant/stacked.py does
         ok = stackable[parts] = None not in parts and all(
+            stacked.supports_copy(o.copy.transform, o.options) if o.copy is not None else
             o.scheme is None or stacked.supports(o.scheme, o.options) for _, o in pairs)
     return parts if ok and not (codes and src in codes) else None
 
@@ -65,9 +66,11 @@ def _key(src: str, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
     """Read, transform and write the stack `srcs` (weights sharing a plan_jobs key); returns the source
     bytes done (for progress)."""
-    x = read_stack(list(map(ck.logical.__getitem__, srcs)), ck.int4_group())
     pairs0, n = by_src[srcs[0]], len(srcs)
-    made: dict = _even_split(x, [o for _, o in pairs0])  # a replicated output is made once, too
+    ts = list(map(ck.logical.__getitem__, srcs))
+    copies = pairs0[0][1].copy is not None  # whole FP4 experts copied (or re-encoded exactly): their stored parts
+    x = read_fp4_parts(ts) if copies else read_stack(ts, ck.int4_group())
+    made: dict = {} if copies else _even_split(x, [o for _, o in pairs0])  # a replicated output is made once, too
     rows_of: dict = {}  # made key -> a byte row a weight, per planned tensor
     table = list(map(by_src.__getitem__, srcs))
     for j, (_, o0) in enumerate(pairs0):
@@ -76,15 +79,18 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
         rows = rows_of.get(key)
         if rows is None:
             stacks = made.get(key)
-            if stacks is None:
+            if stacks is None and copies:
+                stacks = stacked.copy_parts(o0.copy.transform, x, o0.options)
+            elif stacks is None:
                 stacks = _produce(o0, x if p.dim is None else x.narrow(p.dim + 1, p.start, p.stop - p.start))
             specs0 = o0.specs()
             if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
                 raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
             rows = rows_of[key] = [s.view(torch.uint8).numpy().reshape(n, -1) for s in stacks]
+        tail = o0.specs()[0][0][len(o0.src):]  # a weight's first stored tensor: its name + this (`_packed` for FP4)
         if n == 1:  # a weight alone: its file takes its tensors in one write
             writer = pairs0[j][0]
-            first = writer.index(o0.src)
+            first = writer.index(o0.src + tail)
             _check_planned(writer, [first], o0)
             writer.write_bytes(first, [r[0] for r in rows])
             continue
@@ -101,7 +107,7 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
                 by_writer.setdefault(writer, []).append(i)
         for writer, ns in by_writer.items():
             mine = srcs if len(ns) == n else [srcs[i] for i in ns]
-            firsts = writer.indices(mine)
+            firsts = writer.indices([name + tail for name in mine] if tail else mine)
             _check_planned(writer, firsts, o0)
             writer.write_stacked(firsts, rows if len(ns) == n else [r[ns] for r in rows])
     return n * sum(o.bytes_in for _, o in pairs0)  # every weight's outputs alike (checked)

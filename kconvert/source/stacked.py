@@ -47,3 +47,14 @@ def _fp4_stack(ts: list[LogicalTensor]) -> torch.Tensor:
     if scale.numel() and float(e8m0_to_float(scale).max()) * _TOP_BY_FORMAT["fp4_packed"] > FLOAT32_MAX:
         raise NotStackable
     return dequantize_fp4(packed, scale).view(n, rows, cols)
+
+
+def read_fp4_parts(ts: list[LogicalTensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 experts' stored parts as two stacks (code pairs [N, R, C/2] as stored, e8m0 scales [N, R, C/32]), for a
+    lossless copy of each; NotStackable past the scale check (the one-by-one read_parts names the tensor)."""
+    n, rows = len(ts), ts[0].shape[0]
+    packed = read_stacked([t.stored["weight"] for t in ts])
+    scale = read_stacked([t.stored["scale"] for t in ts])
+    if scale.numel() and float(e8m0_to_float(scale).max()) * _TOP_BY_FORMAT["fp4_packed"] > FLOAT32_MAX:
+        raise NotStackable
+    return packed.reshape(n, rows, -1), scale.reshape(n, rows, -1)

@@ -108,6 +108,10 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
     from kconvert.verify.verdict import CHECKED, run_verify
 
     DRAFT_KEYS = ("draft.mean_kld", "draft.mean_kld_quantized", "draft.acceptance_drop", "draft.new_tokens")
+    # what a limit can mean: a share of positions is a percentage, a perplexity ratio at least 1, a share of drafts
+    # at most 1, a count of tokens at least 1 (same_top1_pct=200 or ppl_ratio=0.5 could never be met)
+    THRESHOLD_RANGES = {"same_top1_pct": (0, 100), "ppl_ratio": (1, None), "draft.acceptance_drop": (0, 1),
+                        "draft.new_tokens": (1, 4096)}
 
     from engine.cache.budget import kv_options
 
@@ -121,7 +125,7 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
         key, _, value = item.partition("=")
         if key.removeprefix("faithful.") not in CHECKED and key not in DRAFT_KEYS:
             raise UsageError(f"unknown threshold {key!r} ({', '.join(CHECKED)}, faithful.KEY or {', '.join(DRAFT_KEYS)})")
-        limits[key] = number(value, f"--threshold {key}", 0)
+        limits[key] = number(value, f"--threshold {key}", *THRESHOLD_RANGES.get(key.removeprefix("faithful."), (0, None)))
         if key == "draft.new_tokens":
             limits[key] = int(limits[key])
     from kconvert.io.workdir import terminate_as_interrupt

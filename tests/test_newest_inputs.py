@@ -36,6 +36,16 @@ def test_compress_level_in_ascii_digits(conversion, tmp_path, level):
     assert not (out / ".kconvert").exists()
 
 
+@pytest.mark.parametrize("threshold, needle", [("same_top1_pct=200", "at most 100"), ("ppl_ratio=0.5", "at least 1"),
+                                              ("faithful.same_top1_pct=101", "at most 100"),
+                                              ("draft.acceptance_drop=3", "at most 1"), ("mean_kld=-1", "at least 0")])
+def test_a_threshold_that_can_never_be_met_is_refused(conversion, threshold, needle):
+    """A limit outside what its statistic can be (a share over 100 %, a perplexity ratio under 1) would make every
+    verify PASS or FAIL whatever the conversion: refused before any work."""
+    assert_one_line_error(cli_here("verify", conversion("tiny-k25-dsv32", tp=1), "--threshold", threshold),
+                          "--threshold", needle)
+
+
 def _nest(root, depth: int) -> None:
     """`depth` directories one inside the other under root, a text file at the bottom (made relative to a
     descriptor: the whole path is longer than PATH_MAX)."""

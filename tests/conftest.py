@@ -72,3 +72,22 @@ def image_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("img") / "disk.png"
     im.save(path)
     return path
+
+
+class _Hang(Exception):
+    pass
+
+
+@pytest.fixture
+def deadline():
+    """Fail a case that hangs (a FIFO would) after 30 s instead of hanging the suite."""
+    import signal
+
+    def hang(signum, frame):
+        raise _Hang("no answer within 30 s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)

@@ -53,6 +53,16 @@ def one_thread():
         torch.set_num_threads(n)
 
 
+def verify_json(out, ref, *extra) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`kconvert verify OUT --reference REF --json EXTRA...` in this process on one torch thread: (the run, its
+    report, or None when it printed none)."""
+    import json
+
+    with one_thread():
+        r = cli_here("verify", out, "--reference", ref, "--json", *extra)
+    return r, json.loads(r.stdout) if r.stdout.strip() else None
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     lines = [l for l in proc.stderr.splitlines() if l.strip()]

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import cli_here, one_thread
+from helpers import cli_here, one_thread, verify_json
 from kconvert.fixtures.dsv41 import v41_config, write_v41_checkpoint
 from kconvert.verify import damage
 
@@ -45,10 +45,7 @@ def v41(tmp_path_factory):
     return d
 
 
-def verify(out, ref, *extra):
-    with one_thread():
-        r = cli_here("verify", out, "--reference", ref, "--json", *extra)
-    return r, json.loads(r.stdout) if r.stdout.strip() else None
+verify = verify_json
 
 
 def test_the_fixture_is_what_mlx_vlm_loads_and_its_loop_is_mlx_vlms_forward(v41):

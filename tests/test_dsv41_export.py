@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import cli_here, one_thread
+from helpers import cli_here, verify_json
 
 
 def _tensors(folder) -> dict:
@@ -31,10 +31,7 @@ def v41(tmp_path_factory):
     return d
 
 
-def verify(out, ref):
-    with one_thread():
-        r = cli_here("verify", out, "--reference", ref, "--json")
-    return r, json.loads(r.stdout) if r.stdout.strip() else None
+verify = verify_json
 
 
 def test_the_fp8_block_export_of_v41_is_the_release(v41):

@@ -56,25 +56,6 @@ def _undamage(sandbox: Sandbox, f: Path) -> None:
     sandbox.restore()
 
 
-class _Hang(Exception):
-    pass
-
-
-@pytest.fixture
-def deadline():
-    """Fail a case that hangs (a FIFO would) after 30 s instead of hanging the suite."""
-    import signal
-
-    def hang(signum, frame):
-        raise _Hang("no answer within 30 s")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
 @pytest.mark.parametrize("text", [False, True], ids=["bytes", "str"])
 def test_json_nested_one_past_the_bound_refused(tmp_path, text):
     """MAX_DEPTH levels read; one more is refused (the walk runs whenever the file holds more than MAX_DEPTH

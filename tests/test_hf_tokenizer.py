@@ -4,14 +4,13 @@ tiktoken.model): read by kconvert as transformers reads it (ids, per-token bytes
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from helpers import assert_one_line_error, cli_here, one_thread
+from helpers import assert_one_line_error, cli_here, verify_json
 from kconvert.fixtures.hf_tokenizer import ASSISTANT, EOS, USER, write_deepseek_tokenizer
 
 TEXTS = ["def main(argv):\n    return 0\n", "héllo wörld 世界 🙂\t\tx", "", "   leading and trailing   ",
@@ -68,9 +67,7 @@ def test_reference_verify_and_chat_on_a_tokenizer_json_checkpoint(tok_dir, tmp_p
         r = cli_here(*args)
         assert r.returncode == 0, r.stderr
     assert (out / "tokenizer.json").is_file()
-    with one_thread():
-        r = cli_here("verify", out, "--reference", ref, "--json")
-    rep = json.loads(r.stdout)
+    r, rep = verify_json(out, ref)
     assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
     for args in (["--complete", "--prompt", "def main(", "--max-new-tokens", "4"],
                  ["--prompt", "hello", "--max-new-tokens", "4"]):  # chat starts the 2 ranks itself: a process of its own
@@ -112,9 +109,7 @@ def test_the_v41_preset_ships_deepseeks_tokenizer_and_runs_on_it(tmp_path, capsy
         r = cli_here(*args)
         assert r.returncode == 0, r.stderr
     assert (src / "tokenizer.json").is_file() and not (src / "tiktoken.model").exists()
-    with one_thread():
-        r = cli_here("verify", out, "--reference", ref, "--json")
-    rep = json.loads(r.stdout)
+    r, rep = verify_json(out, ref)
     assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
     assert rep["faithfulness"]["by_kind"]["image"]["positions"] > 0
     Image.new("RGB", (64, 48), (200, 30, 30)).save(tmp_path / "red.png")

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import cli_here, one_thread
+from helpers import cli_here, verify_json
 from kconvert.fixtures.kimi_linear import k3_config, write_kimi_checkpoint
 from kconvert.verify import damage
 
@@ -46,10 +46,7 @@ def k3(tmp_path_factory):
     return d
 
 
-def verify(out, ref, *extra):
-    with one_thread():
-        r = cli_here("verify", out, "--reference", ref, "--json", *extra)
-    return r, json.loads(r.stdout) if r.stdout.strip() else None
+verify = verify_json
 
 
 def test_the_fixture_is_what_mlx_lm_loads_and_its_loop_is_mlx_lms_forward(k3):

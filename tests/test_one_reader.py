@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -123,23 +122,6 @@ def test_the_reader_refuses_what_is_not_a_regular_file(tmp_path):
     fd, size = open_regular(tmp_path / "f")
     assert size == 3 and os.read(fd, 10) == b"abc"
     os.close(fd)
-
-
-class _Hang(Exception):
-    pass
-
-
-@pytest.fixture
-def deadline():
-    """Fail a case that hangs (a FIFO would) after 30 s instead of hanging the suite."""
-    def hang(signum, frame):
-        raise _Hang("no answer within 30 s")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")

@@ -38,15 +38,19 @@ def test_fp4_experts_are_read_as_stacks_with_the_same_bytes(checkpoint, tmp_path
     assert len(stacked_files) > 4 and stacked_files == _digest(tmp_path / "alone")
 
 
-@pytest.mark.parametrize("byte", [b"\xff", b"\xfd"])  # e8m0 NaN; 2^126, under which code 6 overflows float32
-def test_a_damaged_fp4_scale_in_a_stack_is_named_as_before(checkpoint, copy_checkpoint, tmp_path, monkeypatch, byte):
-    src = copy_checkpoint(checkpoint("topo-kimi-k3", layers=3, experts=8))
-    suffix = "layers.2.block_sparse_moe.experts.5.w3.weight_scale"
+def _edit_scale(src, suffix: str, edit) -> None:
+    """Rewrite the first byte of the e8m0 scales stored under `suffix` in place: edit(old byte) -> new byte."""
     files = [f for f in sorted(src.glob("*.safetensors")) if any(k.endswith(suffix) for k in read_header(f).tensors)]
     entry = next(e for k, e in read_header(files[0]).tensors.items() if k.endswith(suffix))
     with open(files[0], "r+b") as fh:
-        fh.seek(entry.begin + 1)
-        fh.write(byte)
+        fh.seek(entry.begin)
+        old = fh.read(1)[0]
+        fh.seek(entry.begin)
+        fh.write(bytes([edit(old)]))
+
+
+def _errors_stacked_and_alone(src, tmp_path, monkeypatch, quant: str) -> tuple[list[str], list[str]]:
+    """The one-line errors of shard with stacks and with every weight alone, and the weights tried in a stack."""
     errors, stacked_names = [], []
     real = shard_unit.write_stack
     monkeypatch.setattr(shard_unit, "write_stack",
@@ -54,8 +58,16 @@ def test_a_damaged_fp4_scale_in_a_stack_is_named_as_before(checkpoint, copy_chec
     for tag, elems in (("stacked", shard_plan.STACK_ELEMS), ("alone", 0)):
         monkeypatch.setattr(shard_plan, "STACK_ELEMS", elems)
         with pytest.raises(KConvertError) as e:
-            shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant="none"))
+            shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant=quant))
         errors.append(e.value.one_line())
+    return errors, stacked_names
+
+
+@pytest.mark.parametrize("byte", [0xFF, 0xFD])  # e8m0 NaN; 2^126, under which code 6 overflows float32
+def test_a_damaged_fp4_scale_in_a_stack_is_named_as_before(checkpoint, copy_checkpoint, tmp_path, monkeypatch, byte):
+    src = copy_checkpoint(checkpoint("topo-kimi-k3", layers=3, experts=8))
+    _edit_scale(src, "layers.2.block_sparse_moe.experts.5.w3.weight_scale", lambda old: byte)
+    errors, stacked_names = _errors_stacked_and_alone(src, tmp_path, monkeypatch, "none")
     assert any(".experts.5.w3" in n for n in stacked_names)  # the damaged expert was read in a stack first
     assert errors[0] == errors[1] and "experts.5.w3" in errors[0], errors
 
@@ -64,22 +76,8 @@ def test_a_block_fp8_cannot_hold_in_a_stack_is_refused_as_before(checkpoint, cop
     """One expert's group scales made to span 20 octaves inside one 128 x 128 block: the stack cannot re-encode it
     exactly, and the one-by-one path refuses it naming the tensor and suggesting --requantize, as before stacks."""
     src = copy_checkpoint(checkpoint("topo-kimi-k3", layers=3, experts=8))
-    suffix = "layers.2.block_sparse_moe.experts.4.w1.weight_scale"
-    files = [f for f in sorted(src.glob("*.safetensors")) if any(k.endswith(suffix) for k in read_header(f).tensors)]
-    entry = next(e for k, e in read_header(files[0]).tensors.items() if k.endswith(suffix))
-    with open(files[0], "r+b") as fh:
-        fh.seek(entry.begin)
-        first = fh.read(1)[0]
-        fh.seek(entry.begin)
-        fh.write(bytes([first - 20]))  # its first group 2^20 times smaller than its neighbours
-    errors, stacked_names = [], []
-    real = shard_unit.write_stack
-    monkeypatch.setattr(shard_unit, "write_stack",
-                        lambda ck, srcs, by_src: stacked_names.extend(srcs) or real(ck, srcs, by_src))
-    for tag, elems in (("stacked", shard_plan.STACK_ELEMS), ("alone", 0)):
-        monkeypatch.setattr(shard_plan, "STACK_ELEMS", elems)
-        with pytest.raises(KConvertError) as e:
-            shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant="fp8"))
-        errors.append(e.value.one_line())
+    # its first group 2^20 times smaller than its neighbours
+    _edit_scale(src, "layers.2.block_sparse_moe.experts.4.w1.weight_scale", lambda old: old - 20)
+    errors, stacked_names = _errors_stacked_and_alone(src, tmp_path, monkeypatch, "fp8")
     assert any(".experts.4.w1" in n for n in stacked_names)  # tried in a stack first
     assert errors[0] == errors[1] and "experts.4.w1" in errors[0] and "--requantize" in errors[0], errors

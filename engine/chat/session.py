@@ -195,7 +195,7 @@ def _run(a) -> int:
     kv = kv_options(a.kv_dtype, a.kv_budget, a.kv_device_budget, device)  # bad input fails before loading
     model = Model.from_converted(a.path, device=device, dtype=DTYPES[a.dtype], par=par)
     model.kv = kv
-    tok = Tokenizer(a.path)
+    tok = Tokenizer(a.path, model.cfg.image_token_id)
     sampling = Sampling(a.temperature, a.top_p, a.top_k, a.max_new_tokens, tok.stop_ids, a.seed)
     if a.complete and (a.prompt is None or a.image):
         raise UsageError("--complete continues one --prompt of plain text (no image, not interactive)")

@@ -27,21 +27,10 @@ def _inside(d: Path, name: str) -> Path:
         raise TokenizerError(f"is a symlink to {p.resolve()}, outside the checkpoint: refused", file=str(p)) from None
 
 
-def _image_token_id(d: Path) -> int | None:
-    """config.json's `image_token_id` (top level, else the text config's), or None."""
-    p = d / "config.json"
-    if not p.is_file():
-        return None
-    cfg = read_json(p, limit=MAX_CONFIG, error=TokenizerError)
-    for where in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
-        v = where.get("image_token_id") if isinstance(where, dict) else None
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-            return v
-    return None
-
-
 class Tokenizer:
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, image_token: int | None = None):
+        """`image_token`: the model's image placeholder id (engine.config.image_token_id: the key its family names),
+        written as its token's text where the tokenizer is not Kimi's (whose is `<|media_pad|>`)."""
         d = Path(model_dir)
         paths = {name: _inside(d, name) for name in FILES}
         self.enc = load_tokenizer(d)
@@ -51,9 +40,9 @@ class Tokenizer:
         self.special_ids = set(self.specials.values())
         self.template, self.template_where = self._find_template(paths)
         self.media_pad, self.image_text = self.specials.get("<|media_pad|>"), IMAGE_PLACEHOLDER
-        if not self.kimi:  # the image token config.json names (DeepSeek-V4.1: `image_token_id`), written as its text
-            self.media_pad = _image_token_id(d)
-            if self.media_pad is not None and self.media_pad < self.enc.n_vocab:
+        if not self.kimi and image_token is not None:  # DeepSeek-V4.1's image token, written as its text
+            self.media_pad = image_token
+            if image_token < self.enc.n_vocab:
                 self.image_text = self.enc.decode_single_token_bytes(self.media_pad).decode("utf-8", "replace")
         eos = self.cfg.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos  # tokenizer_config writes it either way

@@ -24,30 +24,31 @@ SPAN = 14  # d from -8 to 6: the octaves one block scale holds exactly
 
 def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "", block: int = FP8_BLOCK,
                     rounding: bool = False) -> torch.Tensor:
-    """int32 [ceil(R/b), ceil(C/b)]: the exponent m of each block's scale 2^m (refuses a block whose
-    groups span more than SPAN octaves, unless `rounding`)."""
+    """int32 [..., ceil(R/b), ceil(C/b)]: the exponent m of each block's scale 2^m (refuses a block whose
+    groups span more than SPAN octaves, unless `rounding`). Leading dims: weights of a stack, each its own blocks."""
     import torch
 
-    rows = packed.shape[0]
-    k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS  # [R, C/32]
-    live = (packed & 0x77).view(rows, -1, GROUP // 2).amax(dim=-1) > 0  # a nonzero magnitude in the group
+    lead, rows = packed.shape[:-2], packed.shape[-2]
+    k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS  # [..., R, C/32]
+    live = (packed & 0x77).view(*lead, rows, -1, GROUP // 2).amax(dim=-1) > 0  # a nonzero magnitude in the group
     per = block // GROUP  # groups across one block
-    br, bc = -(-rows // block), -(-k.shape[1] // per)
-    pad_r, pad_c = br * block - rows, bc * per - k.shape[1]
+    br, bc = -(-rows // block), -(-k.shape[-1] // per)
+    pad_r, pad_c = br * block - rows, bc * per - k.shape[-1]
     big, small = torch.iinfo(torch.int32).max, torch.iinfo(torch.int32).min
 
     def fold(x: torch.Tensor, fill: int, op) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r), value=fill)
-        return op(op(x.view(br, block, bc, per), dim=3).values, dim=1).values
+        return op(op(x.view(*lead, br, block, bc, per), dim=-1).values, dim=-2).values
 
     hi = fold(torch.where(live, k, small), small, torch.max)
     lo = fold(torch.where(live, k, big), big, torch.min)
     empty = hi == small  # an all-zero block: any scale
     wide = ~empty & (hi - lo > SPAN)
     if wide.any() and not rounding:
-        b = wide.nonzero()[0].tolist()
+        b = tuple(wide.nonzero()[0].tolist())
+        r, c = b[-2:]
         raise UsageError(
-            f"--quant fp8: FP4 block ({b[0]}, {b[1]}) has group scales 2^{int(lo[b[0], b[1]])} .. 2^{int(hi[b[0], b[1]])}, "
+            f"--quant fp8: FP4 block ({r}, {c}) has group scales 2^{int(lo[b])} .. 2^{int(hi[b])}, "
             f"more than the {SPAN} octaves one FP8 block scale holds exactly; `shard --requantize` rounds the "
             f"smallest groups (or --quant fp4 keeps FP4)", tensor=name)
     return torch.where(empty, torch.zeros_like(hi), hi - TOP)
@@ -55,22 +56,23 @@ def block_exponents(packed: torch.Tensor, scale: torch.Tensor, name: str = "", b
 
 def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "", block: int = FP8_BLOCK,
                      rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 [R, C/2] e2m1 pairs, e8m0 [R, C/32]) -> (float8_e4m3fn [R, C], float32 [ceil(R/128), ceil(C/128)])
-    with q * scale equal to the FP4 value, element for element (`rounding`: except in the groups more than SPAN
-    octaves under their block's largest, rounded to nearest). Each q is code * 2^(k - m), computed in that
-    form (never as the FP4 value itself, which overflows float32 at e8m0's top scales)."""
+    """(uint8 [..., R, C/2] e2m1 pairs, e8m0 [..., R, C/32]) -> (float8_e4m3fn [..., R, C], float32
+    [..., ceil(R/b), ceil(C/b)]) with q * scale equal to the FP4 value, element for element (`rounding`: except in
+    the groups more than SPAN octaves under their block's largest, rounded to nearest). Each q is code * 2^(k - m),
+    computed in that form (never as the FP4 value itself, which overflows float32 at e8m0's top scales). Leading
+    dims: a stack of weights (shard's), each with its own blocks, bit-identical to converting each alone."""
     import torch
 
     m = block_exponents(packed, scale, name, block, rounding)
-    rows, cols = packed.shape[0], packed.shape[1] * 2
+    rows = packed.shape[-2]
     k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS
-    m_groups = m.repeat_interleave(block, 0)[:rows].repeat_interleave(block // GROUP, 1)[:, : k.shape[1]]
+    m_groups = m.repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block // GROUP, -1)[..., : k.shape[-1]]
     # in range for every live group of an exact block; below it (rounding) e4m3's cast rounds to nearest, and
     # from 2^-13 down even code 6 is under half e4m3's smallest subnormal 2^-9: zero, as at the clamp
     d = (k - m_groups).clamp_(-SPAN + TOP - 8 if rounding else -SPAN + TOP, TOP)
     lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(rows, cols)
-    q = lut[codes.long()] * torch.exp2(d.to(torch.float32)).repeat_interleave(GROUP, dim=1)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+    q = lut[codes.long()] * torch.exp2(d.to(torch.float32)).repeat_interleave(GROUP, dim=-1)
     return q.to(torch.float8_e4m3fn), torch.exp2(m.to(torch.float32))  # exact blocks: every q is an e4m3 value
 
 

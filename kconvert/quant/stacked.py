@@ -86,39 +86,13 @@ def copy_parts(transform: str, parts: tuple[torch.Tensor, torch.Tensor], opts: O
     U8 pairs, the scales), or their exact FP8 re-encoding (fp4_to_fp8) into opts.fp8_block blocks, bit-identical to
     fp4_to_fp8.fp4_to_fp8_block of each weight. NotStackable where a block spans more octaves than one FP8 scale
     holds (and --requantize was not given): the one-by-one path refuses it, naming the tensor."""
+    from kconvert.errors import UsageError
+    from kconvert.quant.fp4_to_fp8 import fp4_to_fp8_block
+
     packed, scale = parts
     if transform == "fp4_copy":
         return [packed.view(torch.uint8).contiguous(), scale.view(torch.float8_e8m0fnu).contiguous()]
-    return list(fp4_to_fp8_blocks(packed.view(torch.uint8), scale, opts.fp8_block, opts.requantize))
-
-
-def fp4_to_fp8_blocks(packed: torch.Tensor, scale: torch.Tensor, block: int, rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp4_to_fp8.fp4_to_fp8_block over a stack: (e4m3 [N, R, C], float32 [N, ceil(R/b), ceil(C/b)])."""
-    from kconvert.quant.fp4_e2m1 import E2M1, E8M0_BIAS, GROUP
-    from kconvert.quant.fp4_to_fp8 import SPAN, TOP
-
-    n, rows = packed.shape[:2]
-    k = scale.view(torch.uint8).to(torch.int32) - E8M0_BIAS  # [N, R, G]
-    groups = k.shape[2]
-    live = (packed & 0x77).view(n, rows, groups, GROUP // 2).amax(dim=-1) > 0
-    per = block // GROUP
-    br, bc = -(-rows // block), -(-groups // per)
-    pad_r, pad_c = br * block - rows, bc * per - groups
-    big, small = torch.iinfo(torch.int32).max, torch.iinfo(torch.int32).min
-
-    def fold(x: torch.Tensor, fill: int, op) -> torch.Tensor:
-        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r), value=fill)
-        return op(op(x.view(n, br, block, bc, per), dim=4).values, dim=2).values
-
-    hi = fold(torch.where(live, k, small), small, torch.max)
-    lo = fold(torch.where(live, k, big), big, torch.min)
-    empty = hi == small
-    if not rounding and bool((~empty & (hi - lo > SPAN)).any()):
-        raise NotStackable
-    m = torch.where(empty, torch.zeros_like(hi), hi - TOP)  # [N, br, bc]
-    m_groups = m.repeat_interleave(block, 1)[:, :rows].repeat_interleave(per, 2)[:, :, :groups]
-    d = (k - m_groups).clamp_(-SPAN + TOP - 8 if rounding else -SPAN + TOP, TOP)
-    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n, rows, -1)
-    q = lut[codes.long()] * torch.exp2(d.to(torch.float32)).repeat_interleave(GROUP, dim=2)
-    return q.to(torch.float8_e4m3fn), torch.exp2(m.to(torch.float32))
+    try:  # the per-weight converter over the stack's leading dim: each weight its own blocks
+        return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, "", opts.fp8_block, opts.requantize))
+    except UsageError:  # a block one scale cannot hold: the one-by-one path refuses it, naming the tensor
+        raise NotStackable from None

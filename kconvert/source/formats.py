@@ -96,18 +96,28 @@ def check_scale_range(t: LogicalTensor, scale: torch.Tensor) -> None:
     largest code its format stores must stay within float32, else the scale is refused, naming it. An e8m0 byte
     0xFE is 2^127, under which FP4's code 6 is Inf: no real checkpoint holds a scale within 2^9 of float32's
     top, so the test needs the scales alone (a max over them), never the weights."""
-    import torch
-
     top = _TOP_BY_FORMAT.get(t.format) or _TOP_BY_DTYPE.get(t.parts["weight"].dtype if "weight" in t.parts else "")
-    if top is None or scale.numel() == 0:
-        return
-    s = e8m0_to_float(scale) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.float32)
-    biggest = float(s.abs().max())
-    if biggest * top > FLOAT32_MAX:
+    biggest = scale_overflow(scale, top)
+    if biggest is not None:
         entry = t.parts["scale"]
         raise NonFiniteError(f"a scale of {biggest:.3g} decodes this tensor's codes (up to {top:g}) past float32 "
                              "(dequantized values overflow to Inf): the checkpoint is damaged", file=str(entry.file),
                              tensor=entry.name)
+
+
+def scale_overflow(scale: torch.Tensor, top: float | None) -> float | None:
+    """The largest of `scale` (e8m0 bytes or floats) when it times `top` (the largest code) passes float32, else
+    None: check_scale_range's test, also made over a whole stack of scales (source/stacked.py)."""
+    import torch
+
+    if top is None or scale.numel() == 0:
+        return None
+    s = e8m0_to_float(scale) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.float32)
+    biggest = float(s.abs().max())
+    return biggest if biggest * top > FLOAT32_MAX else None
+
+
+FP4_TOP = _TOP_BY_FORMAT["fp4_packed"]
 
 
 def declared_shape(t: LogicalTensor, shape_part: torch.Tensor) -> tuple[int, int]:

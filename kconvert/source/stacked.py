@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from kconvert.io.dtypes import e8m0_to_float
 from kconvert.io.stacked_read import read_stacked
 from kconvert.quant.fp4_e2m1 import dequantize_fp4
 from kconvert.quant.stacked import NotStackable, dequantize_int4_words
-from kconvert.source.formats import _TOP_BY_FORMAT, FLOAT32_MAX, LogicalTensor, all_finite, declared_shape
+from kconvert.source.formats import FP4_TOP, LogicalTensor, all_finite, declared_shape, scale_overflow
 
 
 def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
@@ -38,15 +37,11 @@ def read_stack(ts: list[LogicalTensor], group: int) -> torch.Tensor:
 
 
 def _fp4_stack(ts: list[LogicalTensor]) -> torch.Tensor:
-    """FP4 e2m1 experts (DeepSeek-V4's int8 pairs, Kimi K3's MXFP4 bytes) with their e8m0 scales -> float32
-    [N, rows, cols], decoded by the fp4 scheme's own dequantize_fp4 (the one decoder). Every value is finite when
-    6 x the largest scale is: a stack with a scale past that (or 0xFF, NaN) is read one by one, which names it."""
+    """FP4 e2m1 experts (DeepSeek-V4's int8 pairs, Kimi K3's MXFP4 bytes) -> float32 [N, rows, cols], decoded by the
+    fp4 scheme's own dequantize_fp4 (the one decoder) from their stored parts (read_fp4_parts: scales checked)."""
     n, (rows, cols) = len(ts), ts[0].shape
-    packed = read_stacked([t.stored["weight"] for t in ts]).view(torch.uint8).reshape(n * rows, -1)
-    scale = read_stacked([t.stored["scale"] for t in ts]).reshape(n * rows, -1)
-    if scale.numel() and float(e8m0_to_float(scale).max()) * _TOP_BY_FORMAT["fp4_packed"] > FLOAT32_MAX:
-        raise NotStackable
-    return dequantize_fp4(packed, scale).view(n, rows, cols)
+    packed, scale = read_fp4_parts(ts)
+    return dequantize_fp4(packed.reshape(n * rows, -1).view(torch.uint8), scale.reshape(n * rows, -1)).view(n, rows, cols)
 
 
 def read_fp4_parts(ts: list[LogicalTensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +50,6 @@ def read_fp4_parts(ts: list[LogicalTensor]) -> tuple[torch.Tensor, torch.Tensor]
     n, rows = len(ts), ts[0].shape[0]
     packed = read_stacked([t.stored["weight"] for t in ts])
     scale = read_stacked([t.stored["scale"] for t in ts])
-    if scale.numel() and float(e8m0_to_float(scale).max()) * _TOP_BY_FORMAT["fp4_packed"] > FLOAT32_MAX:
+    if scale_overflow(scale, FP4_TOP) is not None:  # every value is finite when 6 x the largest scale is
         raise NotStackable
     return packed.reshape(n, rows, -1), scale.reshape(n, rows, -1)

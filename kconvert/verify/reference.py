@@ -43,14 +43,14 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_tok
     """Tokenize and preprocess images, expanding each image's placeholder (`image_token_id`, default config.json's)
     to the text positions its vision kind gives it. Chat and image prompts take Kimi's turn format with Kimi's
     tokenizer, the checkpoint's own chat template with a tokenizer.json (DeepSeek's releases)."""
-    from kconvert.source.tokenizer import load_tokenizer
+    from engine.chat.tokenizer import Tokenizer
 
-    enc = load_tokenizer(model_dir)  # tiktoken.model or tokenizer.json; none: one line naming the directory
-    templated = None if (Path(model_dir) / "tiktoken.model").exists() else _templated(model_dir, enc, config,
-                                                                                       image_token_id)
+    pad = config.get("image_token_id") if image_token_id is None else image_token_id
+    tok = Tokenizer(model_dir, pad)  # tiktoken.model or tokenizer.json, read once; none: one line naming the directory
+    enc = tok.enc
     out = []
     for p in prompts:
-        text = _render(p) if templated is None else templated(p)
+        text = _render(p) if tok.kimi else _templated(tok, p)
         ids = enc.encode(text, allowed_special="all")
         pixel_values = grid = None
         if p.get("image"):
@@ -58,7 +58,6 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_tok
                 raise UsageError(f"prompt {p['id']} has an image but the model has no vision tower", file=str(model_dir))
             pixel_values, (gh, gw), n = prompt_patches(p, config)
             grid = torch.tensor([[1, gh, gw]])
-            pad = config["image_token_id"] if image_token_id is None else image_token_id
             if ids.count(pad) != 1:
                 raise UsageError(f"prompt {p['id']} must hold exactly one image placeholder", file=str(model_dir))
             i = ids.index(pad)
@@ -67,23 +66,15 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_tok
     return out
 
 
-def _templated(model_dir: Path, enc, config: dict, image_token_id: int | None):
-    """A prompt's text through the checkpoint's chat template (engine/chat/tokenizer.py renders it, sandboxed); the
-    image placeholder is the text of the image token."""
-    from engine.chat.tokenizer import Tokenizer
-
-    tok = Tokenizer(model_dir)
-    pad = config.get("image_token_id") if image_token_id is None else image_token_id
-    image = enc.decode_single_token_bytes(pad).decode("utf-8", "replace") if pad is not None else ""
-
-    def render(p: dict) -> str:
-        if p.get("chat"):
-            return tok.render([{"role": m["role"], "content": m["content"]} for m in p["chat"]])
-        if p["kind"] == "image":
-            return tok.render([{"role": "user", "content": (image if p.get("image") else "") + p["text"]}])
-        return p["text"]
-
-    return render
+def _templated(tok, p: dict) -> str:
+    """A prompt's text through the checkpoint's chat template (engine/chat/tokenizer.py renders it, sandboxed, an image
+    as its token's text)."""
+    if p.get("chat"):
+        return tok.render([{"role": m["role"], "content": m["content"]} for m in p["chat"]])
+    if p["kind"] == "image":
+        image = [{"type": "image"}] if p.get("image") else []
+        return tok.render([{"role": "user", "content": [*image, {"type": "text", "text": p["text"]}]}])
+    return p["text"]
 
 
 def _render(p: dict) -> str:

@@ -121,22 +121,33 @@ class V4Attention(nn.Module):
         return torch.einsum("bshd,bnd->bhsn", q, entries).masked_fill(~seen[:, None], float("-inf")), entries
 
     def _attend(self, logits: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """Softmax over [window keys | compressed entries | sink] per head -> [B,S,h,D] (in float32: the
-        sink and the scores meet in one row, as wide as the window plus the entries). A value tensor is
-        shared by the queries [B,T,D] or per query [B,S,k,D]."""
-        B, h, S, _ = logits[0].shape
-        sink = self.sinks.float().view(1, h, 1, 1).expand(B, h, S, 1)
-        p = torch.softmax(torch.cat([t.float() * self.scale for t in logits] + [sink], dim=-1), dim=-1)
-        out, at = 0, 0
-        for t, v in zip(logits, values):
-            w = p[..., at:at + t.shape[-1]].to(v.dtype)
-            out = out + torch.einsum("bhst,btd->bshd" if v.dim() == 3 else "bhst,bstd->bshd", w, v)
-            at += t.shape[-1]
-        return out
+        return attend_with_sink(logits, values, self.sinks, self.scale)
 
     def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, S = o.shape[:2]
-        o = rope_tail(o, cos[:, :, None], -sin[:, :, None])  # undo the values' rotation at the query position
-        grouped = o.reshape(B, S, self.groups, -1)
-        w = self.o_a_proj.dense(o.dtype).view(self.groups, -1, grouped.shape[-1])  # [g, o_lora_rank, in/g]
-        return self.o_b_proj(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
+        return grouped_output(o, cos, sin, self.groups, self.o_a_proj, self.o_b_proj)
+
+
+def attend_with_sink(logits: list[torch.Tensor], values: list[torch.Tensor], sinks: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Softmax over [window keys | compressed entries | sink] per head -> [B,S,h,D] (in float32: the sink and the
+    scores meet in one row, as wide as the window plus the entries). A value tensor is shared by the queries [B,T,D]
+    or per query [B,S,k,D]. DeepSeek-V4's attention and V4.1's (its entries chosen by role) alike."""
+    B, h, S, _ = logits[0].shape
+    sink = sinks.float().view(1, h, 1, 1).expand(B, h, S, 1)
+    p = torch.softmax(torch.cat([t.float() * scale for t in logits] + [sink], dim=-1), dim=-1)
+    out, at = 0, 0
+    for t, v in zip(logits, values):
+        w = p[..., at:at + t.shape[-1]].to(v.dtype)
+        out = out + torch.einsum("bhst,btd->bshd" if v.dim() == 3 else "bhst,bstd->bshd", w, v)
+        at += t.shape[-1]
+    return out
+
+
+def grouped_output(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: int, wo_a, wo_b) -> torch.Tensor:
+    """The heads' outputs back to the hidden size: the values' rotation undone at the query position, then wo_a
+    block-diagonal over `groups` output groups ([g, o_lora_rank, in/g]) and wo_b."""
+    B, S = o.shape[:2]
+    o = rope_tail(o, cos[:, :, None], -sin[:, :, None])
+    grouped = o.reshape(B, S, groups, -1)
+    w = wo_a.dense(o.dtype).view(groups, -1, grouped.shape[-1])
+    return wo_b(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))

@@ -20,6 +20,7 @@ from engine.cache.v41 import V41LayerView
 from engine.layers.linear import LinearSlot
 from engine.layers.slots import slot
 from engine.models.deepseek_v4.norm import V4RMSNorm
+from engine.models.deepseek_v4.attention import attend_with_sink, grouped_output
 from engine.models.deepseek_v4.rope import V4Rotary, rope_tail
 from engine.models.deepseek_v41.compressor import V41Compressor, V41Indexer
 from engine.models.deepseek_v41.config import V41Config
@@ -96,20 +97,7 @@ class V41Attention(nn.Module):
         return hand.chosen[c.choice_from[L]]
 
     def _attend(self, logits: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """Softmax over [window keys | chosen entries | sink] per head (float32) -> [B, S, h, D]."""
-        B, h, S, _ = logits[0].shape
-        sink = self.attn_sink.float().view(1, h, 1, 1).expand(B, h, S, 1)
-        p = torch.softmax(torch.cat([t.float() * self.scale for t in logits] + [sink], dim=-1), dim=-1)
-        out, at = 0, 0
-        for t, v in zip(logits, values):
-            w = p[..., at:at + t.shape[-1]].to(v.dtype)
-            out = out + torch.einsum("bhst,btd->bshd" if v.dim() == 3 else "bhst,bstd->bshd", w, v)
-            at += t.shape[-1]
-        return out
+        return attend_with_sink(logits, values, self.attn_sink, self.scale)  # [window keys | chosen entries | sink]
 
     def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, S = o.shape[:2]
-        o = rope_tail(o, cos[:, :, None], -sin[:, :, None])
-        grouped = o.reshape(B, S, self.groups, -1)
-        w = self.wo_a.dense(o.dtype).view(self.groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
+        return grouped_output(o, cos, sin, self.groups, self.wo_a, self.wo_b)

@@ -37,6 +37,7 @@ DRAFT: dict[str, type[nn.Module]] = {
 # not run yet: a model on such a conversion leaves their layers unread and --speculative says why.
 CARRIED: dict[str, str] = {
     "dspark": "DeepSeek-V4.1's DSpark block drafter",
+    "v4_dspark": "DeepSeek-V4-0731's DSpark block drafter",
 }
 
 

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 def part_applies(entry: dict, sub: dict) -> bool:
     """Whether a family's `[[parts]]` entry applies to its config section `sub`: `if_config_has` (a key),
-    `if_model_type` / `unless_model_type` (the section's model_type)."""
+    `if_config_set` / `unless_config_set` (a key with a value that is not null, false, 0 or empty: a layout a list
+    switches on, DeepSeek-V4-0731's `dspark_target_layer_ids`), `if_model_type` / `unless_model_type` (the
+    section's model_type)."""
     if "if_config_has" in entry and entry["if_config_has"] not in sub:
+        return False
+    if "if_config_set" in entry and not sub.get(entry["if_config_set"]):
+        return False
+    if "unless_config_set" in entry and sub.get(entry["unless_config_set"]):
         return False
     if "if_model_type" in entry and sub.get("model_type") != entry["if_model_type"]:
         return False

@@ -6,12 +6,15 @@ DeepSeek-V4 text, MoonViT, projector), each with a name prefix and the sub-confi
 against; a part may apply only to one text model type (`if_model_type` / `unless_model_type`: Kimi over
 DeepSeek-V3 or over DeepSeek-V4), and a text part may bring the family traits of its model (`[part.family]`:
 engine layer kinds, shard modes), so a family over a new text model needs no copy of that model's manifest.
+A `[[parts]]` entry may count its draft stages from the checkpoint's names (`stages_from_names`: a config that
+undercounts them, DeepSeek-V4-0731); the stages so counted must be whole.
 `find_family(config)` picks the family; `bind(config)` gives a `ModelMap` that classifies
 tensor names and enumerates every expected tensor (which `plan` uses for models too big to exist).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from itertools import repeat
 from dataclasses import dataclass
@@ -85,7 +88,7 @@ class BoundPart:
 
     def __init__(self, name: str, spec: dict, prefix: str, config: dict, *, section: str = ".",
                  config_file: str = "config.json", decoder_only: bool = False, engine_prefix: str | None = None,
-                 names: dict[str, str] | None = None, family_defaults: dict | None = None):
+                 names: dict[str, str] | None = None, family_defaults: dict | None = None, stored_stages: int = 0):
         self.name, self.prefix, self.config, self.config_file = name, prefix, config, config_file
         self.engine_prefix = engine_prefix  # the engine's module path of its `engine` names (None: the root)
         self.decoder_only = decoder_only  # {L} names only decoder layers (V4 names its MTP blocks mtp.{M}.)
@@ -122,6 +125,12 @@ class BoundPart:
         for count in ("layer_count", "extra_layers", "expert_count", "experts_per_token", "shared_experts"):
             if count in head:
                 setattr(self, count, int(self._eval(head[count])))
+        # draft stages the checkpoint's names show (`stages_from_names`): at least that many extra layers, each whole
+        self.required_extra = stored_stages
+        if stored_stages > self.extra_layers:
+            self._pad_schedules(spec.get("schedules", {}), schedules, self.layer_count + stored_stages)
+            self.extra_layers = stored_stages
+        self._env["extra_layer_count"] = self.extra_layers  # what a layer kind of the last stage compares with
         self.rules: list[Rule] = []
         for t in spec.get("tensor", []):
             if not self._eval(t.get("when", "True")):
@@ -136,6 +145,13 @@ class BoundPart:
                                    str(t.get("required", "True")), self, t.get("values_below"),
                                    t.get("reference"), t.get("split_multiple"),
                                    t.get("dtype"), t.get("engine"), scale_block(t.get("scale_block"), name, t.get("name"))))
+
+    def _pad_schedules(self, specs: dict, schedules: dict[str, list[int]], length: int) -> None:
+        """Stages past the config's count take each schedule's `extra_kind` (a position schedule: -1), as the layers
+        past a names or count list do: the schedules read from config.json stop at its count."""
+        for name, kinds in schedules.items():
+            pad = -1 if "position_in" in specs[name] else int(specs[name].get("extra_kind", 0))
+            self._env[name] = kinds + [pad] * (length - len(kinds))
 
     @property
     def module_prefix(self) -> str:
@@ -184,8 +200,8 @@ class BoundPart:
         return bool(self._eval(self.kinds[rule.layers], layer))
 
     def is_required(self, rule: Rule, layer: int | None) -> bool:
-        if self.group == "text" and layer is not None and layer >= self.layer_count:
-            return False  # MTP layers: published by some releases, not needed for inference
+        if self.group == "text" and layer is not None and layer >= self.layer_count + self.required_extra:
+            return False  # MTP layers: published by some releases, not needed for inference (unless counted present)
         return bool(self._eval(rule.required, layer))
 
 
@@ -275,8 +291,22 @@ class ModelMap:
                     yield rule, L, part.is_required(rule, L), names
 
 
-def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
-    """Pick the family manifest for `config` and bind it."""
+def stored_stage_count(names, pattern: str) -> int:
+    """How many draft stages `names` hold under `pattern` ("mtp.{M}."): stages 0, 1, ... up to the first one absent
+    (a stage past a gap is then a name the manifest does not know, refused as such)."""
+    head, _, tail = pattern.partition("{M}")
+    number = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail), re.ASCII)
+    seen = {int(m[1]) for n in names if n.startswith(head) and (m := number.match(n))}
+    count = 0
+    while count in seen:
+        count += 1
+    return count
+
+
+def bind(config: dict, *, config_file: str = "config.json", names=None) -> ModelMap:
+    """Pick the family manifest for `config` and bind it. `names`: the checkpoint's stored tensor names, for a
+    `[[parts]]` entry whose draft stages are counted from them (`stages_from_names`); without them, the config's
+    count."""
     spec = find_family(config, config_file=config_file)
     limits_path = manifests_dir() / LIMITS_FILE
     check_quantization(config.get("quantization_config"), field="quantization_config", file=config_file,
@@ -296,5 +326,7 @@ def bind(config: dict, *, config_file: str = "config.json") -> ModelMap:
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
                                config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False)),
                                engine_prefix=p.get("engine_prefix"), names=p.get("names"),
-                               family_defaults=p.get("defaults")))
+                               family_defaults=p.get("defaults"),
+                               stored_stages=stored_stage_count(names, p["stages_from_names"])
+                               if names is not None and "stages_from_names" in p else 0))
     return ModelMap(spec["family"], parts, config)

@@ -44,7 +44,8 @@ class Checkpoint:
                  stored: dict[str, TensorEntry], *, source: str, remote: bool = False):
         self.root, self.config, self.files, self.stored = root, config, files, stored
         self.source, self.remote = source, remote
-        self.model: ModelMap = bind(config, config_file=str(root / "config.json"))
+        # the names too: a family may count draft stages its config undercounts from them (DeepSeek-V4-0731)
+        self.model: ModelMap = bind(config, config_file=str(root / "config.json"), names=stored)
         if self.model.aliases:  # the family's other spellings (transformers' save-side names) read as published
             self.stored = _canonical(self.model, stored)
         self.logical: dict[str, LogicalTensor] = fold(self.stored)

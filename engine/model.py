@@ -66,6 +66,7 @@ class Model(nn.Module):
         self.draft_layers = drafts if runs_drafts(self.cfg) else []  # built: last stage
         self.carried_drafts = [] if self.draft_layers else drafts  # a kind the engine does not run (DSpark): unread
         self.draft_heads = nn.ModuleDict()  # str(L) -> engine/draft head
+        self.tap_layers: list[int] = []  # target layers a drafter reads (DSpark's dspark_target_layer_ids)
         self.shared_embed: torch.Tensor | None = None  # the embeddings on the last stage, for the draft heads
         if len(self.stages) != self.par.pp:
             raise EngineError(f"{len(self.stages)} stage(s) of layers for a run of pp {self.par.pp}")
@@ -270,13 +271,23 @@ class Model(nn.Module):
         x = self.embed_tokens(ids)
         return self.stack.enter(self.scatter_images(ids, x, image_embeds) if image_embeds is not None else x)
 
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ids=None) -> torch.Tensor:
-        """This stage's layers over the residual x at `positions` [B,S] (opened by cache.begin); ids: their tokens."""
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ids=None,
+                   taps: dict | None = None) -> torch.Tensor:
+        """This stage's layers over the residual x at `positions` [B,S] (opened by cache.begin); ids: their tokens.
+        `taps`: filled with the residual after each layer of `tap_layers` (its streams averaged), for a drafter."""
         cos, sin = self.rotary(positions, self.dtype)  # [B,S,rope/2]: each sequence at its own position
         start = int(positions[0, 0])
         for L in self.stage_layers:
             x = self.layer(L).forward(x, start, cache.layers[self.slot[L]], cos, sin, self.par, ids=ids)
+            if taps is not None and L in self.tap_layers:
+                r = self.stack.reported(x) if hasattr(self.stack, "reported") else x
+                taps[L] = r.mean(2) if r.dim() == 4 else r
         return x
+
+    def draft_input(self, x: torch.Tensor, taps: dict | None) -> torch.Tensor:
+        """What the drafter reads of a forward's positions (last stage): the taps, concatenated in tap_layers'
+        order, or the residual itself."""
+        return torch.cat([taps[L] for L in self.tap_layers], -1) if self.tap_layers else x
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The residual leaves the layers (the stack's head, if any), then the final norm."""

@@ -26,7 +26,8 @@ def chunks(S: int, chunk: int, pp: int) -> list[tuple[int, int]]:
 
 
 def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs, everywhere: bool, hidden=None):
-    """`hidden`: a list the last stage appends its residual (before the final norm) to, every position."""
+    """`hidden`: a list the last stage appends what its drafter reads to, every position (its residual before the
+    final norm, or the taps of model.tap_layers)."""
     par = model.par
     B, S = ids.shape
     first = model.stage_input(ids, image_embeds) if par.first else None
@@ -41,7 +42,8 @@ def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs
                               model.device)
             if hasattr(model.stack, "receive_crossing"):  # state earlier stages' layers made for this one's (V4.1)
                 model.stack.receive_crossing(model, cache, start, hi - lo)
-        x = model.run_layers(x, step.positions, cache, ids[:, lo:hi])
+        taps = {} if hidden is not None and model.tap_layers and par.last else None
+        x = model.run_layers(x, step.positions, cache, ids[:, lo:hi], taps)
         cache.commit(step)
         if not par.last:
             x = x.contiguous()
@@ -51,7 +53,7 @@ def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs
                 sending.append((par.send_next(extra, wait=False), extra))
         else:
             if hidden is not None:
-                hidden.append(x)
+                hidden.append(model.draft_input(x, taps))
             if not last_only or hi == S:
                 outs.append(model.logits(x[:, -1:] if last_only else x))
     for work, _ in sending:

@@ -33,6 +33,7 @@ class V41LayerState:
     ring_fmt: EntryFormat | None = None
     entries: CompressorState = field(default_factory=CompressorState)  # a KV source's entries and pending rows
     keys: CompressorState = field(default_factory=CompressorState)  # an index-key owner's keys (store only)
+    marked: int | None = None  # the length at mark()
 
     def at(self, start: int) -> "V41LayerState":
         if start == 0 and self.length:
@@ -52,7 +53,41 @@ class V41LayerState:
     def window(self, B: int, size: int, fmt: EntryFormat, device) -> Ring:
         if self.ring is None:
             self.ring = Ring(B, size, fmt.row_bytes, device)
+            if self.marked is not None:  # made after a mark: it was empty there
+                self.ring.mark(self.marked)
         return self.ring
+
+    def mark(self) -> None:
+        """Remember this layer at its length (speculative decoding's round): `rewind` goes back to it or later."""
+        self.marked = self.length
+        if self.ring is not None:
+            self.ring.mark(self.length)
+        for state in (self.entries, self.keys):
+            if state.store is not None:
+                state.mark()
+
+    def rewind(self, n: int, ratio: int, mirror: bool = False) -> None:
+        """This layer as the first n tokens left it (marked length <= n <= length). `ratio`: its compression; a
+        `mirror` (this stage's copy of an earlier stage's source: stores only, no length of its own). Entries are one per `ratio` tokens from the sequence's start, so both stores keep
+        n // ratio; a pooling source also gets back the rows of its group still filling (its journal)."""
+        if not mirror and (self.marked is None or not self.marked <= n <= self.length):
+            raise EngineError(f"DeepSeek-V4.1 cache holds {self.length} tokens; it cannot go back to {n} "
+                              f"(marked at {self.marked})")
+        if self.ring is not None:
+            self.ring.rewind(self.length, n)
+            self.ring.saved = None
+            self.ring.journal.clear()
+        for state in (self.entries, self.keys):
+            if state.store is None:
+                continue
+            if state is self.entries and ratio > 1 and not mirror and state.journal is not None and state.journal[0]:
+                state.rewind(n - self.marked)  # a pooling source's own state: its pending rows from the journal
+            else:
+                keep = n // max(ratio, 1)
+                state.store.truncate(keep)
+                state.count = keep
+            state.saved = state.journal = None
+        self.length, self.marked = (self.length if mirror else n), None
 
     def bytes_in_use(self) -> int:
         ring = self.ring.nbytes() if self.ring else 0
@@ -77,6 +112,7 @@ class Handoff:
     hashes: object = None  # engine.models.deepseek_v41.engram.EngramHashes (Engram layers)
     history: torch.Tensor | None = None  # [B, max_ngram - 1]: the compressed ids before this forward's tokens
     rows: torch.Tensor | None = None  # this forward's Engram rows [B, S, layers, cols]
+    saved_history: list | None = None  # mark(): [the history then, the compressed ids of each forward since]
 
     def engram_rows(self, ids: torch.Tensor | None, image: torch.Tensor | None, start: int) -> torch.Tensor:
         """Every Engram layer's table rows for this forward's tokens (hashed once a forward: the stage's first
@@ -88,9 +124,22 @@ class Handoff:
             if start == 0 or self.history is None:
                 self.history = torch.full((ids.shape[0], back), DEAD, dtype=torch.long, device=ids.device)
             current = self.hashes.compress(ids, None if image is None else ~image)
+            if self.saved_history is not None:
+                self.saved_history.append(current)
             self.rows = self.hashes.rows(self.history, current)
             self.history = torch.cat([self.history, current], 1)[:, current.shape[1]:] if back else self.history
         return self.rows
+
+    def mark(self) -> None:
+        self.saved_history = [self.history] if self.history is not None else None
+
+    def rewind(self, keep: int) -> None:
+        """The look-back history after the first `keep` tokens since the mark."""
+        if self.saved_history is not None:
+            back = self.history.shape[1]
+            ids = torch.cat(self.saved_history, 1)[:, :back + keep]
+            self.history = ids[:, ids.shape[1] - back:]
+        self.saved_history = None
 
     def state(self, layer: int) -> V41LayerState:
         if layer not in self.states:
@@ -109,8 +158,9 @@ class V41Cache(V4Cache):
     """V4Cache's API (begin / commit / length / reset, --kv-dtype, the host tier) over the V4.1 layer states of a
     stage's `layers` (model layer numbers); `cache.layers[i]` is layer layers[i]'s view."""
 
-    def __init__(self, layers: list[int], batch: int, max_len: int, device="cpu", kv=None, hashes=None):
-        self.layer_ids, self.hashes = list(layers), hashes
+    def __init__(self, layers: list[int], batch: int, max_len: int, device="cpu", kv=None, hashes=None,
+                 ratios: tuple[int, ...] = ()):
+        self.layer_ids, self.hashes, self.ratios = list(layers), hashes, tuple(ratios)
         self.handoff = Handoff(hashes=hashes)
         super().__init__(len(layers), batch, max_len, device, kv)
         self._share()
@@ -135,6 +185,26 @@ class V41Cache(V4Cache):
         self.handoff.chosen.clear()
         self.handoff.candidates = self.handoff.rows = None
         return step
+
+    @torch.inference_mode()
+    def mark(self) -> None:
+        """Remember every layer's state (the stage's own and its mirrors of earlier sources) at this length."""
+        for state in self.handoff.states.values():
+            state.mark()
+        self.handoff.mark()
+        self.marked = self.length
+
+    @torch.inference_mode()
+    def rollback(self, n: int) -> None:
+        """Drop the tokens past n (marked length <= n <= length): the cache is what n tokens alone leave."""
+        if self.marked is None or not self.marked <= n <= self.length:
+            raise EngineError(f"DeepSeek-V4.1 cache holds {self.length} tokens; it cannot go back to {n} "
+                              f"(marked at {self.marked})")
+        for L, state in self.handoff.states.items():
+            state.rewind(n, self.ratios[L] if L < len(self.ratios) else 0, mirror=L not in self.layer_ids)
+        self.handoff.rewind(n - self.marked)
+        self.lengths = [n] * self.batch
+        self.marked = None
 
     def bytes_in_use(self) -> int:
         return sum(v.state.bytes_in_use() for v in self.layers)

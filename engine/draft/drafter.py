@@ -12,7 +12,8 @@ may re-render the last token) within the last `extend`.
 
 It runs on the last pipeline stage (where the target's residual and the heads are); every tp rank of that
 stage runs it (vocab-parallel embeddings and head, tp-split block), and the drafts go to every rank from the
-last stage. A drafter of another shape (DSpark's block drafter) offers the same four calls."""
+last stage. A drafter of another shape (DSpark's block drafter, engine/draft/dspark.py) offers the same calls; it
+may read the residual after other target layers (`tap_layers`) instead of the last stage's.""" 
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def new_drafter(model, k: int | None = None):
     if not model.draft_layers:
         raise UsageError("this conversion holds no draft heads (its source has none, or it was converted with "
                          "--no-draft-heads): --speculative needs them")
-    return Drafter(model, k) if model.par.last else None
+    from engine.draft.registry import DRAFTERS
+
+    cls = DRAFTERS.get(model.cfg.draft_kind, Drafter)
+    model.tap_layers = cls.tap_layers(model)  # every rank: the last stage collects them in its forwards
+    return cls(model, k) if model.par.last else None
 
 
 class Context:
@@ -54,6 +59,10 @@ class Context:
 
 
 class Drafter:
+    @staticmethod
+    def tap_layers(model) -> list[int]:
+        return []  # an MTP head reads the target's last-stage residual itself
+
     def __init__(self, model, k: int | None = None):
         self.model = model
         self.layers = sorted(model.draft_layers)

@@ -18,6 +18,7 @@ import os
 from torch import nn
 
 from engine.config import TextConfig
+from engine.draft.dspark import DSparkDrafter, V41DsparkStage
 from engine.draft.mtp import MTPHead
 from engine.draft.v4_mtp import V4MTPHead
 from engine.models.registry import kind
@@ -30,13 +31,18 @@ from kconvert.family.manifest import ModelMap
 DRAFT: dict[str, type[nn.Module]] = {
     "mtp": MTPHead,  # DeepSeek-V3 / V3.2, Kimi-K2 / K2.5 text: eh_proj + a decoder layer + shared_head
     "v4_mtp": V4MTPHead,  # DeepSeek-V4: e_proj / h_proj + a V4 block + its own hc_head
+    "dspark": V41DsparkStage,  # DeepSeek-V4.1: a stage of the DSpark block drafter (engine/draft/dspark.py)
+}
+
+# Kinds run by a drafter of their own shape (default: engine/draft/drafter.Drafter, one head chained).
+DRAFTERS: dict[str, type] = {
+    "dspark": DSparkDrafter,
 }
 
 
 # Draft kinds conversions carry (shard keeps them, byte for byte or quantized as the target) that this engine does
 # not run yet: a model on such a conversion leaves their layers unread and --speculative says why.
 CARRIED: dict[str, str] = {
-    "dspark": "DeepSeek-V4.1's DSpark block drafter",
     "v4_dspark": "DeepSeek-V4-0731's DSpark block drafter",
 }
 
@@ -57,7 +63,8 @@ def draft_head(cfg: TextConfig, layer: int, par: Group) -> nn.Module:
 def build_draft_head(model, L: int, tensors: dict, linear_format) -> nn.Module:
     """Draft layer L of `model` (engine/model.Model) filled from its unit's tensors (engine names)."""
     head = draft_head(model.cfg, L, model.par)
-    head.load(layer_unit(L), tensors, f"{model.layers_prefix}{L}.", own_prefix(model.names, L), linear_format)
+    own = own_prefix(model.names, L, getattr(head, "own_components", ("mtp",)))
+    head.load(layer_unit(L), tensors, f"{model.layers_prefix}{L}.", own, linear_format)
     return head
 
 
@@ -74,15 +81,19 @@ def check_draft_shares(model) -> None:
                                       "last stage does not hold", tensor=shared_tensor_name(model.names, component))
 
 
-def own_prefix(names: ModelMap, layer: int) -> str:
+def own_prefix(names: ModelMap, layer: int, components: tuple[str, ...] | None = ("mtp",), stored: bool = False) -> str:
     """Where draft layer `layer`'s own tensors (component "mtp" in the manifest: enorm, eh_proj, e_proj, ...) sit
-    in the engine's names: their common prefix (`model.layers.61.`, `mtp.0.`), from the manifest's rules."""
+    in the engine's names: their common prefix (`model.layers.61.`, `mtp.0.`), from the manifest's rules.
+    components=None: every tensor of the layer (a DSpark stage keeps its block under its own prefix too);
+    stored: the checkpoint's names instead (what a user reads in a report)."""
     got = []
     for part in names.parts:
         for rule in part.rules:
-            if rule.component == "mtp" and rule.layers is not None and part.layer_matches(rule, layer):
-                stored = rule.pattern.replace("{L}", str(layer)).replace("{M}", str(layer - part.layer_count))
-                got.append(engine_name(names, stored))
+            if (components is None or rule.component in components) and rule.layers is not None \
+                    and part.layer_matches(rule, layer):
+                name = rule.pattern.replace("{L}", str(layer)).replace("{M}", str(layer - part.layer_count))
+                name = name.replace("{E}", "0")
+                got.append(name if stored else engine_name(names, name))
     if not got:
         raise CheckpointError(f"the family's manifest names no tensor of draft layer {layer}", file="kconvert.json")
     prefix = os.path.commonprefix(got)

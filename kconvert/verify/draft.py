@@ -11,7 +11,9 @@ heads on random weights (0 % acceptance) or without their shared experts (60 % -
    states, and the source's own head reads them, as the family's manifest says (`draft_reference`):
    "mlx-vlm" (DeepSeek-V4's MTP block: mlx-vlm 0.7.10's deepseek_v4_mtp drafter, loaded from the source's
    `mtp.*` tensors), otherwise the engine's head itself (no reference implements the DeepSeek-V3-style MTP
-   layer: transformers drops it, mlx-lm too).
+   layer: transformers drops it, mlx-lm too; nor V4.1's DSpark drafter). A DSpark drafter's prediction at a
+   position is its block's first draft there (base logits + the Markov bias of the anchor, the true next token),
+   its context the target's taps up to that position (engine/draft/dspark.py).
 2. acceptance: greedy speculative decoding of `new_tokens` after each prompt (k = the number of heads), the
    share of drafts the target accepts, against the source head's own acceptance in the same run on the source;
    FAIL when it falls more than the scheme's `acceptance_drop` below it (manifests/verify_thresholds.toml).
@@ -48,7 +50,7 @@ def draft_layers(meta: dict) -> list[int]:
     from kconvert.family.manifest import bind
 
     cfg = meta["config"]
-    if bind(cfg).family.get("engine", {}).get("draft") in CARRIED:  # carried, not run by the engine (DSpark)
+    if bind(cfg).family.get("engine", {}).get("draft") in CARRIED:  # carried, not run by the engine
         return []
     n = cfg.get("text_config", cfg)["num_hidden_layers"]
     return sorted(L for u in meta["layout"]["units"] if (L := unit_layer(u)) is not None and L >= n)
@@ -59,7 +61,7 @@ def head_name(config: dict, layer: int) -> str:
     from engine.draft.registry import own_prefix
     from kconvert.family.manifest import bind
 
-    return own_prefix(bind(config), layer).rstrip(".")
+    return own_prefix(bind(config), layer, stored=True).rstrip(".")
 
 
 @torch.inference_mode()

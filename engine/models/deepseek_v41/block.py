@@ -72,13 +72,21 @@ class V41Block(nn.Module):
         if hasattr(self, "engram"):
             rows = view.handoff.engram_rows(ids, image, start)[:, :, c.engram_slot(self.layer)]
             streams = self.engram(streams, rows, None if image is None else ~image, par)
-        attn_pre, post, comb = mixes(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c)
-        h = self.attn_norm(collapse(streams, pending))
-        streams = spread(streams, par.all_reduce(self.attn(h, start, view)), post, comb)
-        ffn_pre, post, comb = mixes(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c)
-        h = self.ffn_norm(collapse(streams, attn_pre))
-        streams = spread(streams, par.all_reduce(self.ffn(h, image)), post, comb)
-        return torch.cat([streams, ffn_pre.to(streams.dtype)[..., None]], -1)
+        return through(self, streams, pending, lambda h: self.attn(h, start, view), image, par)
+
+
+def through(block: nn.Module, streams: torch.Tensor, pending: torch.Tensor, attend, image, par: Group) -> torch.Tensor:
+    """A V4.1 block's two sub-blocks over its streams [B,S,hc,hidden] (`pending`: the collapse weights the previous
+    sub-block made), attention given as `attend(normed input)` (this rank's partial output): the residual out,
+    [B,S,hc,hidden + 1]. The decoder layers' and the DSpark stages' (engine/draft/dspark.py) alike."""
+    c = block.c
+    attn_pre, post, comb = mixes(streams, block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale, c)
+    h = block.attn_norm(collapse(streams, pending))
+    streams = spread(streams, par.all_reduce(attend(h)), post, comb)
+    ffn_pre, post, comb = mixes(streams, block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale, c)
+    h = block.ffn_norm(collapse(streams, attn_pre))
+    streams = spread(streams, par.all_reduce(block.ffn(h, image)), post, comb)
+    return torch.cat([streams, ffn_pre.to(streams.dtype)[..., None]], -1)
 
 
 class V41Stack:
@@ -138,7 +146,7 @@ class V41Stack:
 
     def new_cache(self, cfg: TextConfig, batch: int, max_len: int, dtype, device, reserve, kv, layers=None) -> V41Cache:
         return V41Cache(list(layers if layers is not None else range(cfg.num_layers)), batch, max_len, device, kv,
-                        hashes=self.hashes)
+                        hashes=self.hashes, ratios=self.c.ratios)
 
 
 V41Block.stack = V41Stack

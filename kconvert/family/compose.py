@@ -4,6 +4,8 @@ model's text (Kimi over DeepSeek-V4) takes that model's parts and traits instead
 
 from __future__ import annotations
 
+from kconvert.family.rule_names import stored_stage_count
+
 
 def part_applies(entry: dict, sub: dict) -> bool:
     """Whether a family's `[[parts]]` entry applies to its config section `sub`: `if_config_has` (a key),
@@ -19,6 +21,14 @@ def part_applies(entry: dict, sub: dict) -> bool:
     if "if_model_type" in entry and sub.get("model_type") != entry["if_model_type"]:
         return False
     return not ("unless_model_type" in entry and sub.get("model_type") == entry["unless_model_type"])
+
+
+def stage_count(entry: dict, names) -> int:
+    """The draft stages an entry counts from the checkpoint's names (`stages_from_names`, a pattern such as
+    "mtp.{M}.": DeepSeek-V4-0731 says num_nextn_predict_layers 1 for its 3 DSpark stages), else 0 (the config's)."""
+    if names is None or "stages_from_names" not in entry:
+        return 0
+    return stored_stage_count(names, entry["stages_from_names"])
 
 
 def with_traits(family: dict, parts) -> dict:

@@ -6,27 +6,26 @@ DeepSeek-V4 text, MoonViT, projector), each with a name prefix and the sub-confi
 against; a part may apply only to one text model type (`if_model_type` / `unless_model_type`: Kimi over
 DeepSeek-V3 or over DeepSeek-V4), and a text part may bring the family traits of its model (`[part.family]`:
 engine layer kinds, shard modes), so a family over a new text model needs no copy of that model's manifest.
-A `[[parts]]` entry may count its draft stages from the checkpoint's names (`stages_from_names`: a config that
-undercounts them, DeepSeek-V4-0731); the stages so counted must be whole.
 `find_family(config)` picks the family; `bind(config)` gives a `ModelMap` that classifies
 tensor names and enumerates every expected tensor (which `plan` uses for models too big to exist).
+Over 300 lines: a part bound to its config and the model map of them are one contract, read together (the helpers
+they share live in compose, rule_names, schedule and expr).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from itertools import repeat
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kconvert.errors import ManifestError
-from kconvert.family.compose import part_applies, with_traits
+from kconvert.family.compose import part_applies, stage_count, with_traits
 from kconvert.family.families import any_alias, family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
 from kconvert.family.rule_names import name_key, placeholders, rule_regex, scale_block, tensor_key  # noqa: F401 (API)
-from kconvert.family.schedule import list_length, read_schedules
+from kconvert.family.schedule import list_length, padded, read_schedules
 
 SPLITS = ("vocab", "col", "row", "expert", "replicate", "table")  # table: rows in ceil(n / tp) slices
 
@@ -125,12 +124,11 @@ class BoundPart:
         for count in ("layer_count", "extra_layers", "expert_count", "experts_per_token", "shared_experts"):
             if count in head:
                 setattr(self, count, int(self._eval(head[count])))
-        # draft stages the checkpoint's names show (`stages_from_names`): at least that many extra layers, each whole
-        self.required_extra = stored_stages
-        if stored_stages > self.extra_layers:
-            self._pad_schedules(spec.get("schedules", {}), schedules, self.layer_count + stored_stages)
+        self.required_extra = stored_stages  # draft stages the checkpoint's names show (`stages_from_names`): whole
+        if stored_stages > self.extra_layers:  # and at least that many, past the schedules config.json gives
+            self._env.update(padded(spec.get("schedules", {}), schedules, self.layer_count + stored_stages))
             self.extra_layers = stored_stages
-        self._env["extra_layer_count"] = self.extra_layers  # what a layer kind of the last stage compares with
+        self._env["extra_layer_count"] = self.extra_layers  # what the last stage's layer kind compares with
         self.rules: list[Rule] = []
         for t in spec.get("tensor", []):
             if not self._eval(t.get("when", "True")):
@@ -145,13 +143,6 @@ class BoundPart:
                                    str(t.get("required", "True")), self, t.get("values_below"),
                                    t.get("reference"), t.get("split_multiple"),
                                    t.get("dtype"), t.get("engine"), scale_block(t.get("scale_block"), name, t.get("name"))))
-
-    def _pad_schedules(self, specs: dict, schedules: dict[str, list[int]], length: int) -> None:
-        """Stages past the config's count take each schedule's `extra_kind` (a position schedule: -1), as the layers
-        past a names or count list do: the schedules read from config.json stop at its count."""
-        for name, kinds in schedules.items():
-            pad = -1 if "position_in" in specs[name] else int(specs[name].get("extra_kind", 0))
-            self._env[name] = kinds + [pad] * (length - len(kinds))
 
     @property
     def module_prefix(self) -> str:
@@ -291,22 +282,9 @@ class ModelMap:
                     yield rule, L, part.is_required(rule, L), names
 
 
-def stored_stage_count(names, pattern: str) -> int:
-    """How many draft stages `names` hold under `pattern` ("mtp.{M}."): stages 0, 1, ... up to the first one absent
-    (a stage past a gap is then a name the manifest does not know, refused as such)."""
-    head, _, tail = pattern.partition("{M}")
-    number = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail), re.ASCII)
-    seen = {int(m[1]) for n in names if n.startswith(head) and (m := number.match(n))}
-    count = 0
-    while count in seen:
-        count += 1
-    return count
-
-
 def bind(config: dict, *, config_file: str = "config.json", names=None) -> ModelMap:
-    """Pick the family manifest for `config` and bind it. `names`: the checkpoint's stored tensor names, for a
-    `[[parts]]` entry whose draft stages are counted from them (`stages_from_names`); without them, the config's
-    count."""
+    """Pick the family manifest for `config` and bind it; `names` (stored tensor names): for draft stages counted from
+    them (compose.stage_count)."""
     spec = find_family(config, config_file=config_file)
     limits_path = manifests_dir() / LIMITS_FILE
     check_quantization(config.get("quantization_config"), field="quantization_config", file=config_file,
@@ -326,7 +304,5 @@ def bind(config: dict, *, config_file: str = "config.json", names=None) -> Model
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
                                config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False)),
                                engine_prefix=p.get("engine_prefix"), names=p.get("names"),
-                               family_defaults=p.get("defaults"),
-                               stored_stages=stored_stage_count(names, p["stages_from_names"])
-                               if names is not None and "stages_from_names" in p else 0))
+                               family_defaults=p.get("defaults"), stored_stages=stage_count(p, names)))
     return ModelMap(spec["family"], parts, config)

@@ -43,3 +43,15 @@ def scale_block(value, part: str, tensor: str | None) -> tuple[int, int] | None:
         raise ManifestError(f"scale_block must be two positive integers, is {value!r}", file=f"parts/{part}.toml",
                             tensor=tensor)
     return int(value[0]), int(value[1])
+
+
+def stored_stage_count(names, pattern: str) -> int:
+    """How many draft stages `names` hold under `pattern` ("mtp.{M}."): stages 0, 1, ... up to the first one absent
+    (a stage past a gap is then a name the manifest does not know, refused as such)."""
+    head, _, tail = pattern.partition("{M}")
+    number = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail), re.ASCII)
+    seen = {int(m[1]) for n in names if n.startswith(head) and (m := number.match(n))}
+    count = 0
+    while count in seen:
+        count += 1
+    return count

@@ -148,6 +148,13 @@ def _from_names(names, kinds: list, n: int, length: int, extra: int, field: str,
     return out + [extra] * (length - n)
 
 
+def padded(specs: Mapping, schedules: dict[str, list[int]], length: int) -> dict[str, list[int]]:
+    """Each schedule at `length` layers: the draft stages a checkpoint's names add past the config's count take the
+    schedule's `extra_kind` (a position schedule: -1), as the layers past a names or count list do."""
+    return {name: kinds + [-1 if "position_in" in specs[name] else int(specs[name].get("extra_kind", 0))]
+            * (length - len(kinds)) for name, kinds in schedules.items()}
+
+
 def list_length(env: Mapping, path: str, *, prefix: str, file: str) -> int:
     """The length of the config list at `path` (absent or null: 0), for a part's `lengths` (shape expressions)."""
     value = _lookup(env, path)

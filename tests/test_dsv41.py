@@ -21,14 +21,16 @@ from kconvert.fixtures.dsv41 import v41_config, write_v41_checkpoint
 from kconvert.verify import damage
 
 # not the preset: 7 layers; ratios 1 and 2; KV sources 1 and 3 (layer 2 reads 1's entries, 4-5 read 3's); indexers
-# on 1 and 3 (their own keys) and 5 (3's keys, inside 3's candidate blocks); Engram 4-grams on 0 and 4; 3 streams
+# on 1 and 3 (their own keys) and 5 (3's keys, inside 3's candidate blocks); Engram 4-grams on 0 and 4; 3 streams;
+# DSpark blocks of 3, Markov rank 12
 OTHER = {"num_hidden_layers": 7, "hidden_size": 192, "num_attention_heads": 4, "head_dim": 96, "qk_rope_head_dim": 32,
          "q_lora_rank": 96, "o_groups": 2, "o_lora_rank": 96, "moe_intermediate_size": 128, "n_routed_experts": 8,
          "num_experts_per_tok": 3, "sliding_window": 6, "compress_ratios": [0, 1, 1, 2, 2, 2, 0],
          "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3, 5], "candidate_source_layer_id": 3,
          "candidate_topk_blocks": 2, "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 64,
          "index_topk": 3, "hc_mult": 3, "engram_layer_ids": [0, 4], "engram_max_ngram_size": 4,
-         "engram_vocab_size": 101, "engram_n_heads": 2, "engram_head_dim": 64}
+         "engram_vocab_size": 101, "engram_n_heads": 2, "engram_head_dim": 64, "dspark_block_size": 3,
+         "dspark_markov_rank": 12}
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +198,10 @@ def stored_names(folder) -> set[str]:
     return names
 
 
-def test_the_dspark_drafter_travels_with_the_conversion_and_the_engine_says_it_does_not_run_it(v41, tmp_path):
+def test_the_dspark_drafter_travels_with_the_conversion(v41, tmp_path):
     """The release's DSpark stages (mtp.0.., main_proj / main_norm on the first, the Markov and confidence heads on the
-    last) are every rank's in a conversion (as vLLM loads them), none with --no-draft-heads; the engine runs the
-    target on either and says, in one line, that it does not draft with DSpark."""
+    last) are every rank's in a conversion (as vLLM loads them), none with --no-draft-heads; the engine builds them
+    as its drafter on the one, and on the other runs the target and says in one line that --speculative needs them."""
     from engine.draft.drafter import new_drafter
     from engine.model import Model
     from kconvert.errors import UsageError
@@ -219,9 +221,11 @@ def test_the_dspark_drafter_travels_with_the_conversion_and_the_engine_says_it_d
     assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
     with one_thread():
         model = Model.from_converted(v41 / "tp1", dtype=torch.float32)
-    assert model.carried_drafts == [7, 8] and not model.draft_heads
-    with pytest.raises(UsageError, match=r"DSpark block drafter, which the engine does not run yet"):
-        new_drafter(model)
+        bare = Model.from_converted(out, dtype=torch.float32)
+    assert not model.carried_drafts and sorted(model.draft_heads) == ["7", "8"]
+    assert new_drafter(model).k == OTHER["dspark_block_size"]
+    with pytest.raises(UsageError, match=r"holds no draft heads"):
+        new_drafter(bare)
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -302,3 +306,55 @@ def test_plan_counts_the_engram_tables_as_fp8_rows():
     for quant in ("none", "fp8", "int4"):
         engram = make_plan("deepseek-v41-flash", tp=8, quant=quant).rank["bytes"]["engram"]
         assert tables < engram < tables + 700_000_000, (quant, engram)  # + the two layers' projections and gates
+
+
+def test_dspark_speculative_decoding_is_plain_greedy(v41):
+    """Greedy decoding drafted by the DSpark stages (blocks of 3 past a window of 6, each round's rejected tokens
+    rolled back through the pooled and every-token sources, the indexers and the Engram look-back) is plain greedy
+    decoding token for token, and the drafter's first drafts in decoding are what its batched scoring predicts."""
+    from engine.draft.drafter import new_drafter
+    from engine.model import Model
+    from engine.runtime.generate import Sampling, generate
+    from engine.runtime.speculative import generate_speculative
+
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(23)]
+    with one_thread():
+        model = Model.from_converted(v41 / "tp1", dtype=torch.float32)
+        plain = generate(model, prompt, Sampling(max_new_tokens=20)).tokens
+        spec = generate_speculative(model, prompt, Sampling(max_new_tokens=20))
+        assert spec.tokens == plain
+        assert sum(spec.stats.proposed) > 0
+        drafter, hidden = new_drafter(model), []
+        ids = torch.tensor([prompt])
+        model.forward(ids, last_only=True, everywhere=False, hidden=hidden)
+        x = torch.cat(hidden, 1)[:, :-1]
+        scored = drafter.score(x, ids[:, 1:])
+        drafter.start(64)
+        for i in range(x.shape[1]):  # one position a block, as decoding reads them
+            drafter.extend(x[:, i:i + 1], [prompt[i + 1]])
+            assert drafter.draft(1) == [int(scored[i].argmax())], i
+
+
+def test_dspark_damage_fails_verify_naming_the_drafter(v41, tmp_path):
+    """A conversion whose Markov head was lost (zeros, as a loader that skipped it leaves it) FAILs verify's draft
+    check on its predictions, naming the drafter; the target itself is unharmed (faithfulness PASS)."""
+    out = tmp_path / "damaged"
+    shutil.copytree(v41 / "tp1", out)
+    damage.zero(out, "mtp.1.markov_head.embed.weight")
+    r, rep = verify(out, v41 / "ref.safetensors")
+    assert r.returncode == 1 and rep["faithfulness"]["verdict"] == "PASS", r.stderr
+    assert rep["draft"]["verdict"] == "FAIL" and rep["draft"]["heads"][0]["head"] == "mtp.0", rep["draft"]
+    assert any("draft head mtp.0: predictions' mean KLD" in f for f in rep["failures"]), rep["failures"]
+
+
+def test_dspark_taps_on_an_earlier_stage_are_one_line():
+    """--speculative on a layout whose DSpark taps run before the last pipeline stage is refused, naming the layer."""
+    from types import SimpleNamespace
+
+    from engine.draft.dspark import DSparkDrafter
+    from kconvert.errors import UsageError
+
+    model = SimpleNamespace(cfg=SimpleNamespace(section={"dspark_target_layer_ids": [3, 5, 6]}, num_layers=7),
+                            stages=[[0, 1, 2, 3], [4, 5, 6]], stage_of_layer=lambda L: 0 if L < 4 else 1)
+    with pytest.raises(UsageError, match=r"reads the target's layer 3, which runs on pipeline stage 0"):
+        DSparkDrafter.tap_layers(model)

@@ -64,7 +64,7 @@ class Model(nn.Module):
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in stages]
         drafts = sorted({L for s in stages for L in s if L >= self.cfg.num_layers})
         self.draft_layers = drafts if runs_drafts(self.cfg) else []  # built: last stage
-        self.carried_drafts = [] if self.draft_layers else drafts  # a kind the engine does not run (DSpark): unread
+        self.carried_drafts = [] if self.draft_layers else drafts  # a kind the engine does not run (CARRIED): unread
         self.draft_heads = nn.ModuleDict()  # str(L) -> engine/draft head
         self.tap_layers: list[int] = []  # target layers a drafter reads (DSpark's dspark_target_layer_ids)
         self.shared_embed: torch.Tensor | None = None  # the embeddings on the last stage, for the draft heads

@@ -42,7 +42,8 @@ from kconvert.errors import CheckpointError, EngineError, UsageError
 class V41DsparkStage(nn.Module):
     """One stage, `mtp.{M}.*` as stored: a V4.1 block's tensors (window-only attention, MoE, the two hc mixings),
     `main_proj` / `main_norm` on the first stage, `norm`, `markov_head.{embed,head}` and `confidence_head.proj` on
-    the last."""
+    the last. What the drafter calls of a stage: first / last / window, context (first), context_keys, forward,
+    leave and markov (last)."""
 
     own_components = None  # every tensor of the stage sits under mtp.{M}. (engine/draft/registry.own_prefix)
 
@@ -51,7 +52,7 @@ class V41DsparkStage(nn.Module):
         n, stages = cfg.num_layers, int(cfg.section.get("num_nextn_predict_layers") or 0)
         base = v41_config(cfg)
         c = self.c = replace(base, ratios=base.ratios + (0,) * (layer + 1 - len(base.ratios)))  # a stage: window only
-        self.layer, self.first, self.last = layer, layer == n, layer == n + stages - 1
+        self.layer, self.first, self.last, self.window = layer, layer == n, layer == n + stages - 1, c.window
         self.attn_norm, self.ffn_norm = V4RMSNorm(c.eps), V4RMSNorm(c.eps)
         self.attn = V41Attention(c, layer, par)
         self.ffn = V41MoE(c, par)
@@ -110,6 +111,11 @@ class V41DsparkStage(nn.Module):
         return through(self, x[..., :H], x[..., H].float(), lambda h: self._attend(h, keys, starts, visible), None,
                        par)
 
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """Last stage: the block's residual collapsed (its pending weights: V4.1 has no hc_head) and normed."""
+        H = self.c.hidden
+        return self.norm(collapse(x[..., :H], x[..., H].float()))
+
     def markov(self, prev: torch.Tensor) -> torch.Tensor:
         """Last stage: the Markov bias [N, vocab] after the tokens prev [N]."""
         m = self.markov_head
@@ -136,7 +142,7 @@ class DSparkDrafter:
         self.k = self.block if k is None else k
         if not 1 <= self.k <= self.block:
             raise UsageError(f"a DSpark drafter proposes 1..{self.block} tokens a round (one block), not {self.k}")
-        self.window = self.stages[0].c.window
+        self.window = self.stages[0].window
         self.keys: list[torch.Tensor] = []
         self.length, self.seen, self.anchor, self.tail = 0, 0, None, None
 
@@ -176,8 +182,7 @@ class DSparkDrafter:
         h = m.stack.enter(self.ctx.embed(ids.to(m.device), None))
         for stage, k in zip(self.stages, keys):
             h = stage(h, k, starts.to(m.device), m.par, visible)
-        H = last.c.hidden
-        return self.ctx.logits(last.norm(collapse(h[..., :H], h[..., H].float())), None)
+        return self.ctx.logits(last.leave(h), None)
 
     def _base_logits(self) -> torch.Tensor:
         """The next block's base logits [block, vocab] after the positions read; the keys read since the last block

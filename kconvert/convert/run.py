@@ -101,6 +101,7 @@ class Run:
         self.progress = progress
         self.logs = logs  # the journal files this run (and its other processes) append to
         self.result = RunResult(str(self.out), details=details)
+        self._recorded: dict[bytes, dict] = {}  # journal line -> the record this process wrote as it (JournalLog)
 
     def prepare(self, identity: dict, overwrite: bool, *, group: distributed.Group | None = None, **marker) -> bool:
         """Make OUT ready (output_dir.prepare_out, `marker` its marker / job_of); True when it already holds
@@ -119,7 +120,7 @@ class Run:
 
     def journalled(self, size_of: Callable[[dict], int | None]) -> dict[str, dict]:
         """{file: journal record} of the files recorded finished (by any process) whose bytes are still there."""
-        return read_done(sorted((self.out / JOURNAL_DIR).glob(self.logs)), self.out, size_of)
+        return read_done(sorted((self.out / JOURNAL_DIR).glob(self.logs)), self.out, size_of, self._recorded)
 
     def start(self, total_bytes: int) -> None:
         if self.progress:
@@ -129,7 +130,7 @@ class Run:
     def log(self, name: str, workers: int | None = None, threads: int | None = None):
         """The journal file this process appends to; with `workers`, the worker-thread settings too
         (`threads`: torch's threads, else the cores shared among the workers)."""
-        with JournalLog(self.out / JOURNAL_DIR / name) as log, \
+        with JournalLog(self.out / JOURNAL_DIR / name, self._recorded) as log, \
                 (worker_runtime(workers, threads) if workers else contextlib.nullcontext()):
             yield log
 

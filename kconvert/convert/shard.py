@@ -241,20 +241,27 @@ def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, la
     items = pipe.items
     copy_side_files(ck, out)
     files, rows = {}, [[] for _ in range(layout.tp * job.pp)]  # each rank's tensor rows (rank_tensors.COLUMNS)
+    # what the outputs of one plan decision (one How: a rule, a layer, a cut, a transform) share, worked out once
+    shared: dict = {}
     for w in items:
-        file = w.file
+        file, unit = w.file, w.unit
         rec = done[file]
-        files[file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": w.unit, "layer": unit_layer(w.unit),
+        files[file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": unit, "layer": unit_layer(unit),
                        "bytes": rec["bytes"], "crc32": rec["crc32"]}
         if rec.get("stored"):
             files[file]["stored"] = rec["stored"]
         crcs, mine = rec["tensors"], rows[w.rank]
-        for o in w.outputs:  # what an output's tensors share, worked out once (a weight and its scale: two rows)
-            info, p = o.info, o.piece
-            common = (w.unit, info.group, info.component, info.expert, info.split,
-                      None if p.dim is None else (p.dim, p.start, p.stop), o.transform)
+        for o in w.outputs:  # (a weight and its scale: two rows)
+            how, info = o.how, o.info
+            common = shared.get(how)
+            if common is None:
+                p = how.piece
+                common = shared[how] = (info.group, info.component, info.split,
+                                        None if p.dim is None else (p.dim, p.start, p.stop), how.transform)
+            group, component, split, sl, transform = common
+            expert = info.expert
             for name, dtype, shape in o.specs():
-                mine.append((name, *common, dtype, shape, crcs[name]))
+                mine.append((name, unit, group, component, expert, split, sl, transform, dtype, shape, crcs[name]))
     units = load_order({w.unit for w in items} | {GLOBALS})
     doc = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "created_by": f"kconvert {__version__}",

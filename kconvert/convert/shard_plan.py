@@ -12,7 +12,7 @@ from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.units import GLOBALS, layer_unit
 from kconvert.errors import UsageError
 from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
-from kconvert.convert.shard_outputs import OUTPUT_FIELDS, SRC, Output, WorkItem, bytes_of, spec_suffixes
+from kconvert.convert.shard_outputs import SRC, How, Output, WorkItem, spec_suffixes
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import QuantPolicy, rows_copy, source_quant
 from kconvert.quant.scheme import LosslessCopy
@@ -134,36 +134,34 @@ class _Plan:
                 raise UsageError(f"--quant {scheme.name}: {why}", tensor=info.name)
             shape, how = tuple(shape), (transform, *options)
             part = _stack_part(self.stack_parts, form, p, piece_copy, info, how)
-            out.append((p.rank, dict(zip(OUTPUT_FIELDS[2:], (
-                p, transform, shape, dtype, *options, piece_copy, part, *bytes_of(shape, dtype, *how)))),
+            out.append((p.rank, How(p, transform, shape, dtype, *options, piece_copy, part),
                         spec_suffixes(transform, shape, dtype, *options)))
         return out
 
 
-def _targets(items: dict, unit: str, plan: list[tuple]) -> list[tuple[list, dict, tuple | None]]:
+def _targets(items: dict, unit: str, plan: list[tuple]) -> list[tuple[list, How, tuple | None]]:
     """A plan's pieces with their rank's output list (in `unit`'s file) in place of the rank."""
     out = []
-    for rank, fields_, suffixes in plan:
+    for rank, how, suffixes in plan:
         item = items.get((unit, rank))
         if item is None:
             item = items[(unit, rank)] = WorkItem(rank, unit)
-        out.append((item.outputs, fields_, suffixes))
+        out.append((item.outputs, how, suffixes))
     return out
 
 
-def _add(name: str, info: TensorInfo, targets: list[tuple[list, dict, tuple | None]]) -> None:
+def _add(name: str, info: TensorInfo, targets: list[tuple[list, How, tuple | None]]) -> None:
     """Tensor `name`'s Outputs, one per target, their specs included: `name` + the suffixes, or the scheme's own
-    where spec names are not the source's name + a suffix (Output(...) as fast as a plain object: a frozen
-    dataclass's __init__ sets each field through object.__setattr__, which was most of planning 150k outputs)."""
-    for outputs, fields_, suffixes in targets:
+    where spec names are not the source's name + a suffix (an Output's four slots set here, not through its
+    __init__: a Python-level call per output was most of planning 250k of them)."""
+    for outputs, how, suffixes in targets:
         o = _new_output(Output)
-        d = o.__dict__
-        d.update(fields_)
-        d["src"], d["info"] = name, info
+        o.src, o.info, o.how = name, info, how
         if suffixes is None:
-            o.specs()  # (cached beside the fields)
+            o._specs = None
+            o.specs()
         else:
-            d["_specs"] = tuple([(name + suffix, tag, shape) for suffix, tag, shape in suffixes])
+            o._specs = tuple([(name + suffix, tag, shape) for suffix, tag, shape in suffixes])
         outputs.append(o)
 
 

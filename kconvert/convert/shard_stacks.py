@@ -121,8 +121,8 @@ def _check_planned(writer: SafetensorsWriter, firsts: list[int], o0: Output) -> 
 
 
 _WRITER, _OUTPUT = itemgetter(0), itemgetter(1)  # of a (writer, output) pair
-_STACK_PART = attrgetter("stack_part")
-_SHAPE_HOW = attrgetter("shape", "transform")
+_STACK_PART = attrgetter("how.stack_part")
+_SHAPE_HOW = attrgetter("how.shape", "how.transform")
 _TAG_SHAPE = itemgetter(1, 2)  # of a planned (name, tag, shape)
 
 

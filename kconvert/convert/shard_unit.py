@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain, repeat
 from pathlib import Path
 
 from kconvert.errors import CheckpointError, KConvertError, WriteError
@@ -73,6 +74,10 @@ def _open(batch: list[WorkItem], out: Path) -> tuple[list[SafetensorsWriter], di
     except BaseException:
         _abort(writers)
         raise
+    srcs = [o.src for w in batch for o in w.outputs]
+    if len(set(srcs)) == len(srcs):  # each source tensor goes to one file (experts placed whole: ep = tp): at once
+        pairs = chain.from_iterable(zip(repeat(writer), w.outputs) for writer, w in zip(writers, batch))
+        return writers, dict(zip(srcs, map(list, zip(pairs))))
     by_src: dict[str, Pairs] = {}
     for writer, w in zip(writers, batch):
         for o in w.outputs:

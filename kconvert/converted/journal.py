@@ -31,16 +31,21 @@ def _decode(line: bytes, log: Path):
         return json.loads(text)
 
 
-def read_done(logs: Iterable[Path], out: Path, size_of: Callable[[dict], int | None]) -> dict[str, dict]:
+def read_done(logs: Iterable[Path], out: Path, size_of: Callable[[dict], int | None],
+              recorded: dict[bytes, dict] | None = None) -> dict[str, dict]:
     """{file: record} of every journalled file whose bytes are still there. `size_of(record)` is the size
-    the file must have, or None when any size will do."""
+    the file must have, or None when any size will do. `recorded`: lines this process wrote (JournalLog), each
+    with the record it encoded: a line read back byte for byte as written is that record, not decoded again."""
     done: dict[str, dict] = {}
+    recorded = recorded or {}
     for log in logs:
         if not log.exists():
             continue
         for line in read_bytes(log, limit=MAX_TEXT).splitlines():  # (not decoded as a whole: msgspec checks each line)
-            try:  # msgspec first (a line a file: 150k tensor CRCs in all at a release's size), json.loads for the rest
-                rec = _decode(line, log)
+            try:  # msgspec first (a line a file: 250k tensor CRCs in all at a release's size), json.loads for the rest
+                rec = recorded.get(line)
+                if rec is None:
+                    rec = _decode(line, log)
                 rel = rec["file"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
@@ -56,8 +61,9 @@ def read_done(logs: Iterable[Path], out: Path, size_of: Callable[[dict], int | N
 class JournalLog:
     """Append records to one journal file, each durable before the next file is started."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, recorded: dict[bytes, dict] | None = None):
         self.path = path
+        self.recorded = recorded  # line -> record, kept for read_done (records of plain JSON values only)
         try:
             self._f = open(path, "ab")
         except OSError as e:
@@ -69,11 +75,14 @@ class JournalLog:
     def add_all(self, records: list[dict]) -> None:
         """Several records (files made durable together) with one fsync."""
         try:  # a record that is not durable counts as not written: the file is redone on resume
-            self._f.write(b"".join(compact_json(r) + b"\n" for r in records))  # 100k+ tensor CRCs a conversion
+            lines = [compact_json(r) for r in records]
+            self._f.write(b"".join(line + b"\n" for line in lines))  # 100k+ tensor CRCs a conversion
             self._f.flush()
             os.fsync(self._f.fileno())
         except OSError as e:
             raise write_error(e, self.path) from None
+        if self.recorded is not None:  # durable: what read_done may take it as (a shard's file records: str, int, dict)
+            self.recorded.update((line, r) for line, r in zip(lines, records) if _plain(r))
 
     def close(self) -> None:
         self._f.close()
@@ -83,6 +92,20 @@ class JournalLog:
 
     def __exit__(self, *exc):
         self.close()
+
+
+_SCALARS = frozenset((str, int, bool, type(None)))
+
+
+def _plain(value) -> bool:
+    """Whether JSON gives `value` back equal and of the same types (no tuple, float or other object in it), checked
+    a dict's keys and values a column at a time (a file's record holds its hundreds of tensor CRCs)."""
+    if type(value) is not dict:
+        return type(value) in _SCALARS
+    if not set(map(type, value)) <= {str}:
+        return False
+    types = set(map(type, value.values()))
+    return types <= _SCALARS or (types <= _SCALARS | {dict} and all(_plain(v) for v in value.values() if type(v) is dict))
 
 
 def check_not_mid_pack(out: Path) -> None:

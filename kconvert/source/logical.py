@@ -27,6 +27,8 @@ _BY_SUFFIX = (".weight_packed", ".scale", ".weight_scale_inv")  # a companion th
 _SCALE_ONLY = (".weight_scale", ".input_scale")  # folded with the weight found from the other side
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 _FORMAT, _STORED = attrgetter("format"), attrgetter("stored")
+_NAME, _FILE, _BEGIN, _END, _COMPRESSED = (attrgetter(f) for f in ("name", "file", "begin", "end", "compressed"))
+_new_entry = partial(tuple.__new__, TensorEntry)  # a TensorEntry from its fields, without a Python-level call
 
 
 class LogicalTensor(NamedTuple):
@@ -149,20 +151,30 @@ def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, use
         bases = list(map(str.removesuffix, named, repeat("_packed")))
         scale_keys, shape_keys = list(map(add, bases, repeat("_scale"))), list(map(add, bases, repeat("_shape")))
         packed = list(map(stored.__getitem__, named))
-        scales, shapes = list(map(stored.get, scale_keys)), list(map(stored.get, shape_keys))
+        scales = list(map(stored.get, scale_keys))
+        # no `weight_shape` stored at all (MXFP4): none to look up, 250k times
+        shapes = list(map(stored.get, shape_keys)) if any(map(str.endswith, stored, repeat(".weight_shape"))) \
+            else [None] * len(named)
         if None in scales or set(map(len, map(_SHAPE, packed))) != {2}:
             return False
         if set(map(_DTYPE, packed)) == {"U8"} and shapes.count(None) == len(shapes):  # MXFP4: no weight_shape
-            if set(map(_DTYPE, scales)) != {"U8"} or any(map(_mxfp4_misfit, packed, scales)):
+            if set(map(_DTYPE, scales)) != {"U8"}:
                 return False
-            logical = [(s[0], s[1] * 2) for s in map(_SHAPE, packed)]
-            parts = [{"weight": p, "scale": s._replace(dtype="F8_E8M0")} for p, s in zip(packed, scales)]
+            pairs = list(zip(map(_SHAPE, packed), map(_SHAPE, scales)))  # a few distinct (shared tuples): checked once
+            if any(_mxfp4_shapes_misfit(*pair) for pair in set(pairs)):
+                return False
+            logical = _widened(list(map(itemgetter(0), pairs)), 2)
+            # the scales' entries read as the e8m0 they are, built from their columns (not a _replace each)
+            e8m0 = map(_new_entry, zip(map(_NAME, scales), map(_FILE, scales), repeat("F8_E8M0"),
+                                       map(_SHAPE, scales), map(_BEGIN, scales), map(_END, scales),
+                                       map(_COMPRESSED, scales)))
+            parts = [{"weight": p, "scale": s} for p, s in zip(packed, e8m0)]
             out.update(zip(bases, _bulk(zip(bases, logical, repeat("fp4_packed"), parts))))
             used.update(named, scale_keys)
             return True
         if None in shapes or set(map(_DTYPE, packed)) != {"I32"}:
             return False
-        logical = [(s[0], s[1] * 8) for s in map(_SHAPE, packed)]
+        logical = _widened(list(map(_SHAPE, packed)), 8)
         parts = [{"packed": p, "scale": s, "shape": h} for p, s, h in zip(packed, scales, shapes)]
         out.update(zip(bases, _bulk(zip(bases, logical, repeat("int4_packed"), parts))))
         used.update(named, scale_keys, shape_keys)  # keys, not on-disk names (family aliases)
@@ -177,6 +189,13 @@ def _named_bulk(stored: dict[str, TensorEntry], named: list[str], out: dict, use
         used.update(named, bases)
         return True
     return False
+
+
+def _widened(shapes: list[tuple], codes: int) -> list[tuple]:
+    """Each packed [R, C / codes] shape as its logical [R, C]: one tuple per distinct shape, shared as the header
+    reader shares its shapes (a release's 250k experts have a handful)."""
+    logical = {s: (s[0], s[1] * codes) for s in set(shapes)}
+    return list(map(logical.__getitem__, shapes))
 
 
 def _named_one_by_one(stored: dict[str, TensorEntry], named: list[str], out: dict, used: set) -> None:
@@ -255,11 +274,16 @@ def _sidecar(w: TensorEntry, scale: TensorEntry) -> LogicalTensor:
 
 def _mxfp4_misfit(packed: TensorEntry, scale: TensorEntry) -> str | None:
     """What is wrong with a compressed-tensors MXFP4 pair's shapes (None: packed [R, C/2], scale [R, C/32])."""
-    rows, cols = packed.shape[0], packed.shape[1] * 2
-    if len(packed.shape) != 2 or cols % FP4_GROUP or tuple(scale.shape) != (rows, cols // FP4_GROUP):
+    if _mxfp4_shapes_misfit(packed.shape, scale.shape):
+        rows, cols = packed.shape[0], packed.shape[1] * 2
         return (f"MXFP4 weight_packed {list(packed.shape)} (two e2m1 codes a byte) needs a U8 e8m0 weight_scale "
                 f"[{rows}, {cols // FP4_GROUP}] (one per {FP4_GROUP} inputs), is {scale.dtype}{list(scale.shape)}")
     return None
+
+
+def _mxfp4_shapes_misfit(packed: tuple, scale: tuple) -> bool:
+    rows, cols = packed[0], packed[1] * 2
+    return len(packed) != 2 or bool(cols % FP4_GROUP) or tuple(scale) != (rows, cols // FP4_GROUP)
 
 
 def _mxfp4(base: str, packed: TensorEntry, scale: TensorEntry) -> LogicalTensor:

@@ -57,12 +57,12 @@ class Model(nn.Module):
         self.par = par or Group()
         self.device, self.dtype = torch.device(device), dtype
         self.quant_options = quant_options or Options()
-        self.names = bind(config)
-        self.formats = engine_keys(self.names, formats or {})
-        self.prefix = self.names.text.module_prefix
         stages = stages or [range(self.cfg.num_layers)]
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in stages]
         drafts = sorted({L for s in stages for L in s if L >= self.cfg.num_layers})
+        self.names = bind(config, draft_stages=len(drafts))  # V4-0731 counts its DSpark stages from its names
+        self.formats = engine_keys(self.names, formats or {})
+        self.prefix = self.names.text.module_prefix
         self.draft_layers = drafts if runs_drafts(self.cfg) else []  # built: last stage
         self.carried_drafts = [] if self.draft_layers else drafts  # a kind the engine does not run (CARRIED): unread
         self.draft_heads = nn.ModuleDict()  # str(L) -> engine/draft head

@@ -1,7 +1,8 @@
 """DeepSeek-V4 in the V4-Flash-0731 layout (issue 41): a three-stage DSpark drafter under mtp.0..2 while config.json
 says `num_nextn_predict_layers: 1`. The stages are counted from the checkpoint's names and carried by shard (each
 tensor once, byte for byte at --quant none, the FP8 blocks bit for bit at --quant fp8), a stage missing a tensor is
-refused naming it, and mlx-vlm's own drafter (kconvert/verify/mlx_dspark.py) loads the source strictly and runs.
+refused naming it, mlx-vlm's own drafter (kconvert/verify/mlx_dspark.py) loads the source strictly and runs, and the
+engine's drafter (engine/draft/dspark_v4.py) gives its predictions.
 On the preset and on a config that is none (other widths, target layers out of order, rank, block size; bf16)."""
 
 from __future__ import annotations
@@ -157,3 +158,33 @@ def test_the_mlx_reference_runs_and_its_markov_head_counts(request, which):
     w2 = ref.model.markov_head.markov_w2.weight
     ref.model.markov_head.markov_w2.weight = mx.zeros_like(w2)
     assert (ref.logprobs(taps, tokens).argmax(-1) != first.argmax(-1)).any()  # the Markov bias moves the draft
+
+
+@pytest.mark.parametrize("which", ["preset", "other"])
+def test_the_engines_drafter_is_mlx_vlms(request, tmp_path, which):
+    """The engine's DSpark drafter over V4 stages (engine/draft/dspark_v4.py) gives mlx-vlm's deepseek_v4_dspark
+    drafter's first-draft log-probs at every position (mean KLD < 1e-5, float32; the context read past its window
+    of 8), on the preset (FP8 / FP4) and on the non-preset config (targets out of order, blocks of 3); greedy
+    decoding drafted by it is plain greedy decoding."""
+    from engine.draft.drafter import new_drafter
+    from engine.model import Model
+    from engine.runtime.generate import Sampling, generate
+    from engine.runtime.speculative import generate_speculative
+    from kconvert.verify.mlx_dspark import V4DsparkReference
+
+    src, out = request.getfixturevalue(which), tmp_path / "out"
+    proc = cli_here("shard", src, out, "--tp", 1, "--quant", "none")
+    assert proc.returncode == 0, proc.stderr
+    model = Model.from_converted(out, dtype=torch.float32)
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(21)]
+    drafter, hidden, ids = new_drafter(model), [], torch.tensor([prompt])
+    assert model.tap_layers == json.loads((src / "config.json").read_text())["dspark_target_layer_ids"]
+    model.forward(ids, last_only=True, everywhere=False, hidden=hidden)
+    taps = torch.cat(hidden, 1)[:, :-1]
+    ours = drafter.score(taps, ids[:, 1:]).log_softmax(-1)
+    ref = V4DsparkReference(src).logprobs(taps, ids[:, 1:])
+    kld = (ref.exp() * (ref - ours)).sum(-1)
+    assert kld.mean() < 1e-5 and torch.equal(ref.argmax(-1), ours.argmax(-1)), kld
+    plain = generate(model, prompt, Sampling(max_new_tokens=12)).tokens
+    spec = generate_speculative(model, prompt, Sampling(max_new_tokens=12))
+    assert spec.tokens == plain and sum(spec.stats.proposed) > 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.cache.latent import KVOptions
+from engine.draft.context import Context
 from kconvert.errors import EngineError, UsageError
 
 
@@ -39,23 +40,6 @@ def new_drafter(model, k: int | None = None):
     cls = DRAFTERS.get(model.cfg.draft_kind, Drafter)
     model.tap_layers = cls.tap_layers(model)  # every rank: the last stage collects them in its forwards
     return cls(model, k) if model.par.last else None
-
-
-class Context:
-    """What a head needs of the target: its embeddings and head (vocab-parallel), rotary, process group."""
-
-    def __init__(self, model):
-        self.model, self.par = model, model.par
-
-    def embed(self, ids: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
-        return self.model.embed_tokens(ids.to(self.model.device), own if own is not None else self.model.shared_embed)
-
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
-        return self.model.rotary(positions, dtype)
-
-    def logits(self, normed: torch.Tensor, own_head) -> torch.Tensor:
-        head = own_head if own_head is not None else self.model.text.lm_head
-        return self.par.all_gather_last(head(normed)).float()
 
 
 class Drafter:

@@ -13,6 +13,9 @@ argmax of base logits j plus the Markov bias of draft j-1 (the anchor for j = 0)
 `markov_head.embed`[previous token]. The confidence head (sigmoid of `proj` over the hidden state and that
 embedding) is loaded; greedy drafting proposes the whole block and the target decides, so it is not consulted.
 
+DeepSeek-V4's DSpark layout (V4-Flash-0731: V4 blocks, `hc_head` and `markov_w1` / `markov_w2` on the last stage) is
+the same drafter over V4 stages (engine/draft/dspark_v4.py).
+
 The drafter reads the target's context where engine/runtime/speculative.py hands the MTP drafter its residual:
 `Model.tap_layers` makes the last stage collect the taps instead (every tap layer must run on the last pipeline
 stage: a conversion laid out otherwise is refused for --speculative, naming the layer)."""
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import TextConfig
+from engine.draft.context import Context
 from engine.layers.linear import LinearSlot, resolve_linears
 from engine.layers.slots import Stored, load_unit, slot
 from engine.models.deepseek_v4.attention import attend_with_sink, grouped_output
@@ -37,6 +41,18 @@ from engine.models.deepseek_v41.config import v41_config
 from engine.models.deepseek_v41.moe import V41MoE
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
+
+
+def attend_block(q: torch.Tensor, own: torch.Tensor, keys: torch.Tensor, visible, sinks: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Queries q [B,L,h,D] of a block over the context's keys [1 or B,T,D] (`visible` [B,T] or None: all) and the
+    block's own K=V rows own [B,L,D], no causal mask, a sink per head -> [B,L,h,D]."""
+    B = q.shape[0]
+    ctx = keys.to(q.dtype).expand(B, -1, -1)
+    seen = torch.einsum("bshd,btd->bhst", q, ctx)
+    if visible is not None:
+        seen = seen.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return attend_with_sink([seen, torch.einsum("bshd,btd->bhst", q, own)], [ctx, own], sinks, scale)
 
 
 class V41DsparkStage(nn.Module):
@@ -78,7 +94,7 @@ class V41DsparkStage(nn.Module):
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """First stage: the context [B,S,hidden] from the taps [B,S,len(targets) * hidden]."""
-        return self.main_norm(self.main_proj(taps.to(self.attn_norm.weight.dtype)))
+        return self.main_norm(self.main_proj(taps))
 
     def context_keys(self, ctx: torch.Tensor, start: int) -> torch.Tensor:
         """This stage's keys [B,S,head_dim] of the context at positions start.., RoPE applied."""
@@ -96,13 +112,8 @@ class V41DsparkStage(nn.Module):
         cos, sin = a.rotary(starts[:, None] + torch.arange(L, device=h.device), h.dtype)
         q = rope_tail(a.wq_b(a.q_norm(a.wq_a(h))).view(B, L, a.heads, c.head_dim), cos[:, :, None], sin[:, :, None])
         own = rope_tail(a.kv_norm(a.wkv(h)), cos, sin)
-        ctx = keys.to(h.dtype).expand(B, -1, -1)
-        seen = torch.einsum("bshd,btd->bhst", q, ctx)
-        if visible is not None:
-            seen = seen.masked_fill(~visible[:, None, None, :], float("-inf"))
-        logits = [seen, torch.einsum("bshd,btd->bhst", q, own)]
-        return grouped_output(attend_with_sink(logits, [ctx, own], a.attn_sink, a.scale), cos, sin, a.groups, a.wo_a,
-                              a.wo_b)
+        o = attend_block(q, own, keys, visible, a.attn_sink, a.scale)
+        return grouped_output(o, cos, sin, a.groups, a.wo_a, a.wo_b)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, par: Group,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,8 +137,6 @@ class DSparkDrafter:
     """engine/draft/drafter.Drafter's calls (start, extend, score, resume, draft) for a DSpark drafter."""
 
     def __init__(self, model, k: int | None = None):
-        from engine.draft.drafter import Context
-
         sec = model.cfg.section
         self.model, self.ctx = model, Context(model)
         self.stages = [model.draft_heads[str(L)] for L in sorted(model.draft_layers)]

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.config import TextConfig
 from engine.draft.dspark import DSparkDrafter, V41DsparkStage
+from engine.draft.dspark_v4 import V4DsparkStage
 from engine.draft.mtp import MTPHead
 from engine.draft.v4_mtp import V4MTPHead
 from engine.models.registry import kind
@@ -32,18 +33,19 @@ DRAFT: dict[str, type[nn.Module]] = {
     "mtp": MTPHead,  # DeepSeek-V3 / V3.2, Kimi-K2 / K2.5 text: eh_proj + a decoder layer + shared_head
     "v4_mtp": V4MTPHead,  # DeepSeek-V4: e_proj / h_proj + a V4 block + its own hc_head
     "dspark": V41DsparkStage,  # DeepSeek-V4.1: a stage of the DSpark block drafter (engine/draft/dspark.py)
+    "v4_dspark": V4DsparkStage,  # DeepSeek-V4-0731 / -DSpark: the same drafter over V4 blocks (engine/draft/dspark_v4.py)
 }
 
 # Kinds run by a drafter of their own shape (default: engine/draft/drafter.Drafter, one head chained).
 DRAFTERS: dict[str, type] = {
     "dspark": DSparkDrafter,
+    "v4_dspark": DSparkDrafter,
 }
 
 
 # Draft kinds conversions carry (shard keeps them, byte for byte or quantized as the target) that this engine does
 # not run yet: a model on such a conversion leaves their layers unread and --speculative says why.
 CARRIED: dict[str, str] = {
-    "v4_dspark": "DeepSeek-V4-0731's DSpark block drafter",
 }
 
 
@@ -94,6 +96,8 @@ def own_prefix(names: ModelMap, layer: int, components: tuple[str, ...] | None =
                 name = rule.pattern.replace("{L}", str(layer)).replace("{M}", str(layer - part.layer_count))
                 name = name.replace("{E}", "0")
                 got.append(name if stored else engine_name(names, name))
+    if not got and components is not None:  # a middle DSpark stage of V4's layout: its block only, no own tensor
+        return own_prefix(names, layer, None, stored=True)
     if not got:
         raise CheckpointError(f"the family's manifest names no tensor of draft layer {layer}", file="kconvert.json")
     prefix = os.path.commonprefix(got)

@@ -63,11 +63,7 @@ class V4MTPHead(nn.Module):
         return x  # the streams themselves, before the target's hc_head
 
     def merge(self, streams: torch.Tensor) -> torch.Tensor:
-        """The head's own hc_head: a `pre`-only mixing of the streams (engine/models/deepseek_v4/mhc.HyperHead)."""
-        o = self.own_tensors
-        flat = unweighted_rms_norm(streams.flatten(2).float(), self.c.eps)
-        pre = torch.sigmoid(F.linear(flat, o.hc_head_fn.float()) * o.hc_head_scale.float() + o.hc_head_base.float())
-        return ((pre + self.c.hc_eps)[..., None] * streams).sum(dim=2).to(streams.dtype)
+        return hc_head_merge(streams, self.own_tensors, self.c)
 
     def forward(self, ctx, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache):
         """(normed [B,S,hidden] for the head, carry [B,S,hc_mult,hidden]) at positions start.. of the streams
@@ -80,3 +76,11 @@ class V4MTPHead(nn.Module):
         x = self.block(x, start, cache.layers[0], None, None, ctx.par, ids=tokens)
         cache.commit(step)
         return o.norm(self.merge(x)), x
+
+
+def hc_head_merge(streams: torch.Tensor, own: nn.Module, c) -> torch.Tensor:
+    """A draft block's own hc_head (`own.hc_head_{fn,base,scale}`): a `pre`-only mixing of the streams
+    [B,S,n,hidden] (engine/models/deepseek_v4/mhc.HyperHead). V4's MTP block and DSpark's last stage alike."""
+    flat = unweighted_rms_norm(streams.flatten(2).float(), c.eps)
+    pre = torch.sigmoid(F.linear(flat, own.hc_head_fn.float()) * own.hc_head_scale.float() + own.hc_head_base.float())
+    return ((pre + c.hc_eps)[..., None] * streams).sum(dim=2).to(streams.dtype)

@@ -31,6 +31,13 @@ def stage_count(entry: dict, names) -> int:
     return stored_stage_count(names, entry["stages_from_names"])
 
 
+def stage_names(entries: list[dict], stages: int) -> list[str]:
+    """Stored-name prefixes of `stages` draft stages under each entry's `stages_from_names` pattern: what a converted
+    checkpoint's draft layers say of the count (the engine binds with them: it lists units, not names)."""
+    return [e["stages_from_names"].replace("{M}", str(m)) for e in entries if "stages_from_names" in e
+            for m in range(stages)]
+
+
 def with_traits(family: dict, parts) -> dict:
     """The family's table with its parts' traits (`BoundPart.traits`) laid over it, tables merged key by key."""
     out = dict(family)

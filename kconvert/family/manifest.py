@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kconvert.errors import ManifestError
-from kconvert.family.compose import part_applies, stage_count, with_traits
+from kconvert.family.compose import part_applies, stage_count, stage_names, with_traits
 from kconvert.family.families import any_alias, family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
@@ -282,10 +282,13 @@ class ModelMap:
                     yield rule, L, part.is_required(rule, L), names
 
 
-def bind(config: dict, *, config_file: str = "config.json", names=None) -> ModelMap:
+def bind(config: dict, *, config_file: str = "config.json", names=None, draft_stages: int | None = None) -> ModelMap:
     """Pick the family manifest for `config` and bind it; `names` (stored tensor names): for draft stages counted from
-    them (compose.stage_count)."""
+    them (compose.stage_count); `draft_stages`: that count where the names are not at hand (a converted checkpoint's
+    draft layers)."""
     spec = find_family(config, config_file=config_file)
+    if draft_stages is not None and names is None:
+        names = stage_names(spec.get("parts", []), draft_stages)
     limits_path = manifests_dir() / LIMITS_FILE
     check_quantization(config.get("quantization_config"), field="quantization_config", file=config_file,
                        limits_path=limits_path)

@@ -10,7 +10,8 @@ heads on random weights (0 % acceptance) or without their shared experts (60 % -
    source: the engine in float32 on a temporary tp 1 `--quant none` conversion of it gives the target's hidden
    states, and the source's own head reads them, as the family's manifest says (`draft_reference`):
    "mlx-vlm" (DeepSeek-V4's MTP block: mlx-vlm 0.7.10's deepseek_v4_mtp drafter, loaded from the source's
-   `mtp.*` tensors), otherwise the engine's head itself (no reference implements the DeepSeek-V3-style MTP
+   `mtp.*` tensors; V4-0731's DSpark drafter: mlx-vlm's deepseek_v4_dspark, kconvert/verify/mlx_dspark.py),
+   otherwise the engine's head itself (no reference implements the DeepSeek-V3-style MTP
    layer: transformers drops it, mlx-lm too; nor V4.1's DSpark drafter). A DSpark drafter's prediction at a
    position is its block's first draft there (base logits + the Markov bias of the anchor, the true next token),
    its context the target's taps up to that position (engine/draft/dspark.py).
@@ -31,6 +32,7 @@ from kconvert.verify import kld
 
 ENGINE = "the engine's float32 run of the source's own head (no reference implementation runs this head)"
 MLX_VLM = "mlx-vlm's deepseek_v4_mtp drafter on the source's own head"
+MLX_VLM_DSPARK = "mlx-vlm's deepseek_v4_dspark drafter on the source's own stages"
 
 
 @dataclass
@@ -124,17 +126,22 @@ def reference_draft(src: str, prompts: list[dict], tokens: list[torch.Tensor], n
     got = engine_draft(model, prompts, tokens, new_tokens, streams)
     if ck.model.family.get("draft_reference") != "mlx-vlm":
         return ENGINE, got
-    from kconvert.verify.mlx_draft import V4MtpReference
+    if ck.model.family.get("engine", {}).get("draft") == "v4_dspark":  # V4-0731's DSpark drafter: its own reference
+        from kconvert.verify.mlx_dspark import V4DsparkReference
 
-    root = ck.root
-    if ck.quantization_config:  # mlx-vlm reads plain weights: kconvert's exact dequantization of the release
-        from kconvert.verify.fake_quant import write_dequantized_source
+        mlx, label = V4DsparkReference(ck.root), MLX_VLM_DSPARK  # it reads the dequantized release itself
+    else:
+        from kconvert.verify.mlx_draft import V4MtpReference
 
-        root = write_dequantized_source(src, tmp / "draft-dequantized")
-    mlx = V4MtpReference(root, ck.model.text.layer_count)  # the first MTP block: the one the drafter uses
-    for i, x in streams.items():
+        root = ck.root
+        if ck.quantization_config:  # mlx-vlm reads plain weights: kconvert's exact dequantization of the release
+            from kconvert.verify.fake_quant import write_dequantized_source
+
+            root = write_dequantized_source(src, tmp / "draft-dequantized")
+        mlx, label = V4MtpReference(root, ck.model.text.layer_count), MLX_VLM  # the first MTP block: the drafter's
+    for i, x in streams.items():  # the target's residual (MTP) or its taps (DSpark) the engine's head read
         got[f"prompt.{i}.draft.logprobs"] = mlx.logprobs(x, tokens[i][None, 1:]).contiguous()
-    return MLX_VLM, got
+    return label, got
 
 
 def check(meta: dict, prompts: list[dict], tokens: list[torch.Tensor], got: dict, ref: dict | None, label: str,

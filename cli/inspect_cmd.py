@@ -29,7 +29,7 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
       kconvert inspect moonshotai/Kimi-K2.5 --json
       kconvert inspect ./tiny-k25-dsv32-tp2-fp8
     """
-    from kconvert.io.gc_pause import paused_gc
+    from kconvert.io.gc_pause import keep_to_exit, paused_gc
     from kconvert.plan.inspect import summarize
     from kconvert.plan.inspect_converted import is_converted, summarize_converted
     from kconvert.source.checkpoint import Checkpoint
@@ -38,7 +38,9 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
         _print_converted(summarize_converted(src), as_json)
         return
     with paused_gc():  # 100k+ header entries, none in a cycle: the collector would only walk them again and again
-        s = summarize(Checkpoint.open(src, revision=revision, headers_only=True))
+        ck = Checkpoint.open(src, revision=revision, headers_only=True)
+        s = summarize(ck)
+        keep_to_exit(ck)  # not freed object by object when this returns (500k+ entries at a release's size)
     if as_json:
         click.echo(json.dumps(s.to_json(), indent=2))
         return

@@ -108,7 +108,7 @@ class _Plan:
         quant = self.policy.quantizes(info, t.shape)
         key = t.format
         if quant and key not in self.copies:
-            self.copies[key] = self.policy.quant.lossless_copy(source_quant(self.ck, t), self.policy.options)
+            self.copies[key] = self.policy.quant.lossless_copy(source_quant(self.ck, t, info), self.policy.options)
         return quant, self.copies[key] if quant else None
 
     def _pieces(self, info: TensorInfo, t, quant: bool, copy: LosslessCopy | None) -> list[tuple] | None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from kconvert import renamed
 from kconvert.source.checkpoint import INDEX, SINGLE, Checkpoint
 from kconvert.errors import CheckpointError, UsageError
+from kconvert.io.gc_pause import keep_to_exit
 from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.plan.device_presets import GIB, DevicePreset, auto_quant, devices, find_device
 from kconvert.plan.fit import MEM_FRACTION, Sizing, capped, default_reserve, fit  # noqa: F401 (default_reserve, fit: API)
@@ -87,6 +88,7 @@ def _open(src: str, revision: str | None):
         model, groups = config_groups(json.dumps(config, sort_keys=True), str(p))
         return "config", model, groups
     ck = Checkpoint.open(src, revision=revision, headers_only=True)
+    keep_to_exit(ck)  # a console run ends without freeing its 500k+ entries one by one (io/gc_pause.py)
     return "checkpoint", ck.model, tuple(checkpoint_groups(ck))
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from helpers import cli_here, one_thread, verify_json
+from helpers import ROOT, assert_one_line_error, cli_here, one_thread, verify_json
 from kconvert.fixtures.dsv41 import v41_config, write_v41_checkpoint
 from kconvert.verify import damage
 
@@ -358,3 +360,18 @@ def test_dspark_taps_on_an_earlier_stage_are_one_line():
                             stages=[[0, 1, 2, 3], [4, 5, 6]], stage_of_layer=lambda L: 0 if L < 4 else 1)
     with pytest.raises(UsageError, match=r"reads the target's layer 3, which runs on pipeline stage 0"):
         DSparkDrafter.tap_layers(model)
+
+
+def test_dspark_taps_on_an_earlier_stage_skip_the_draft_check(v41, tmp_path):
+    """A pipeline layout that puts a tapped layer before the last stage converts and verifies (the target PASSes);
+    its draft check is SKIPPED, saying why, and --speculative on it is one line naming the layer."""
+    out = tmp_path / "pp2"
+    r = cli_here("shard", v41 / "src", out, "--tp", 1, "--pp", 2, "--pp-layers", "0-4,5-6")
+    assert r.returncode == 0, r.stderr
+    r, rep = verify(out, v41 / "ref.safetensors")
+    assert r.returncode == 0 and rep["verdict"] == "PASS", r.stderr
+    assert rep["draft"]["verdict"] == "SKIPPED" and "reads layer 4" in rep["draft"]["reference"], rep["draft"]
+    chat = subprocess.run([sys.executable, "-m", "engine.chat", str(out), "--complete", "--prompt", "def",
+                           "--max-new-tokens", "2", "--speculative"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert_one_line_error(chat, "reads the target's layer 4, which runs on pipeline stage 0")

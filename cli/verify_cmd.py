@@ -213,9 +213,6 @@ def _print_draft(con, check) -> None:
     """The draft heads' table: predictions vs the reference, acceptance vs the source head's own."""
     from rich.table import Table
 
-    if not check.heads:  # not run on this layout: the reason only
-        con.print(f"  draft heads [yellow]{check.verdict}[/]: {check.reference}")
-        return
     t = Table(title=f"draft heads: predictions vs {check.reference}; greedy speculative decoding, "
                     f"{check.limits.get('new_tokens')} tokens a prompt")
     for col in ("head", "mean KLD", "top-1", "acceptance", "source head", "tokens/step", "verdict"):

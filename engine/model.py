@@ -284,6 +284,16 @@ class Model(nn.Module):
                 taps[L] = r.mean(2) if r.dim() == 4 else r
         return x
 
+    def taps_before(self, B: int, S: int) -> dict:
+        """The drafter's taps of the layers before this stage's (sent by the previous stage, in layer order), for a
+        forward of S positions: what this stage adds its own to and passes on."""
+        first = self.stage_layers[0] if self.stage_layers else self.cfg.num_layers
+        earlier = sorted(L for L in self.tap_layers if L < first)
+        if not earlier or self.par.first:
+            return {}
+        got = self.par.recv_prev((B, S, len(earlier), self.cfg.hidden_size), self.dtype, self.device)
+        return dict(zip(earlier, got.unbind(2)))
+
     def draft_input(self, x: torch.Tensor, taps: dict | None) -> torch.Tensor:
         """What the drafter reads of a forward's positions (last stage): the taps, concatenated in tap_layers'
         order, or the residual itself."""

@@ -42,7 +42,7 @@ def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs
                               model.device)
             if hasattr(model.stack, "receive_crossing"):  # state earlier stages' layers made for this one's (V4.1)
                 model.stack.receive_crossing(model, cache, start, hi - lo)
-        taps = {} if hidden is not None and model.tap_layers and par.last else None
+        taps = model.taps_before(B, hi - lo) if hidden is not None and model.tap_layers else None
         x = model.run_layers(x, step.positions, cache, ids[:, lo:hi], taps)
         cache.commit(step)
         if not par.last:
@@ -51,6 +51,9 @@ def forward(model, ids: torch.Tensor, cache, image_embeds, last_only: bool, seqs
             extra = model.stack.crossing(model, cache, start, hi - lo) if hasattr(model.stack, "crossing") else None
             if extra is not None:
                 sending.append((par.send_next(extra, wait=False), extra))
+            if taps:  # the drafter's taps so far travel to the last stage with the residual
+                sent = torch.stack([taps[L] for L in sorted(taps)], 2).contiguous()
+                sending.append((par.send_next(sent, wait=False), sent))
         else:
             if hidden is not None:
                 hidden.append(model.draft_input(x, taps))

@@ -160,10 +160,6 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         report = _report(out, meta, ref_meta, refs, got, fq, limits, export)
         if draft:
             _check_draft(report, meta, ref_meta, tokens, got, against, draft, Path(tmp), phase)
-        elif export is None and (why := _draft_skipped(meta)):
-            from kconvert.verify.draft import DraftCheck
-
-            report.draft = DraftCheck("SKIPPED", why)
         if per_layer:
             report.cost.per_layer = layer_curve(ref_meta, ref_tensors, got)
             report.largest_error_step_layer = largest_step(report.cost.per_layer)
@@ -184,23 +180,12 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
 
 
 def _draft_options(meta: dict, export, overrides: dict | None) -> dict | None:
-    """The draft check's options when OUT holds draft heads the engine can run on its layout (an export's are not
-    checked)."""
+    """The draft check's options when OUT holds draft heads (an export's are not checked)."""
     from kconvert.verify.draft import draft_layers
 
-    if export is not None or not draft_layers(meta) or _draft_skipped(meta):
+    if export is not None or not draft_layers(meta):
         return None
     return draft_limits(meta["quantization"]["scheme"], overrides)
-
-
-def _draft_skipped(meta: dict) -> str | None:
-    """Why OUT's draft heads cannot be checked on its layout (a DSpark drafter whose tapped layers run before the
-    last pipeline stage: it drafts only beside them), or None."""
-    from kconvert.converted.units import unit_layer
-    from kconvert.verify.draft import draft_layers
-
-    if not draft_layers(meta):
-        return None
     taps = meta["config"].get("text_config", meta["config"]).get("dspark_target_layer_ids") or []
     last = {unit_layer(u) for u in meta["layout"]["stages"][-1]["units"]}
     away = [L for L in taps if L not in last]

@@ -31,6 +31,11 @@ def preset(checkpoint):
 
 
 @pytest.fixture(scope="module")
+def trained(checkpoint):
+    return checkpoint("tiny-dsv4-dspark-trained")  # its drafter trained on the target's hidden states (bf16)
+
+
+@pytest.fixture(scope="module")
 def other(tmp_path_factory):
     from kconvert.fixtures.dsv4_dspark import write_dspark_v4
 
@@ -160,12 +165,13 @@ def test_the_mlx_reference_runs_and_its_markov_head_counts(request, which):
     assert (ref.logprobs(taps, tokens).argmax(-1) != first.argmax(-1)).any()  # the Markov bias moves the draft
 
 
-@pytest.mark.parametrize("which", ["preset", "other"])
+@pytest.mark.parametrize("which", ["preset", "other", "trained"])
 def test_the_engines_drafter_is_mlx_vlms(request, tmp_path, which):
     """The engine's DSpark drafter over V4 stages (engine/draft/dspark_v4.py) gives mlx-vlm's deepseek_v4_dspark
     drafter's first-draft log-probs at every position (mean KLD < 1e-5, float32; the context read past its window
-    of 8), on the preset (FP8 / FP4) and on the non-preset config (targets out of order, blocks of 3); greedy
-    decoding drafted by it is plain greedy decoding."""
+    of 8), on the preset (FP8 / FP4), on the non-preset config (targets out of order, blocks of 3) and on the trained
+    preset (trained through the engine's drafter: kconvert/fixtures/trained_dspark.py); greedy decoding drafted by it
+    is plain greedy decoding."""
     from engine.draft.drafter import new_drafter
     from engine.model import Model
     from engine.runtime.generate import Sampling, generate

@@ -28,7 +28,7 @@ def test_presets_listed():
                             "tiny-k25-dsv32-trained", "tiny-dsv32-trained", "tiny-k25-dsv32-trained-wide", "topo-k25", "topo-k25-bf16",
                             "topo-dsv4-pro", "tiny-dsv4-trained", "tiny-k25-dsv4", "tiny-k25-dsv4-trained",
                             "tiny-kimi-k3", "tiny-kimi-k3-bf16", "tiny-kimi-linear", "tiny-kimi-k3-trained", "topo-kimi-k3",
-                            "tiny-dsv41", "tiny-dsv4-dspark"}
+                            "tiny-dsv41", "tiny-dsv4-dspark", "tiny-dsv4-dspark-trained"}
     assert all(isinstance(v, str) and v and "\n" not in v for v in PRESETS.values())
 
 

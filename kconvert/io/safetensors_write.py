@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import zlib
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
@@ -81,7 +82,7 @@ class SafetensorsWriter:
         self._tensor_crc: dict[str, str] = {}
         self._lo, self._hi = self.total, 0  # the range written since writeback was last started
         # a small file is put together in memory and written once: one system call, not one per tensor
-        self._stage = bytearray(self.total) if self.total <= STAGE_BYTES else None
+        self._stage = _staging(self.total) if self.total <= STAGE_BYTES else None
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         try:
             try:
@@ -197,9 +198,11 @@ class SafetensorsWriter:
             self.abort()
             raise RuntimeError(f"{self.path}: {len(self.specs) - self._next} planned tensors never written")
         if self._stage is not None:
-            staged, self._stage = memoryview(self._stage), None
-            self._pwrite([staged], 0)
-            self._crc = zlib.crc32(staged)  # a small file: one pass over it (simpler than combining per tensor)
+            buf, self._stage = self._stage, None
+            with memoryview(buf) as whole, whole[:self.total] as staged:
+                self._pwrite([staged], 0)
+                self._crc = zlib.crc32(staged)  # a small file: one pass over it (simpler than combining per tensor)
+            _spare(buf)
         else:
             crc = self._crc  # the file's CRC from the header's and its tensors', in file order
             for c, n in zip(self._crcs, self._size):
@@ -233,6 +236,36 @@ class SafetensorsWriter:
                 os.close(fd)
         finally:
             self.tmp.unlink(missing_ok=True)
+
+
+# Staging buffers of finished files, reused by the next ones (a unit's files are alike in size): a fresh buffer's
+# pages are each faulted in and zeroed first, which at 760 staged files of a release's topology was a large part of
+# opening them. A reused buffer holds an earlier file's bytes past this one's end and until this one's are written:
+# a staged file is finished only when every planned byte of it was written (finish() checks), and only [0, total)
+# is written out.
+_SPARES: list[bytearray] = []
+_SPARES_MAX = 16
+_SPARES_LOCK = threading.Lock()
+
+
+def _staging(total: int) -> bytearray:
+    """A buffer of at least `total` bytes (at most twice that) for a staged file; a new one is rounded up to 64 KiB,
+    so that files a few header bytes larger (a later layer's names) fit it too."""
+    with _SPARES_LOCK:
+        for i, buf in enumerate(_SPARES):
+            if total <= len(buf) <= 2 * total:
+                return _SPARES.pop(i)
+    return bytearray(-(-total // STAGE_ROUND) * STAGE_ROUND)
+
+
+STAGE_ROUND = 64 << 10
+
+
+def _spare(buf: bytearray) -> None:
+    with _SPARES_LOCK:
+        if len(_SPARES) >= _SPARES_MAX:  # the oldest goes: the sizes a run stages change with its units
+            _SPARES.pop(0)
+        _SPARES.append(buf)
 
 
 def commit_all(writers: list[SafetensorsWriter]) -> list[WrittenFile]:

@@ -12,6 +12,8 @@ writeback), and `commit_all()` later fsyncs a group of finished files, renames t
 fsyncs their directory once, so a worker never waits for the disk and a caller can make a whole unit
 durable before it journals it. `commit()` is both for one file. After the fsync the file's pages are
 dropped from the page cache (they are clean then): a conversion does not push the page cache out.
+Over 300 lines: the writer, its batched durability and the staged small files' reused buffers share one file's
+state (offsets, CRCs, the pending renames); split, each part would reach into the others'.
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ call through the drafter's own context cache (a sliding window of `sliding_windo
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from pathlib import Path
 
 import torch
+
+from kconvert.io.side_files import MAX_CONFIG, read_json
 
 
 class V4DsparkReference:
@@ -32,7 +33,7 @@ class V4DsparkReference:
 
         self.mx = mx
         root = Path(root)
-        config = json.loads((root / "config.json").read_text())
+        config = read_json(root / "config.json", limit=MAX_CONFIG)
         with tempfile.TemporaryDirectory(prefix="kconvert-dspark-") as tmp:
             if config.get("quantization_config"):  # mlx-vlm reads plain weights: the release's exact dequantization
                 from kconvert.verify.fake_quant import write_dequantized_source

@@ -186,13 +186,6 @@ def _draft_options(meta: dict, export, overrides: dict | None) -> dict | None:
     if export is not None or not draft_layers(meta):
         return None
     return draft_limits(meta["quantization"]["scheme"], overrides)
-    taps = meta["config"].get("text_config", meta["config"]).get("dspark_target_layer_ids") or []
-    last = {unit_layer(u) for u in meta["layout"]["stages"][-1]["units"]}
-    away = [L for L in taps if L not in last]
-    if away:
-        return (f"not checked: the DSpark drafter reads layer {away[0]}, which runs on an earlier pipeline stage of "
-                f"this layout (it drafts only with dspark_target_layer_ids {taps} on the last stage)")
-    return None
 
 
 def _check_draft(report: VerifyReport, meta, ref_meta, tokens, got, against, limits: dict, tmp: Path, phase) -> None:

@@ -14,7 +14,7 @@ from kconvert.io import typed_json
 from kconvert.io.compact_json import compact_json
 from kconvert.io.safetensors_read import read_header
 from kconvert.io.side_files import MAX_DEPTH
-from kconvert.source import checkpoint
+from kconvert.source import stored_files
 
 A = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 B = {"dtype": "BF16", "shape": [1, 2], "data_offsets": [8, 12]}
@@ -111,7 +111,7 @@ TYPED = ("usual", "no-metadata", "metadata-last-odd-values", "extra-field", "uni
 
 def _index(root: Path, text: str) -> None:
     _header(root / "m.safetensors", json.dumps({"a": A, "b": B}))
-    (root / checkpoint.INDEX).write_text(text)
+    (root / stored_files.INDEX).write_text(text)
 
 
 INDEXES = {
@@ -138,15 +138,15 @@ INDEXES = {
 @pytest.mark.parametrize("name", list(INDEXES))
 def test_index_reads_as_the_json_path_does(tmp_path, monkeypatch, name):
     _index(tmp_path, INDEXES[name])
-    typed, plain = _both(monkeypatch, lambda: checkpoint._index_map(tmp_path))
+    typed, plain = _both(monkeypatch, lambda: stored_files.index_map_of(tmp_path))
     assert typed == plain
     if name == "usual":  # the typed decode took it, each file named by one shared str (compared by identity)
-        weight_map = typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes(), ("m.safetensors",))
+        weight_map = typed_json.weight_map((tmp_path / stored_files.INDEX).read_bytes(), ("m.safetensors",))
         assert weight_map == {"a": "m.safetensors", "b": "m.safetensors"} and weight_map["a"] is weight_map["b"]
     assert (typed[0] == "ok") == (name in ("usual", "metadata-at-the-bound", "missing-file", "file-in-a-folder",
                                                          "large"))
     if typed[0] == "ok":  # and the fast path took it
-        assert typed_json.weight_map((tmp_path / checkpoint.INDEX).read_bytes()) == typed[1]
+        assert typed_json.weight_map((tmp_path / stored_files.INDEX).read_bytes()) == typed[1]
 
 
 @pytest.mark.parametrize("doc", [

@@ -79,7 +79,7 @@ def summarize(ck: Checkpoint) -> Summary:
         source=ck.source, family=ck.family, architectures=list(ck.config.get("architectures") or []), model=model,
         params={c: params[c] for c in COMPONENTS if params.get(c)}, total_params=sum(params.values()),
         active_params=active, formats=sorted(formats.values(), key=lambda r: -r["bytes"]),
-        files=len(ck.files), bytes_on_disk=bytes_on_disk, tensors=len(ck.logical), quantization=_quantization(ck),
+        files=len(ck.files), bytes_on_disk=bytes_on_disk, tensors=ck.tensor_count, quantization=_quantization(ck),
     )
 
 

@@ -1,9 +1,11 @@
 """A source checkpoint: config.json + (sharded) safetensors, opened lazily.
 
-`Checkpoint.open(src)` reads config.json, the index and every file's header (never tensor data),
-folds quantization companions into logical weights (`logical.fold`) and binds the family
-manifest. `validate()` checks every tensor against the manifest (known, right shape, none missing).
-`read(name)` reads one logical weight, or a row range of it, dequantized on request.
+`Checkpoint.open(src)` reads config.json, the index and every file's header (never tensor data; source/
+stored_files.py) and binds the family manifest. `validate()` checks every tensor against the manifest (known, right
+shape, none missing) a (rule, layer) group at a time, from the stored entries' columns where every group is stored
+in one form (source/stored_groups.py), so inspect and plan never fold a release's 250k experts. `logical` folds
+quantization companions into logical weights (`logical.fold`) on first use; `read(name)` reads one logical weight,
+or a row range of it, dequantized on request.
 """
 
 from __future__ import annotations
@@ -22,19 +24,15 @@ from kconvert.errors import CheckpointError, KConvertError, ManifestError
 from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.gc_pause import paused_gc
-from kconvert.io.paths import contained
-from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry, read_header
-from kconvert.io import typed_json
-from kconvert.io.side_files import (MAX_CONFIG, MAX_DEPTH, MAX_INDEX, mapped_bytes, openings_over, parse_json,
-                                    read_json)
+from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry
+from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.source.formats import read_logical
 from kconvert.source.logical import LogicalTensor, fold
+from kconvert.source.stored_groups import group_stored
 from kconvert.source.stored_parts import check_table
 from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors, stored_positions
+from kconvert.source.stored_files import INDEX, SINGLE, index_map_of, merged, read_headers, shard_files
 from kconvert.io.dtypes import FP8_BLOCK
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 _FILE, _SHAPE = attrgetter("file"), attrgetter("shape")
 _info_of = partial(tuple.__new__, TensorInfo)  # 70k TensorInfo from (name, rule, layer, expert) at C level
 
@@ -48,7 +46,7 @@ class Checkpoint:
         self.model: ModelMap = bind(config, config_file=str(root / "config.json"), names=stored)
         if self.model.aliases:  # the family's other spellings (transformers' save-side names) read as published
             self.stored = _canonical(self.model, stored)
-        self.logical: dict[str, LogicalTensor] = fold(self.stored)
+        self._logical: dict[str, LogicalTensor] | None = None  # folded on first use: inspect and plan never need it
         self._info: dict[str, TensorInfo] = {}
         self._grouped: Grouped | None = None  # by validate()
         self._infos_filled = False  # the buckets' tensors' infos in _info (built at C speed on first need)
@@ -72,10 +70,11 @@ class Checkpoint:
             if not root.is_dir():
                 raise CheckpointError("not a directory (nor a Hub repo id like org/name)", file=text)
         config = read_config(root)
-        index_map = _index_map(root)
-        names = _shard_files(root, index_map)
-        files = {n: read_header(root / n) for n in names}
-        stored = _merged(root, files, index_map)
+        index_map = index_map_of(root)
+        names = shard_files(root, index_map)
+        files, agreed = read_headers(root, names, index_map)
+        del index_map  # what is left of it: the headers hold every name again
+        stored = merged(root, files, agreed)
         return cls(root, config, files, stored, source=text)
 
     @classmethod
@@ -94,6 +93,19 @@ class Checkpoint:
                    source=repo_id, remote=True)
 
     # ------------------------------------------------------------------ queries
+    @property
+    def logical(self) -> dict[str, LogicalTensor]:
+        """Every logical weight by name, in fold's order (logical.fold: companions folded into their weights)."""
+        if self._logical is None:
+            with paused_gc():
+                self._logical = fold(self.stored)
+        return self._logical
+
+    @property
+    def tensor_count(self) -> int:
+        """Logical tensors held: counted from the validated buckets (every one is in a bucket), not by folding."""
+        return sum(map(len, map(attrgetter("names"), self.grouped.buckets)))
+
     @property
     def family(self) -> str:
         return self.model.name
@@ -133,7 +145,11 @@ class Checkpoint:
 
     def _validate(self) -> Grouped:
         block, group = self.quant_block(), self.int4_group()
-        grouped = group_tensors(self.model, self.logical)
+        grouped = group_stored(self.model, self.stored)  # columnar, when every group is stored in one fold form
+        if grouped is not None and grouped.missing is None and all(
+                _passes(b.sample, b.info, b.rule.scale_block or block, group) for b in grouped.buckets):
+            return grouped
+        grouped = group_tensors(self.model, self.logical)  # anything else, and every failure: named as always
         bad = []
         for b in grouped.buckets:
             try:
@@ -203,32 +219,12 @@ class Checkpoint:
         return h.hexdigest()[:32]
 
 
-def _merged(root: Path, files: dict[str, SafetensorsHeader], index_map: dict[str, str] | None) -> dict[str, TensorEntry]:
-    """Every file's tensors in one map, each stored once and where the index says. At 200k tensors the checks
-    run as whole-list operations, a file at a time; only a checkpoint that fails them is walked tensor by
-    tensor, to name one."""
-    stored: dict[str, TensorEntry] = {}
-    for header in files.values():
-        stored.update(header.tensors)
-    if len(stored) == sum(len(h.tensors) for h in files.values()) and (index_map is None or (
-            len(index_map) == len(stored) and all(list(map(index_map.get, h.tensors)).count(fname) == len(h.tensors)
-                                                  for fname, h in files.items()))):
-        return stored  # no tensor twice, each where the index says, and the index names no other
-    stored = {}
-    for fname, header in files.items():
-        for tname, entry in header.tensors.items():
-            if tname in stored:
-                raise CheckpointError(f"tensor stored twice (also in {stored[tname].file.name})", file=str(entry.file),
-                                      tensor=tname)
-            if index_map is not None and index_map.get(tname) != fname:
-                raise CheckpointError(f"tensor is in {fname} but the index says {index_map.get(tname)}",
-                                      file=str(root / INDEX), tensor=tname)
-            stored[tname] = entry
-    for tname, fname in index_map.items():
-        if tname not in stored:
-            raise CheckpointError(f"the index places this tensor in {fname}, which does not hold it",
-                                  file=str(root / fname), tensor=tname)
-    raise AssertionError("unreachable: the whole-list checks failed, so one tensor fails the walk")
+def _passes(t: LogicalTensor, info: TensorInfo, block: tuple[int, int], group: int) -> bool:
+    try:
+        check_tensor(t, info, block, group)
+        return True
+    except KConvertError:
+        return False
 
 
 def _canonical(model: ModelMap, stored: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
@@ -254,44 +250,6 @@ def read_config(root: Path) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError("config.json is not a JSON object", file=str(path))
     return config
-
-
-def _index_map(root: Path) -> dict[str, str] | None:
-    path = root / INDEX
-    if not path.exists():
-        return None
-    raw, files = mapped_bytes(path, limit=MAX_INDEX), tuple(n for n in os.listdir(root) if n.endswith(".safetensors"))
-    weight_map = None if openings_over(raw, MAX_DEPTH) else typed_json.weight_map(raw, files)  # 200k names, in C
-    if weight_map is None:  # anything unusual: json.loads, which names what is wrong
-        index = parse_json(bytes(raw), file=str(path))
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError("index has no weight_map object", file=str(path))
-    try:  # 200k tensors name a few dozen files: each is checked once
-        for fname in set(weight_map.values()):
-            contained(root, fname, named_in=path)  # the one path rule (kconvert/io/paths.py)
-        return weight_map
-    except (TypeError, CheckpointError):  # an unhashable name or a bad one: the walk names its first tensor
-        pass
-    checked: set = set()
-    for tname, fname in weight_map.items():
-        if not isinstance(fname, str) or fname not in checked:
-            contained(root, fname, named_in=path, tensor=tname)
-            checked.add(fname)
-    return weight_map
-
-
-def _shard_files(root: Path, index: dict[str, str] | None) -> list[str]:
-    if index is not None:
-        names = sorted(set(index.values()))
-        for n in names:
-            if not (root / n).is_file():
-                who = next(t for t, f in index.items() if f == n)
-                raise CheckpointError(f"the index names {n}, which does not exist", file=str(root / n), tensor=who)
-        return names
-    if (root / SINGLE).is_file():
-        return [SINGLE]
-    raise CheckpointError(f"no {INDEX} and no {SINGLE}: no safetensors weights here", file=str(root))
 
 
 __all__ = ["Checkpoint", "read_config", "ITEMSIZE"]

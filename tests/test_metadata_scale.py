@@ -19,7 +19,7 @@ from kconvert.load.loader import open_converted
 from kconvert.plan.inspect import summarize
 from kconvert.source.checkpoint import Checkpoint
 
-EXPERTS = 96
+SCALED = [("topo-k25", 96), ("topo-kimi-k3", 48)]  # INT4 triples; Kimi K3's MXFP4 pairs (the columnar path)
 
 
 def _metadata_work(src, out) -> tuple[float, int]:
@@ -33,9 +33,10 @@ def _metadata_work(src, out) -> tuple[float, int]:
     return time.process_time() - t, stored
 
 
-def test_doubling_the_tensor_count_at_most_about_doubles_the_metadata_cost(checkpoint, tmp_path):
-    small = checkpoint("topo-k25", layers=3, experts=EXPERTS)  # 2 MoE layers
-    large = checkpoint("topo-k25", layers=5, experts=EXPERTS)  # 4 MoE layers: twice the tensors and files
+@pytest.mark.parametrize("preset,experts", SCALED, ids=[p for p, _ in SCALED])
+def test_doubling_the_tensor_count_at_most_about_doubles_the_metadata_cost(checkpoint, tmp_path, preset, experts):
+    small = checkpoint(preset, layers=3, experts=experts)  # 2 MoE layers
+    large = checkpoint(preset, layers=5, experts=experts)  # 4 MoE layers: twice the tensors and files
     _metadata_work(small, tmp_path / "warm")  # imports and first calls out of the way
     t_small, n_small = _metadata_work(small, tmp_path / "small")
     t_large, n_large = _metadata_work(large, tmp_path / "large")
@@ -106,7 +107,7 @@ def test_inspect_and_plan_read_headers_without_importing_torch(checkpoint):
     from kconvert.io.dtypes import DTYPES, ITEMSIZE
 
     assert {t: torch.empty(0, dtype=d).element_size() for t, d in DTYPES.items()} == ITEMSIZE
-    src = checkpoint("topo-k25", layers=3, experts=EXPERTS)
+    src = checkpoint("topo-k25", layers=3, experts=96)
     code = f"""
 import contextlib, io, json, sys
 from cli.main import main

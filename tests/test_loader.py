@@ -160,3 +160,44 @@ def test_load_with_engine_warmup(conversions):
     assert s["warmup"] > 0 and abs(s["ready"] - (s["start_ranks"] + s["open"] + s["load"] + s["warmup"])) < 1e-6
     # without --rank a tp-2 conversion starts both ranks (tests/test_launch.py); with one, it cannot warm up alone
     assert_one_line_error(run_cli("load", conversions["none", 2], "--warmup", "1", "--rank", "1"), "drop --rank")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_strided_views_equal_one_view_per_tensor(seed, monkeypatch):
+    """_views makes evenly spaced tensors of one dtype and shape as one strided view split in C: every tensor is
+    what a slice + dtype view + reshape of its own bytes gives (values, shape, contiguity, no copy), on layouts
+    drawn at random: interleaved roles, odd-sized tensors that leave others misaligned (copied), empty tensors,
+    and a buffer that starts off a dtype's boundary (a staging slice)."""
+    import random
+
+    from kconvert.io.header_entries import TensorEntry
+    from kconvert.io.safetensors_read import SafetensorsHeader
+
+    rng = random.Random(seed)
+    kinds = [("F32", (3, 4)), ("BF16", (2, 8)), ("U8", (8,)), ("F32", (1, 1)), ("I64", ()), ("BF16", (0, 4)),
+             ("U8", (3,))]
+    entries, at = {}, 0
+    layout = [i % 3 for i in range(30)]  # stretches of a repeating (F32, BF16, U8) triple (a layer's roles), odd
+    for _ in range(rng.randrange(3, 7)):  # tensors between them
+        layout += [i % 3 for i in range(3 * rng.randrange(0, 16))] + [rng.randrange(len(kinds)) for _ in range(3)]
+    for i, k in enumerate(layout):
+        tag, shape = kinds[k]
+        size = {"F32": 4, "BF16": 2, "U8": 1, "I64": 8}[tag] * int(torch.tensor(shape).prod().item() if shape else 1)
+        entries[f"t{i}"] = TensorEntry(f"t{i}", Path("x"), tag, shape, at, at + size)
+        at += size
+    lead = rng.choice([0, 0, 1, 2])  # the buffer as a slice of a larger one, `lead` bytes in
+    store = torch.randint(0, 256, (lead + at + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    buf = store[lead:lead + at]
+    one_by_one = []
+    monkeypatch.setattr(loader_mod, "_view", lambda b, e, view=loader_mod._view: one_by_one.append(e) or view(b, e))
+    views = loader_mod.ConvertedCheckpoint._views(SafetensorsHeader(Path("x"), at, 0, entries, {}), buf)
+    monkeypatch.undo()
+    assert len(one_by_one) <= len(entries) - 10  # the first stretch strided (U8s at least, whatever the lead)
+    assert list(views) == list(entries)
+    for name, e in entries.items():
+        want = loader_mod._view(buf, e)
+        got = views[name]
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous(), name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+        if e.nbytes and not (lead + e.begin) % want.element_size():
+            assert got.data_ptr() == store.data_ptr() + lead + e.begin, name  # a view, not a copy

@@ -22,8 +22,8 @@ from torch import nn
 
 from engine import pipeline
 from engine.cache.latent import KVCache, KVOptions
-from engine.config import ModelConfig, model_config
-from engine.draft.registry import build_draft_head, check_draft_shares, runs_drafts
+from engine.config import model_config
+from engine.draft.registry import build_draft_head, check_draft_shares
 from engine.models.registry import block_stack, decoder_layer, image_tokens, vision_modules
 from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.layers.rope import Rotary
@@ -63,8 +63,7 @@ class Model(nn.Module):
         self.names = bind(config, draft_stages=len(drafts))  # V4-0731 counts its DSpark stages from its names
         self.formats = engine_keys(self.names, formats or {})
         self.prefix = self.names.text.module_prefix
-        self.draft_layers = drafts if runs_drafts(self.cfg) else []  # built: last stage
-        self.carried_drafts = [] if self.draft_layers else drafts  # a kind the engine does not run (CARRIED): unread
+        self.draft_layers = drafts  # built: last stage
         self.draft_heads = nn.ModuleDict()  # str(L) -> engine/draft head
         self.tap_layers: list[int] = []  # target layers a drafter reads (DSpark's dspark_target_layer_ids)
         self.shared_embed: torch.Tensor | None = None  # the embeddings on the last stage, for the draft heads

@@ -27,11 +27,6 @@ from kconvert.errors import EngineError, UsageError
 def new_drafter(model, k: int | None = None):
     """`model`'s drafter (engine/model.Model) on the last stage, None on the others; a UsageError (on every rank)
     when its conversion holds no draft heads."""
-    if model.carried_drafts:
-        from engine.draft.registry import CARRIED
-
-        raise UsageError(f"this conversion's draft layers {model.carried_drafts} are {CARRIED[model.cfg.draft_kind]}, "
-                         "which the engine does not run yet: --speculative needs MTP draft heads")
     if not model.draft_layers:
         raise UsageError("this conversion holds no draft heads (its source has none, or it was converted with "
                          "--no-draft-heads): --speculative needs them")

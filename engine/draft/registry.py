@@ -43,16 +43,6 @@ DRAFTERS: dict[str, type] = {
 }
 
 
-# Draft kinds conversions carry (shard keeps them, byte for byte or quantized as the target) that this engine does
-# not run yet: a model on such a conversion leaves their layers unread and --speculative says why.
-CARRIED: dict[str, str] = {
-}
-
-
-def runs_drafts(cfg: TextConfig) -> bool:
-    """Whether the engine builds the family's draft layers (False for a kind it only carries)."""
-    return cfg.draft_kind not in CARRIED
-
 
 def draft_head(cfg: TextConfig, layer: int, par: Group) -> nn.Module:
     """Draft layer `layer`'s module, empty (its tensors arrive with its unit)."""

@@ -48,12 +48,7 @@ def draft_layers(meta: dict) -> list[int]:
     """The draft layers a converted directory holds (its units past the decoder layers)."""
     from kconvert.converted.units import unit_layer
 
-    from engine.draft.registry import CARRIED
-    from kconvert.family.manifest import bind
-
     cfg = meta["config"]
-    if bind(cfg).family.get("engine", {}).get("draft") in CARRIED:  # carried, not run by the engine
-        return []
     n = cfg.get("text_config", cfg)["num_hidden_layers"]
     return sorted(L for u in meta["layout"]["units"] if (L := unit_layer(u)) is not None and L >= n)
 

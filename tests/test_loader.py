@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import assert_one_line_error, run_cli, rewrite_catalog
-from kconvert.load import loader as loader_mod
+from kconvert.load import views as views_mod
 from kconvert.errors import LoaderError
 from kconvert.load.loader import open_converted
 
@@ -164,7 +164,7 @@ def test_load_with_engine_warmup(conversions):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_strided_views_equal_one_view_per_tensor(seed, monkeypatch):
-    """_views makes evenly spaced tensors of one dtype and shape as one strided view split in C: every tensor is
+    """tensor_views makes evenly spaced tensors of one dtype and shape as one strided view split in C: every tensor is
     what a slice + dtype view + reshape of its own bytes gives (values, shape, contiguity, no copy), on layouts
     drawn at random: interleaved roles, odd-sized tensors that leave others misaligned (copied), empty tensors,
     and a buffer that starts off a dtype's boundary (a staging slice)."""
@@ -189,13 +189,13 @@ def test_strided_views_equal_one_view_per_tensor(seed, monkeypatch):
     store = torch.randint(0, 256, (lead + at + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     buf = store[lead:lead + at]
     one_by_one = []
-    monkeypatch.setattr(loader_mod, "_view", lambda b, e, view=loader_mod._view: one_by_one.append(e) or view(b, e))
-    views = loader_mod.ConvertedCheckpoint._views(SafetensorsHeader(Path("x"), at, 0, entries, {}), buf)
+    monkeypatch.setattr(views_mod, "_view", lambda b, e, view=views_mod._view: one_by_one.append(e) or view(b, e))
+    views = views_mod.tensor_views(SafetensorsHeader(Path("x"), at, 0, entries, {}), buf)
     monkeypatch.undo()
     assert len(one_by_one) <= len(entries) - 10  # the first stretch strided (U8s at least, whatever the lead)
     assert list(views) == list(entries)
     for name, e in entries.items():
-        want = loader_mod._view(buf, e)
+        want = views_mod._view(buf, e)
         got = views[name]
         assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous(), name
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name

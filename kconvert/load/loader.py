@@ -16,8 +16,6 @@ Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing i
 
 from __future__ import annotations
 
-from itertools import groupby
-from operator import attrgetter, sub
 
 import os
 import queue
@@ -38,9 +36,9 @@ from kconvert.load.first_load import mark_checked, needs_crc
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.converted.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
-from kconvert.io.dtypes import DTYPES, ITEMSIZE
 from kconvert.io.pread import pread_into
 from kconvert.io.regular import open_regular, regular_fd
+from kconvert.load.views import tensor_views
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
 from kconvert.io.window import ordered_window
 
@@ -133,33 +131,6 @@ class ConvertedCheckpoint:
                                   tensor=first_bad_tensor(path, self.catalog, rel))
         return header, buf
 
-    @staticmethod
-    def _views(header: SafetensorsHeader, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Tensors as views of the file buffer (no copy); a tensor whose offset is not a multiple
-        of its element size (possible after an odd-sized tensor) is copied to stay aligned. Tensors of one dtype
-        and shape at evenly spaced offsets (a layer's experts, each role) are made by one strided view split in C
-        (tensor.unbind): at Kimi K3's topology a rank holds 65k tensors, and three torch calls each were most of
-        loading it."""
-        out = dict.fromkeys(header.tensors)  # header order, whichever way each view is made
-        groups: dict[tuple, list] = {}
-        for e in header.tensors.values():
-            groups.setdefault((e.dtype, e.shape), []).append(e)
-        base, n = buf.storage_offset(), buf.numel()
-        for (tag, shape), es in groups.items():
-            size = ITEMSIZE[tag]
-            whole = buf[:n - n % size].view(DTYPES[tag]) if len(es) >= _STRIDED_AT_LEAST and es[0].nbytes \
-                and not base % size else None
-            for start, stop, step in _even_runs(es) if whole is not None else ((0, len(es), 0),):
-                first = (base + es[start].begin) // size
-                if step and not step % size and not (base + es[start].begin) % size:
-                    views = whole.as_strided((stop - start, *shape), (step // size, *_contiguous_strides(shape)),
-                                             first).unbind(0)
-                    out.update(zip(map(_NAME, es[start:stop]), views))
-                    continue
-                for e in es[start:stop]:
-                    out[e.name] = _view(buf, e)
-        return out
-
     def load_unit(self, unit: str, device: str | torch.device = "cpu", *, verify: bool = False) -> dict[str, torch.Tensor]:
         return dict(next(iter(self.stream(device, prefetch=0, verify=verify, units=[unit])))[1])
 
@@ -211,7 +182,7 @@ class ConvertedCheckpoint:
                 self.stats.files += 1
                 self.stats.bytes += header.size
                 self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
-                yield unit, self._views(header, buf)
+                yield unit, tensor_views(header, buf)
         finally:
             stop.set()
             while worker.is_alive():  # drain so the producer can finish
@@ -261,7 +232,7 @@ class ConvertedCheckpoint:
                         self.stats.files += 1
                         self.stats.bytes += header.size
                         self.stats.per_unit.append((unit, header.size, time.perf_counter() - t_start))
-                        yield unit, self._views(header, dst)
+                        yield unit, tensor_views(header, dst)
             finally:
                 t0 = time.perf_counter()
                 side.synchronize()  # no copy may outlive its staging buffer
@@ -298,43 +269,3 @@ def open_converted(path: str | Path, rank: int | None = None, world_size: int | 
     for rel, rec in conv.files.items():  # cheap existence/size checks before anything is read
         check_size(cat.path_of(root, rel), rec, LoaderError)
     return conv
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
-
-
-_BEGIN, _NAME = attrgetter("begin"), attrgetter("name")
-_STRIDED_AT_LEAST = 8  # tensors of one dtype and shape, evenly spaced, made as one strided view
-
-
-def _even_runs(es: list) -> list[tuple[int, int, int]]:
-    """`es` (one dtype and shape, in offset order) cut into [start, stop) runs: at least _STRIDED_AT_LEAST tensors at
-    evenly spaced offsets (`step` bytes apart), and what lies between them (step 0: one view each)."""
-    begins = list(map(_BEGIN, es))
-    runs, taken, d = [], 0, 0  # tensors before `taken` are in a run; `d`: the first tensor of this stretch
-    for step, stretch in groupby(map(sub, begins[1:], begins[:-1])):
-        k = len(list(stretch))  # k equal gaps: tensors d .. d + k
-        start, stop = max(d, taken), d + k + 1
-        if step > 0 and stop - start >= _STRIDED_AT_LEAST:
-            if start > taken:
-                runs.append((taken, start, 0))
-            runs.append((start, stop, step))
-            taken = stop
-        d += k
-    if taken < len(es):
-        runs.append((taken, len(es), 0))
-    return runs
-
-
-def _view(buf: torch.Tensor, e) -> torch.Tensor:
-    """One tensor as a view of `buf`; copied when its offset is not a multiple of its element size."""
-    dtype = DTYPES[e.dtype]
-    if not e.nbytes:
-        return torch.empty(0, dtype=dtype).reshape(e.shape)
-    raw = buf[e.begin:e.end]
-    return (raw.clone() if (buf.storage_offset() + e.begin) % ITEMSIZE[e.dtype] else raw).view(dtype).reshape(e.shape)

@@ -6,7 +6,8 @@ widths) it times, each as its own `kconvert` process as a user runs it:
   json floor     `json.loads` of every header (a plain Python process; least of the rounds): the least any reader can do
   read_header    kconvert's header reader (parse + every check) on the same files, in this process
   safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
-  inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files, load --rank 1 (time to ready)
+  inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files (all, then --rank 1), load --rank 1
+  (time to ready)
 and prints wall seconds, seconds beyond start-up, microseconds per tensor and each command's own peak RSS (started
 through bench/_cli.measured: not this process's, which built the fixtures), plus the size of kconvert.json and of
 the per-rank tensor lists. inspect and plan report their best of --rounds runs, as start-up and the floor do.
@@ -219,6 +220,11 @@ def main(argv=None) -> int:
     files = json.loads((fp8 / "kconvert.json").read_text())["files"]
     r = kconvert("verify-files", fp8)
     row("verify-files (fp8)", r, n_out, r["rss"])
+    r = kconvert("verify-files", fp8, "--rank", "1", "--json")
+    mine = sum(1 for rec in files.values() if rec["rank"] == 1)
+    row("verify-files --rank 1 (fp8)", r, n_out // a.tp, r["rss"],
+        f"{json.loads(r['stdout'])['files']} of {len(files)} files: the rank's share (tensors: an even share)")
+    assert json.loads(r["stdout"])["files"] == mine
     torch_import = min(measured([sys.executable, "-c", "import torch"])["wall"] for _ in range(max(2, a.rounds)))
     r = min((kconvert("load", fp8, "--rank", "1", "--device", "cpu", "--json") for _ in range(a.rounds)),
             key=lambda x: x["wall"])

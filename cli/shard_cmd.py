@@ -98,8 +98,10 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
 
 @click.command("verify-files")
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+              help="Only this rank's files (repeatable), reading only its tensor list: each node checks its own share.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON result.")
-def verify_files(out, as_json):
+def verify_files(out, ranks, as_json):
     """Recompute the checksum of every file of converted checkpoint OUT against kconvert.json.
 
     Exits 2 naming the first damaged file and the first damaged tensor in it.
@@ -107,11 +109,12 @@ def verify_files(out, as_json):
     \b
     Example:
       kconvert verify-files ./tiny-k25-dsv32-tp2-fp8
+      kconvert verify-files ./tiny-k25-dsv32-tp2-fp8 --rank 1    # one rank's files (a node's own)
     """
     from kconvert.converted.integrity import verify_files as _verify_files
 
     with byte_progress("verify", enabled=not as_json) as cb:
-        r = _verify_files(out, progress=lambda n: cb("advance", n=n))
+        r = _verify_files(out, progress=lambda n: cb("advance", n=n), ranks=list(ranks) or None)
     if as_json:
         click.echo(json.dumps({"ok": True, **r}))
     else:

@@ -201,3 +201,29 @@ def test_rank_lists_are_the_bytes_json_dumps_writes(tmp_path):
             index = write_lists(tmp_path, recs, 1)
             assert (tmp_path / list_file(0)).read_bytes() == want
             assert index == [{"file": list_file(0), "tensors": 2, "sha256": hashlib.sha256(want).hexdigest()}]
+
+
+def test_verify_files_of_one_rank_reads_only_its_share(out):
+    """`verify-files --rank R` checks rank R's files against its own tensor list and reads no other rank's: with rank
+    1's list and one of its files damaged, rank 0 passes, rank 1 and the whole directory are refused naming what is
+    wrong; a rank the conversion does not have is a usage error naming kconvert.json."""
+    from kconvert.converted.integrity import verify_files
+
+    cat = Catalog.read(out)
+    whole = verify_files(out)
+    mine = [verify_files(out, ranks=[r]) for r in (0, 1)]
+    assert [m["files"] for m in mine] == [len(cat.rank_files(r)) for r in (0, 1)]
+    assert sum(m["files"] for m in mine) == whole["files"] and sum(m["bytes"] for m in mine) == whole["bytes"]
+    shard = out / sorted(cat.rank_files(1))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert verify_files(out, ranks=[0])["files"] == mine[0]["files"]
+    with pytest.raises(CheckpointError, match="checksum mismatch") as e:
+        verify_files(out, ranks=[1])
+    assert e.value.file == str(shard)
+    (out / "rank-001" / "tensors.json").write_text("{}")
+    assert verify_files(out, ranks=[0])["files"] == mine[0]["files"]  # rank 1's list is not read
+    with pytest.raises(CheckpointError, match="rank 1's tensor list was changed"):
+        verify_files(out)
+    assert_one_line_error(run_cli("verify-files", out, "--rank", "2"), "kconvert.json", "--rank 2", "ranks 0..1")

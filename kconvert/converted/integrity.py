@@ -7,11 +7,11 @@ import stat
 import zlib
 from pathlib import Path
 
-from kconvert.errors import ChecksumMismatch, CheckpointError, FormatError, MissingFileError
+from kconvert.errors import ChecksumMismatch, CheckpointError, FormatError, MissingFileError, UsageError
 from kconvert.io.pread import read_bytes
 from kconvert.io.regular import kind_of
 from kconvert.io.safetensors_read import read_entry_bytes, read_header
-from kconvert.converted.catalog import Catalog
+from kconvert.converted.catalog import MANIFEST, Catalog
 from kconvert.converted.journal import check_not_mid_pack
 
 CHUNK = 16 * 1024 * 1024
@@ -81,15 +81,27 @@ def check_headers(out: Path, cat: Catalog) -> None:
         check_listed(path, read_header(path), listed[rel])
 
 
-def verify_files(out: str | Path, progress=None) -> dict:
-    """Recompute every file's size and CRC-32 against kconvert.json. Raises on the first damaged file,
-    naming the first damaged tensor in it. Returns {"files": n, "bytes": b}."""
+def verify_files(out: str | Path, progress=None, ranks: list[int] | None = None) -> dict:
+    """Recompute every file's size and CRC-32 against kconvert.json (`ranks`: only those ranks' files, reading only
+    their tensor lists: a node checks its own share). Raises on the first damaged file, naming the first damaged
+    tensor in it. Returns {"files": n, "bytes": b}."""
     out = Path(out)
     cat = Catalog.read(out)
     check_not_mid_pack(out)
-    listed = by_file(cat)  # every rank's tensor list, each against its sha256 in kconvert.json
+    if ranks is None:
+        files, listed = cat.files, by_file(cat)  # every rank's tensor list, each against its sha256 in kconvert.json
+    else:
+        for r in ranks:
+            if not 0 <= r < cat.world_size:
+                raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}",
+                                 file=str(out / MANIFEST))
+        files = {rel: rec for rel, rec in cat.files.items() if rec["rank"] in ranks}
+        listed = {rel: [] for rel in files}
+        for r in sorted(set(ranks)):
+            for t in cat.rank_tensors(r):
+                listed.setdefault(t["file"], []).append(t)
     total = 0
-    for rel, rec in cat.files.items():
+    for rel, rec in files.items():
         path = cat.path_of(out, rel)
         size = check_size(path, rec)
         check_listed(path, read_header(path), listed[rel])
@@ -106,7 +118,7 @@ def verify_files(out: str | Path, progress=None) -> dict:
         total += size
         if progress:
             progress(size)
-    return {"files": len(cat.files), "bytes": total}
+    return {"files": len(files), "bytes": total}
 
 
 def first_bad_tensor(path: Path, cat: Catalog, rel: str) -> str | None:

@@ -30,3 +30,41 @@ def test_transformers_save_pretrained_names_read_as_the_family(checkpoint, tmp_p
         assert torch.equal(saved.read(name), ours.read(name)), name
     r = cli_here("inspect", tmp_path / "saved", "--json")
     assert r.returncode == 0, r.stderr
+
+
+def test_a_names_ending_decides_before_any_regex_search():
+    """ModelMap.aliased skips the regex for a name that cannot end as every rule's plain-text end before `$` does
+    (Kimi K3's `..._weight$`); it answers as a search of every name would, on names drawn around each family's
+    rules, and a rule whose end is no plain text (a class, a group, an escape such as \\d, an alternation outside
+    a group, a case-blind flag) keeps the search for every name."""
+    import random
+
+    from kconvert.family.families import family_aliases, literal_ends
+
+    assert literal_ends(family_aliases({"aliases": {r"^a\.(b|c)_weight$": "x", r"^d\.e$": "y"}})) == \
+        ("_weight", "_weight\n", "d.e", "d.e\n")
+    for odd in (r"^a\d$", r"^a[bc]$", r"^a(b|c)$", r"^a|b$", r"(?i)^ab$", r"^a\.b", r"^a\$", r"^a+$"):
+        assert literal_ends(family_aliases({"aliases": {odd: "x", r"^d\.e$": "y"}})) is None, odd
+    import json
+
+    from kconvert.family.families import manifests_dir
+    from kconvert.family.manifest import bind
+
+    rng = random.Random(5)
+    words = ["language_model", "model", "layers", "7", "mlp_res", "self_attention_res", "norm_weight", "proj_weight",
+             "weight", "blocks", "attn", "norm", "mm_projector", "_weight", "x"]
+    seen = set()
+    for config in sorted((manifests_dir() / "examples").glob("*/config.json")):
+        model = bind(json.loads(config.read_text()))
+        if not model.aliases or model.name in seen:
+            continue
+        seen.add(model.name)
+        for _ in range(300):
+            names = [".".join(rng.choice(words) for _ in range(rng.randrange(1, 7))) + rng.choice(["", "\n", "_weight"])
+                     for _ in range(rng.randrange(1, 6))]
+            assert model.aliased(names) == any(p.search(n) for p, _ in model.aliases for n in names), (model.name, names)
+        for name in ("language_model.model.layers.7.mlp_res.norm_weight", "language_model.model.output_attn_res.proj_weight\n",
+                     "language_model.model.blocks.3.x", "model.mm_projector.proj.0.weight", "layers.2.attn.norm.weight"):
+            assert model.aliased([name]) == any(p.search(name) for p, _ in model.aliases), (model.name, name)
+    assert {"kimi_k3", "kimi_k25"} <= seen
+    assert bind(json.loads((manifests_dir() / "examples" / "kimi-k3" / "config.json").read_text()))._alias_ends

@@ -67,6 +67,42 @@ def any_alias(aliases: tuple[tuple[re.Pattern, str], ...]) -> re.Pattern | None:
         return None
 
 
+def literal_ends(aliases: tuple[tuple[re.Pattern, str], ...]) -> tuple[str, ...] | None:
+    """What every name an alias rule matches ends with, where each rule ends in plain text and `$` (Kimi K3's
+    `..._weight$`): a name ending otherwise needs no regex search (500k names: one C-level endswith each). Python's
+    `$` also matches before a final newline, so each ending comes with that too. None: some rule has no such end."""
+    ends = []
+    for p, _ in aliases:
+        text = p.pattern
+        if p.flags & re.IGNORECASE or not text.endswith("$") or text.endswith("\\$"):
+            return None
+        tail = re.search(r"(?:[A-Za-z0-9_]|\\\.)+$", text[:-1])  # letters, digits, _ and escaped dots before the $
+        if tail is None or text[:tail.start()].endswith("\\") or _top_level_bar(text):
+            return None  # (its first letter an escape's, as \d; or `a|b$`, whose `a` ends anyhow)
+        literal = tail.group().replace("\\.", ".")
+        ends += [literal, literal + "\n"]
+    return tuple(ends) if ends else None
+
+
+def _top_level_bar(pattern: str) -> bool:
+    """Whether `pattern` has an alternation outside every group and character class."""
+    depth, escaped, in_class = 0, False, False
+    for c in pattern:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c in "()":
+            depth += 1 if c == "(" else -1
+        elif c == "|" and depth == 0:
+            return True
+    return False
+
+
 def find_family(config: dict, *, config_file: str = "config.json") -> dict:
     archs = config.get("architectures") or []
     model_type = config.get("model_type")

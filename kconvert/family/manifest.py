@@ -15,13 +15,13 @@ they share live in compose, rule_names, schedule and expr).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import repeat
+from itertools import compress, repeat
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kconvert.errors import ManifestError
 from kconvert.family.compose import part_applies, stage_count, stage_names, with_traits
-from kconvert.family.families import any_alias, family_aliases, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
+from kconvert.family.families import any_alias, family_aliases, literal_ends, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
 from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
 from kconvert.family.rule_names import name_key, placeholders, rule_regex, scale_block, tensor_key  # noqa: F401 (API)
@@ -209,6 +209,7 @@ class ModelMap:
         self.by_key: dict[str, list[tuple[Rule, tuple[str, ...]]]] = {}  # name_key -> (rule, its {L}/{E}/{M} in order)
         self.aliases = family_aliases(family)
         self._any_alias = any_alias(self.aliases)
+        self._alias_ends = literal_ends(self.aliases) if self._any_alias is not None else None
         # any tensor the engine names otherwise (family/engine_names.py): decided once, asked per unit
         self.renames = any(p.engine_rename or any(r.engine or r.reference for r in p.rules) for p in parts)
         for part in parts:
@@ -226,7 +227,11 @@ class ModelMap:
 
     def aliased(self, names) -> bool:
         """Whether an alias rule may rename one of `names` (200k: one C-level pass)."""
-        return self._any_alias is None or any(map(self._any_alias.search, names))
+        if self._any_alias is None:
+            return True
+        if self._alias_ends is not None:  # only the names with an ending some rule ends in can match
+            names = compress(names, map(str.endswith, names, repeat(self._alias_ends)))
+        return any(map(self._any_alias.search, names))
 
     @property
     def text(self) -> BoundPart:

@@ -120,7 +120,10 @@ def _damage(rng: random.Random, ck: Checkpoint, stored: dict) -> None:
         stored[key] = e._replace(dtype="I16" if e.dtype == "BF16" else "I32")
 
 
-@pytest.mark.parametrize("preset,kw", PRESETS[:2] + PRESETS[3:4], ids=[p for p, _ in PRESETS[:2] + PRESETS[3:4]])
+DAMAGED = PRESETS[:2] + PRESETS[3:4] + [("tiny-kimi-k3", {})]  # K3: MXFP4 pairs, validated from stored columns
+
+
+@pytest.mark.parametrize("preset,kw", DAMAGED, ids=[p for p, _ in DAMAGED])
 def test_damaged_checkpoints_get_the_error_a_walk_meets_first(checkpoint, preset, kw):
     ck = Checkpoint.open(checkpoint(preset, **kw))
     rng = random.Random(20261202)

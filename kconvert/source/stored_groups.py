@@ -26,9 +26,10 @@ from kconvert.io.safetensors_read import TensorEntry
 from kconvert.source.logical import FP8_TAGS, LogicalTensor, _mxfp4_shapes_misfit
 from kconvert.source.tensor_groups import Bucket, Grouped, may_overlap, read_back_alike
 
-_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
-# the suffixes fold pairs a weight's companions by: a rule whose names end so could collide with a companion's key
-COMPANION_SUFFIXES = ("_packed", "_scale", "_shape", "_scale_inv", ".scale", "input_scale")
+_NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
+# the companions' keys this path looks up (any name + `_scale_inv`; a `.weight` name's `_packed`, `_scale`, `_shape`
+# and `.scale` sidecar): a rule whose names end so could be taken for another rule's companion, and is left to fold
+COMPANION_SUFFIXES = ("_scale_inv", ".weight_packed", ".weight_scale", ".weight_shape", ".scale", ".input_scale")
 
 
 class Members(Sequence):
@@ -79,6 +80,8 @@ def _group_members(names: list[str], stored: dict[str, TensorEntry]) -> tuple[in
             if None in scales or not _alike([plain, scales]):
                 return None
             return 2 * len(names), Members(names, plain[0].shape, "block_fp8", ("weight", "scale"), [plain, scales])
+        if first.endswith(".weight") and first[:-7] + ".scale" in stored:  # DeepSeek-V4's `.scale` sidecars
+            return _sidecars(names, plain, stored)
         if plain[0].dtype in FP8_TAGS or plain[0].dtype == "I8" or not _alike([plain]):
             return None  # FP8 / INT8 weights pair with a compressed-tensors scale: fold's one-by-one path
         return len(names), Members(names, plain[0].shape, "plain", ("weight",), [plain])
@@ -89,7 +92,7 @@ def _group_members(names: list[str], stored: dict[str, TensorEntry]) -> tuple[in
             return None
         p0, s0 = packed[0], scales[0]
         if first + "_shape" not in stored:  # MXFP4: a U8 [R, C/2] + a U8 e8m0 [R, C/32]
-            if p0.dtype != "U8" or s0.dtype != "U8" or not _alike([packed, scales]) or \
+            if p0.dtype != "U8" or s0.dtype != "U8" or len(p0.shape) != 2 or not _alike([packed, scales]) or \
                     _mxfp4_shapes_misfit(p0.shape, s0.shape):
                 return None
             return 2 * len(names), Members(names, (p0.shape[0], p0.shape[1] * 2), "fp4_packed", ("weight", "scale"),
@@ -101,6 +104,21 @@ def _group_members(names: list[str], stored: dict[str, TensorEntry]) -> tuple[in
                                        ("packed", "scale", "shape"), [packed, scales, shapes])
     return 0, None  # the first member not stored as a weight: the group counts as absent, and any member or
     # companion of it that is stored is left unclaimed, so group_stored declines
+
+
+def _sidecars(names: list[str], weights: list[TensorEntry], stored: dict) -> tuple[int, Members] | None:
+    """V4's `X.weight` + `X.scale`, as logical._sidecar folds them: FP8 e4m3 with an e8m0 or float32 2-D block scale,
+    or FP4 e2m1 pairs in I8 / U8 with an e8m0 scale per 32 inputs."""
+    scales = list(map(stored.get, [n[:-7] + ".scale" for n in names]))
+    if None in scales or not _alike([weights, scales]) or list(map(_NAME, weights)) != names:
+        return None  # (a weight stored under another spelling: fold names it as stored)
+    w, s = weights[0], scales[0]
+    if w.dtype == "F8_E4M3" and s.dtype in ("F8_E8M0", "F32") and len(s.shape) == 2:
+        return 2 * len(names), Members(names, w.shape, "block_fp8", ("weight", "scale"), [weights, scales])
+    if w.dtype in ("I8", "U8") and len(w.shape) == 2 and s.dtype == "F8_E8M0" and not _mxfp4_shapes_misfit(w.shape, s.shape):
+        return 2 * len(names), Members(names, (w.shape[0], w.shape[1] * 2), "fp4_packed", ("weight", "scale"),
+                                       [weights, scales])
+    return None
 
 
 def group_stored(model: ModelMap, stored: dict[str, TensorEntry]) -> Grouped | None:

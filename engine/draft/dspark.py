@@ -62,13 +62,13 @@ class V41DsparkStage(nn.Module):
     leave and markov (last)."""
 
     own_components = None  # every tensor of the stage sits under mtp.{M}. (engine/draft/registry.own_prefix)
+    staged = True  # told its first / last by the manifest's layer kinds (engine/draft/registry.draft_head)
 
-    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, first: bool, last: bool):
         super().__init__()
-        n, stages = cfg.num_layers, int(cfg.section.get("num_nextn_predict_layers") or 0)
         base = v41_config(cfg)
         c = self.c = replace(base, ratios=base.ratios + (0,) * (layer + 1 - len(base.ratios)))  # a stage: window only
-        self.layer, self.first, self.last, self.window = layer, layer == n, layer == n + stages - 1, c.window
+        self.layer, self.first, self.last, self.window = layer, first, last, c.window
         self.attn_norm, self.ffn_norm = V4RMSNorm(c.eps), V4RMSNorm(c.eps)
         self.attn = V41Attention(c, layer, par)
         self.ffn = V41MoE(c, par)

@@ -4,9 +4,9 @@ the engine keeps it under `model.layers.{num_hidden_layers + M}.`, as for V4's M
 `mtp.{M}.`: `main_proj` / `main_norm` on the first stage, `hc_head_{fn,base,scale}`, `norm` and the Markov head
 `markov_head.markov_w1` (an embedding [vocab, rank]) / `markov_w2` (rank -> vocab) and `confidence_head.proj` on the
 last. The drafter (engine/draft/dspark.DSparkDrafter) is V4.1's; mlx-vlm 0.7.10's deepseek_v4_dspark drafter is its
-reference (kconvert/verify/mlx_dspark.py). Which stage is first / last follows from the tensors it holds: the
-checkpoint's names count the stages (its config says `num_nextn_predict_layers: 1` over three), and the manifest
-refuses a stage that lacks one of them at inspect / shard time."""
+reference (kconvert/verify/mlx_dspark.py). Which stage is first / last the manifest's `first_stage` / `last_stage`
+layer kinds say, bound with the stages the conversion holds (the checkpoint's names count them: its config says
+`num_nextn_predict_layers: 1` over three), as for V4.1's stages (engine/draft/registry.draft_head)."""
 
 from __future__ import annotations
 
@@ -28,31 +28,28 @@ from kconvert.distributed import Group
 
 
 class V4DsparkStage(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, par: Group):
+    staged = True  # told its first / last by the manifest's layer kinds (engine/draft/registry.draft_head)
+
+    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, first: bool, last: bool):
         super().__init__()
         c = self.c = v4_config(cfg)
-        self.layer, self.window = layer, c.window
+        self.layer, self.window, self.first, self.last = layer, c.window, first, last
         self.block = decoder_layer(mtp_block_config(cfg, layer), layer, par)
         own = self.own_tensors = nn.Module()  # mtp.{M}.*: attribute paths are the stored names under it
-        own.main_proj = LinearSlot()  # first stage only: dropped at load where absent
-        own.main_norm, own.norm = V4RMSNorm(c.eps), V4RMSNorm(c.eps)
-        for norm in (own.main_norm, own.norm):
-            slot(norm, "weight", optional=True)  # main_norm: the first stage's; norm: the last's
-        own.markov_head, own.confidence_head = nn.Module(), nn.Module()
-        own.markov_head.markov_w1, own.markov_head.markov_w2 = Stored(optional=True), Stored(optional=True)
-        own.confidence_head.proj = nn.Module()
-        for module, name in ((own, "hc_head_fn"), (own, "hc_head_base"), (own, "hc_head_scale"),
-                             (own.confidence_head.proj, "weight"), (own.confidence_head.proj, "bias")):
-            slot(module, name, optional=True)
+        if first:  # the context's projection and norm
+            own.main_proj, own.main_norm = LinearSlot(), V4RMSNorm(c.eps)
+        if last:  # the streams' merge, the final norm, the Markov and confidence heads
+            own.norm = V4RMSNorm(c.eps)
+            own.markov_head, own.confidence_head = nn.Module(), nn.Module()
+            own.markov_head.markov_w1, own.markov_head.markov_w2 = Stored(), Stored()
+            own.confidence_head.proj = nn.Module()
+            for module, name in ((own, "hc_head_fn"), (own, "hc_head_base"), (own, "hc_head_scale"),
+                                 (own.confidence_head.proj, "weight"), (own.confidence_head.proj, "bias")):
+                slot(module, name)
 
     def load(self, unit: str, tensors: dict, block_prefix: str, own_prefix: str, linear_format) -> None:
         resolve_linears(self.block, block_prefix, linear_format)
-        has = {n[len(own_prefix):] for n in tensors if n.startswith(own_prefix)}
-        self.first, self.last = "main_proj.weight" in has, "hc_head_fn" in has
-        if self.first:
-            resolve_linears(self.own_tensors, own_prefix, linear_format)
-        else:
-            del self.own_tensors.main_proj
+        resolve_linears(self.own_tensors, own_prefix, linear_format)
         load_unit(unit, {block_prefix: self.block, own_prefix: self.own_tensors}, tensors)
 
     def own(self, component: str):

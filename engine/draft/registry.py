@@ -44,17 +44,23 @@ DRAFTERS: dict[str, type] = {
 
 
 
-def draft_head(cfg: TextConfig, layer: int, par: Group) -> nn.Module:
-    """Draft layer `layer`'s module, empty (its tensors arrive with its unit)."""
+def draft_head(cfg: TextConfig, layer: int, par: Group, names: ModelMap) -> nn.Module:
+    """Draft layer `layer`'s module, empty (its tensors arrive with its unit). A drafter of stages (`staged`) is told
+    whether this one is its first and its last by the manifest's `first_stage` / `last_stage` layer kinds, bound
+    with the stages the conversion holds (`names`: V4-0731's config undercounts them)."""
     if cfg.draft_kind is None:
         raise CheckpointError(f"the converted checkpoint holds layer {layer} past the {cfg.num_layers} decoder "
                               "layers, and its family names no draft-head kind", file="kconvert.json")
-    return kind(DRAFT, cfg.draft_kind, "draft head")(cfg, layer, par)
+    cls = kind(DRAFT, cfg.draft_kind, "draft head")
+    if not getattr(cls, "staged", False):
+        return cls(cfg, layer, par)
+    part = next(p for p in names.parts if "first_stage" in p.kinds)
+    return cls(cfg, layer, par, first=part.is_kind("first_stage", layer), last=part.is_kind("last_stage", layer))
 
 
 def build_draft_head(model, L: int, tensors: dict, linear_format) -> nn.Module:
     """Draft layer L of `model` (engine/model.Model) filled from its unit's tensors (engine names)."""
-    head = draft_head(model.cfg, L, model.par)
+    head = draft_head(model.cfg, L, model.par, model.names)
     own = own_prefix(model.names, L, getattr(head, "own_components", ("mtp",)))
     head.load(layer_unit(L), tensors, f"{model.layers_prefix}{L}.", own, linear_format)
     return head

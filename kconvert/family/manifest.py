@@ -190,6 +190,10 @@ class BoundPart:
             return False
         return bool(self._eval(self.kinds[rule.layers], layer))
 
+    def is_kind(self, kind: str, layer: int) -> bool:
+        """Whether `layer` is of the part's layer kind `kind` ([layer_kinds]: a DSpark drafter's first_stage ...)."""
+        return bool(self._eval(self.kinds[kind], layer))
+
     def is_required(self, rule: Rule, layer: int | None) -> bool:
         if self.group == "text" and layer is not None and layer >= self.layer_count + self.required_extra:
             return False  # MTP layers: published by some releases, not needed for inference (unless counted present)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import stat
 import zlib
+from itertools import chain
 from pathlib import Path
 
 from kconvert.errors import ChecksumMismatch, CheckpointError, FormatError, MissingFileError, UsageError
@@ -44,10 +45,12 @@ def check_size(path: Path, rec: dict, error: type[CheckpointError] = CheckpointE
     return size
 
 
-def by_file(cat: Catalog) -> dict[str, list[dict]]:
-    """Every file's tensor records (one pass over the rank lists, not one per file)."""
-    out: dict[str, list[dict]] = {rel: [] for rel in cat.files}
-    for t in cat.tensors:
+def by_file(cat: Catalog, ranks: list[int] | None = None) -> dict[str, list[dict]]:
+    """Every file's tensor records (one pass over the rank lists, not one per file); `ranks`: only those ranks'
+    files, reading only their lists."""
+    files = cat.files if ranks is None else [rel for rel, rec in cat.files.items() if rec["rank"] in ranks]
+    out: dict[str, list[dict]] = {rel: [] for rel in files}
+    for t in cat.tensors if ranks is None else chain.from_iterable(map(cat.rank_tensors, sorted(set(ranks)))):
         out.setdefault(t["file"], []).append(t)
     return out
 
@@ -88,20 +91,13 @@ def verify_files(out: str | Path, progress=None, ranks: list[int] | None = None)
     out = Path(out)
     cat = Catalog.read(out)
     check_not_mid_pack(out)
-    if ranks is None:
-        files, listed = cat.files, by_file(cat)  # every rank's tensor list, each against its sha256 in kconvert.json
-    else:
-        for r in ranks:
-            if not 0 <= r < cat.world_size:
-                raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}",
-                                 file=str(out / MANIFEST))
-        files = {rel: rec for rel, rec in cat.files.items() if rec["rank"] in ranks}
-        listed = {rel: [] for rel in files}
-        for r in sorted(set(ranks)):
-            for t in cat.rank_tensors(r):
-                listed.setdefault(t["file"], []).append(t)
+    for r in ranks or ():
+        if not 0 <= r < cat.world_size:
+            raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}", file=str(out / MANIFEST))
+    listed = by_file(cat, ranks)  # the tensor lists read, each against its sha256 in kconvert.json
     total = 0
-    for rel, rec in files.items():
+    for rel in listed:
+        rec = cat.files[rel]
         path = cat.path_of(out, rel)
         size = check_size(path, rec)
         check_listed(path, read_header(path), listed[rel])
@@ -118,7 +114,7 @@ def verify_files(out: str | Path, progress=None, ranks: list[int] | None = None)
         total += size
         if progress:
             progress(size)
-    return {"files": len(files), "bytes": total}
+    return {"files": len(listed), "bytes": total}
 
 
 def first_bad_tensor(path: Path, cat: Catalog, rel: str) -> str | None:

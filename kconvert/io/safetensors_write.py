@@ -248,6 +248,7 @@ class SafetensorsWriter:
 _SPARES: list[bytearray] = []
 _SPARES_MAX = 16
 _SPARES_LOCK = threading.Lock()
+STAGE_ROUND = 64 << 10
 
 
 def _staging(total: int) -> bytearray:
@@ -259,8 +260,6 @@ def _staging(total: int) -> bytearray:
                 return _SPARES.pop(i)
     return bytearray(-(-total // STAGE_ROUND) * STAGE_ROUND)
 
-
-STAGE_ROUND = 64 << 10
 
 
 def _spare(buf: bytearray) -> None:

@@ -150,12 +150,7 @@ class Checkpoint:
                 _passes(b.sample, b.info, b.rule.scale_block or block, group) for b in grouped.buckets):
             return grouped
         grouped = group_tensors(self.model, self.logical)  # anything else, and every failure: named as always
-        bad = []
-        for b in grouped.buckets:
-            try:
-                check_tensor(b.sample, b.info, b.rule.scale_block or block, group)
-            except KConvertError:
-                bad.append(b)
+        bad = [b for b in grouped.buckets if not _passes(b.sample, b.info, b.rule.scale_block or block, group)]
         if grouped.rest or bad:  # report what a walk in stored order meets first; a bucket's members fail alike
             pos = stored_positions(self.logical)
             failed = [b.earliest(pos) for b in bad] + [(list(self.logical).index(n), None) for n in grouped.rest[:1]]

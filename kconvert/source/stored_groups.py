@@ -43,9 +43,7 @@ class Members(Sequence):
     def __len__(self) -> int:
         return len(self.names)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def __getitem__(self, i: int) -> LogicalTensor:
         parts = [c[i] for c in self.columns]
         if self.format == "plain":
             return LogicalTensor(self.names[i], self.shape, "plain", parts[0])

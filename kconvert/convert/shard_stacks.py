@@ -22,6 +22,7 @@ from kconvert.io.dtypes import TAGS
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.quant import stacked
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.logical_by_name import stack_columns
 from kconvert.source.stacked import read_fp4_parts, read_stack
 
 STACK_BYTES = 64 << 20  # float32 bytes of one stack at most (a real model's large experts are not stacked)
@@ -67,9 +68,9 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
     """Read, transform and write the stack `srcs` (weights sharing a plan_jobs key); returns the source
     bytes done (for progress)."""
     pairs0, n = by_src[srcs[0]], len(srcs)
-    ts = list(map(ck.logical.__getitem__, srcs))
+    t0, parts = stack_columns(ck.logical, srcs)  # their stored entries by role, no LogicalTensor each
     copies = pairs0[0][1].copy is not None  # whole FP4 experts copied (or re-encoded exactly): their stored parts
-    x = read_fp4_parts(ts) if copies else read_stack(ts, ck.int4_group())
+    x = read_fp4_parts(t0, parts) if copies else read_stack(t0, parts, ck.int4_group())
     made: dict = {} if copies else _even_split(x, [o for _, o in pairs0])  # a replicated output is made once, too
     rows_of: dict = {}  # made key -> a byte row a weight, per planned tensor
     table = list(map(by_src.__getitem__, srcs))

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from functools import partial
 from itertools import repeat
 from operator import attrgetter
@@ -28,6 +29,7 @@ from kconvert.io.safetensors_read import SafetensorsHeader, TensorEntry
 from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.source.formats import read_logical
 from kconvert.source.logical import LogicalTensor, fold
+from kconvert.source.logical_by_name import LogicalByName
 from kconvert.source.stored_groups import group_stored
 from kconvert.source.stored_parts import check_table
 from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors, stored_positions
@@ -46,7 +48,8 @@ class Checkpoint:
         self.model: ModelMap = bind(config, config_file=str(root / "config.json"), names=stored)
         if self.model.aliases:  # the family's other spellings (transformers' save-side names) read as published
             self.stored = _canonical(self.model, stored)
-        self._logical: dict[str, LogicalTensor] | None = None  # folded on first use: inspect and plan never need it
+        self._logical: Mapping[str, LogicalTensor] | None = None  # on first use: inspect and plan never need it
+        self._columnar = False  # validated from the stored columns (source/stored_groups.py)
         self._info: dict[str, TensorInfo] = {}
         self._grouped: Grouped | None = None  # by validate()
         self._infos_filled = False  # the buckets' tensors' infos in _info (built at C speed on first need)
@@ -94,11 +97,15 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ queries
     @property
-    def logical(self) -> dict[str, LogicalTensor]:
-        """Every logical weight by name, in fold's order (logical.fold: companions folded into their weights)."""
+    def logical(self) -> Mapping[str, LogicalTensor]:
+        """Every logical weight by name, in fold's order (logical.fold: companions folded into their weights). Once
+        validated from the stored columns, a name's is made on request (source/logical_by_name.py): a conversion
+        that reads the experts as stacks never folds them."""
         if self._logical is None:
-            with paused_gc():
-                self._logical = fold(self.stored)
+            if self._columnar:  # by name from the buckets' columns; folded only if walked whole
+                self._logical = LogicalByName(self._grouped.buckets, partial(_folded, self.stored))  # (no cycle)
+            else:
+                self._logical = _folded(self.stored)
         return self._logical
 
     @property
@@ -148,6 +155,7 @@ class Checkpoint:
         grouped = group_stored(self.model, self.stored)  # columnar, when every group is stored in one fold form
         if grouped is not None and grouped.missing is None and all(
                 _passes(b.sample, b.info, b.rule.scale_block or block, group) for b in grouped.buckets):
+            self._columnar = True
             return grouped
         grouped = group_tensors(self.model, self.logical)  # anything else, and every failure: named as always
         bad = [b for b in grouped.buckets if not _passes(b.sample, b.info, b.rule.scale_block or block, group)]
@@ -212,6 +220,11 @@ class Checkpoint:
         for fname, header in sorted(self.files.items()):
             h.update(f"{fname}:{header.size if header else -1}\n".encode())
         return h.hexdigest()[:32]
+
+
+def _folded(stored: dict[str, TensorEntry]) -> dict[str, LogicalTensor]:
+    with paused_gc():
+        return fold(stored)
 
 
 def _passes(t: LogicalTensor, info: TensorInfo, block: tuple[int, int], group: int) -> bool:

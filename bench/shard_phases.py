@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     Checkpoint.open = classmethod(lambda cls, *args, **kw: timed("open source", opener)(cls, *args, **kw))
     Checkpoint.fingerprint = timed("source fingerprint", Checkpoint.fingerprint)
     for fn, name in (("plan_items", "plan"), ("write_unit", "write units"), ("commit_all", "commit"),
-                     ("_write_catalog", "kconvert.json + rank lists")):
+                     ("write_catalog", "kconvert.json + rank lists")):
         setattr(sh, fn, timed(name, getattr(sh, fn)))
     for fn, name in (("_open", "opening each unit's files"), ("plan_jobs", "stack planning"),
                      ("_finish", "finishing files (CRC, one write)"),

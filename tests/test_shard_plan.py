@@ -43,7 +43,7 @@ def test_bucket_plan_is_the_name_plan(checkpoint, preset, kw, tp, ep, quant, req
     assert _outputs(by_bucket) == _outputs(by_name)
     # the specs the plan made by suffix (where names are the source's + a suffix) are the scheme's own
     outputs = [o for w in by_bucket.values() for o in w.outputs]
-    made = [o for o in outputs if o._specs is not None]
+    made = [o for o in outputs if o.spec_rows]
     assert made and all(o.specs() == _specs(o.src, o.transform, o.shape, o.src_dtype, o.options) for o in outputs)
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.source.logical import fold
+from kconvert.source.logical import fold, stored_form
+from kconvert.source.logical_by_name import LogicalByName, parts_by_role
 from kconvert.source.stored_groups import group_stored
 from kconvert.source.tensor_groups import group_tensors
 
@@ -60,3 +61,44 @@ def test_what_the_columns_cannot_vouch_for_is_left_to_the_fold(checkpoint, chang
     else:
         stored["language_model.model.layers.0.mlp.odd.weight"] = next(iter(stored.values()))
     assert group_stored(ck.model, stored) is None
+
+
+@pytest.mark.parametrize("preset,kw", [("tiny-kimi-k3", {}), ("topo-k25", {"layers": 3, "experts": 8}),
+                                       ("tiny-dsv41", {})], ids=["kimi-k3", "topo-k25", "dsv41"])
+def test_logical_by_name_is_the_fold(checkpoint, preset, kw):
+    """Once validated from the columns, Checkpoint.logical answers name by name from the buckets: each tensor and
+    each stack's stored parts are fold's, and walking it gives fold's dict in fold's order."""
+    ck = Checkpoint.open(checkpoint(preset, **kw))
+    ck.validate()
+    folded = fold(ck.stored)
+    by_name = ck.logical
+    assert isinstance(by_name, LogicalByName) and len(by_name) == len(folded)
+    names = list(folded)
+    assert all(by_name[n] == folded[n] for n in names[::-1]) and by_name._folded is None
+    assert "model.no.such.weight" not in by_name and by_name.get("model.no.such.weight") is None
+    for t in folded.values():  # every stacked form, a stack of its tensors in reverse
+        if t.format in ("plain", "fp4_packed", "int4_packed"):
+            same = [n for n in names if stored_form(folded[n]) == stored_form(t)][::-1][:5]
+            (t0, got), (f0, want) = by_name.columns(same), parts_by_role([folded[n] for n in same])
+            assert t0 == f0 and list(got) == list(want) and all(got[r][0] == want[r][0] for r in got)
+            assert {r: [e._replace(dtype=None) for e in es] for r, es in got.items()} == \
+                {r: [e._replace(dtype=None) for e in es] for r, es in want.items()}  # (read as the first's dtype)
+    assert list(by_name.items()) == list(folded.items())  # walked whole: folded once
+
+
+def test_a_columnar_shard_never_folds(checkpoint, tmp_path, monkeypatch):
+    """shard reads a release's experts as stacks from the stored columns: no LogicalTensor is folded for each
+    (Kimi K3: 250k of them, a sixth of shard's work beyond its data); the files are the folded path's."""
+    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.source import checkpoint as checkpoint_module
+
+    src = checkpoint("tiny-kimi-k3")
+    with monkeypatch.context() as m:  # validated by the fold and group_tensors: Checkpoint.logical a folded dict
+        m.setattr(checkpoint_module, "group_stored", lambda model, stored: None)
+        shard(ShardJob(str(src), str(tmp_path / "folded"), tp=2, quant="fp8"))
+    monkeypatch.setattr(checkpoint_module, "fold", lambda stored: pytest.fail("folded"))
+    shard(ShardJob(str(src), str(tmp_path / "columns"), tp=2, quant="fp8"))
+    files = sorted((tmp_path / "folded").rglob("*.safetensors"))
+    assert files
+    for f in files:
+        assert f.read_bytes() == (tmp_path / "columns" / f.relative_to(tmp_path / "folded")).read_bytes()

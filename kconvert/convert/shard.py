@@ -20,17 +20,18 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from kconvert import __version__, distributed
+from kconvert import distributed
 from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.converted.catalog import FORMAT, FORMAT_VERSION, Catalog
+from kconvert.converted.catalog import FORMAT_VERSION, Catalog
 from kconvert.converted.journal import JOURNAL_DIR
-from kconvert.converted.units import GLOBALS, load_order, unit_layer
+from kconvert.converted.units import unit_layer
 from kconvert.convert.layout import Layout
-from kconvert.convert.output_dir import check_paths, copy_side_files, remove_stale_temporaries
+from kconvert.convert.output_dir import check_paths, remove_stale_temporaries
 from kconvert.convert.quant_policy import QuantPolicy, source_fp8_block
 from kconvert.convert.shard_pipeline import Pipeline, plan_pipeline
 from kconvert.convert.shard_outputs import WorkItem
+from kconvert.convert.shard_catalog import write_catalog
 from kconvert.convert.shard_plan import plan_items
 from kconvert.convert.run import Run, RunResult, ShardFigures, default_workers
 from kconvert.convert.shard_unit import run_unit, write_unit
@@ -160,7 +161,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     if dist.rank == 0:
         with paused_gc():  # the journal's records and every tensor's row: 100k+ each, no cycles
             cat = run.finish([w.file for w in items], Catalog.stored_bytes,
-                             lambda done: _write_catalog(ck, out, pipe, identity, layout, policy, job, done,
+                             lambda done: write_catalog(ck, out, pipe, identity, layout, policy, job, done,
                                                          calibration.record if calibration else None))
     dist.barrier()
     cat = cat or Catalog.read(out)  # the other ranks read what rank 0 wrote
@@ -233,52 +234,3 @@ def _default_workers(ck: Checkpoint, todo: list[WorkItem], policy: QuantPolicy, 
     outputs = [o for w in todo for o in w.outputs]
     largest = max((ck.logical[o.src].stored_bytes for o in outputs), default=1)
     return default_workers(largest, quantized=policy.scheme != "none")
-
-
-def _write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, layout: Layout, policy: QuantPolicy,
-                   job: ShardJob, done: dict[str, dict], calibration: dict | None = None) -> Catalog:
-    """Side files, then kconvert.json (atomically, last) from the journal records of every file."""
-    items = pipe.items
-    copy_side_files(ck, out)
-    files, rows = {}, [[] for _ in range(layout.tp * job.pp)]  # each rank's tensor rows (rank_tensors.COLUMNS)
-    # what the outputs of one plan decision (one How: a rule, a layer, a cut, a transform) share, worked out once
-    shared: dict = {}
-    for w in items:
-        file, unit = w.file, w.unit
-        rec = done[file]
-        files[file] = {"rank": w.rank, "stage": w.rank // layout.tp, "unit": unit, "layer": unit_layer(unit),
-                       "bytes": rec["bytes"], "crc32": rec["crc32"]}
-        if rec.get("stored"):
-            files[file]["stored"] = rec["stored"]
-        crcs, mine = rec["tensors"], rows[w.rank]
-        for o in w.outputs:  # (a weight and its scale: two rows)
-            how, info = o.how, o.info
-            common = shared.get(how)
-            if common is None:
-                p = how.piece
-                common = shared[how] = (info.group, info.component, info.split,
-                                        None if p.dim is None else (p.dim, p.start, p.stop), how.transform)
-            group, component, split, sl, transform = common
-            expert = info.expert
-            for name, dtype, shape in o.specs():
-                mine.append((name, unit, group, component, expert, split, sl, transform, dtype, shape, crcs[name]))
-    units = load_order({w.unit for w in items} | {GLOBALS})
-    doc = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "created_by": f"kconvert {__version__}",
-        "job": identity,
-        "source": {"path": str(ck.source), "fingerprint": identity["source_fingerprint"], "family": ck.family},
-        "config": ck.config,
-        "layout": {"tp": layout.tp, "ep": layout.ep, "pp": job.pp, "world_size": layout.tp * job.pp,
-                   "experts": "whole" if layout.expert_tp == 1 else "split", "units": units,
-                   "stages": [{"units": u} for u in pipe.stage_units]},
-        "quantization": {"scheme": policy.scheme, "block_size": [policy.fp8_block] * 2 if policy.scheme == "fp8" else None,
-                         "scale_format": policy.scale_format, "keep": list(policy.keep), "quantize": list(policy.force),
-                         "requantize": job.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped",
-                         **({"group_size": policy.group_size, "int4_scales": policy.int4_scales}
-                            if policy.scheme == "int4" else {}),
-                         **({"calibration": calibration} if calibration else {})},
-        "files": files,
-    }
-    cat = Catalog(doc)
-    cat.write(out, rows)
-    return cat

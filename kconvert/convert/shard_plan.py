@@ -7,12 +7,13 @@ a bucket's members differ, which gives the refusals a walk in stored order meets
 from __future__ import annotations
 
 import functools
+from itertools import groupby, repeat
 
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.converted.units import GLOBALS, layer_unit
 from kconvert.errors import UsageError
 from kconvert.convert.layout import TP_DEGREES, Layout, Piece, check, pieces
-from kconvert.convert.shard_outputs import SRC, How, Output, WorkItem, spec_suffixes
+from kconvert.convert.shard_outputs import SRC, How, WorkItem, outputs_of, spec_suffixes
 from kconvert.family.manifest import TensorInfo
 from kconvert.convert.quant_policy import QuantPolicy, rows_copy, source_quant
 from kconvert.quant.scheme import LosslessCopy
@@ -41,7 +42,6 @@ def unit_of(info: TensorInfo) -> str:
 
 
 _info_of = functools.partial(tuple.__new__, TensorInfo)  # a named tuple from its fields, without a Python-level call
-_new_output = object.__new__
 
 
 class _PerName(Exception):
@@ -69,19 +69,19 @@ class _Plan:
                 continue
             quant, copy = self._quant(info0, t)
             unit, plans = unit_of(info0), {}  # expert group (None: not an expert) -> the pieces' plan
-            for name, e in zip(b.names, b.experts):
-                info = _info_of((name, b.rule, b.layer, e))
-                key = e // group_size if info0.split == "expert" else None
+            names, rule, layer = b.names, b.rule, b.layer
+            infos = list(map(_info_of, zip(names, repeat(rule), repeat(layer), b.experts)))
+            for key, i, j in _runs(b.experts, group_size if info0.split == "expert" else 0):
                 plan = plans.get(key)
-                if plan is None:
+                if plan is None:  # decided by the expert group's first member, as a walk name by name decides it
                     try:
-                        plan = self._pieces(info, t, quant, copy)
+                        plan = self._pieces(infos[i], t, quant, copy)
                     except UsageError:
                         raise _PerName from None
                     if plan is None:
                         raise _PerName
                     plan = plans[key] = _targets(items, unit, plan)
-                _add(name, info, plan)
+                _add(names[i:j], infos[i:j], plan)
         return items
 
     def by_name(self) -> tuple[dict[tuple[str, int], WorkItem], list[str], set[str]]:
@@ -99,7 +99,7 @@ class _Plan:
                 if copy.whole:
                     whole_copies.add(name)
                 continue
-            _add(name, info, _targets(items, unit_of(info), plan))
+            _add([name], [info], _targets(items, unit_of(info), plan))
         return items, misaligned, whole_copies
 
     def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
@@ -150,19 +150,25 @@ def _targets(items: dict, unit: str, plan: list[tuple]) -> list[tuple[list, How,
     return out
 
 
-def _add(name: str, info: TensorInfo, targets: list[tuple[list, How, tuple | None]]) -> None:
-    """Tensor `name`'s Outputs, one per target, their specs included: `name` + the suffixes, or the scheme's own
-    where spec names are not the source's name + a suffix (an Output's four slots set here, not through its
-    __init__: a Python-level call per output was most of planning 250k of them)."""
+def _add(names: list[str], infos: list[TensorInfo], targets: list[tuple[list, How, tuple | None]]) -> None:
+    """Tensors `names`' Outputs (planned alike), one each per target, their specs included (shard_outputs.outputs_of:
+    a Python-level step per output was most of planning 250k of them)."""
     for outputs, how, suffixes in targets:
-        o = _new_output(Output)
-        o.src, o.info, o.how = name, info, how
-        if suffixes is None:
-            o._specs = None
-            o.specs()
-        else:
-            o._specs = tuple([(name + suffix, tag, shape) for suffix, tag, shape in suffixes])
-        outputs.append(o)
+        outputs.extend(outputs_of(names, infos, how, suffixes))
+
+
+def _runs(experts: list, group_size: int) -> list[tuple[int | None, int, int]]:
+    """A bucket's members as runs (expert group, first, end) of the same group; one run (None) when the rule is not
+    split by expert (group_size 0)."""
+    if not group_size:
+        return [(None, 0, len(experts))]
+    keys = [e // group_size for e in experts]
+    runs, i = [], 0
+    for key, members in groupby(keys):
+        j = i + sum(1 for _ in members)
+        runs.append((key, i, j))
+        i = j
+    return runs
 
 
 def plan_items(ck: Checkpoint, layout: Layout, policy: QuantPolicy, *, requantize: bool = False,

@@ -71,7 +71,9 @@ class LogicalByName(Mapping):
 
     def columns(self, names: list[str]) -> tuple[LogicalTensor, dict[str, list[TensorEntry]]]:
         """Logical weights `names`, stored in one form: the first one's LogicalTensor and each stored part's entries
-        for all of them, by role (what source/stacked.py reads a stack from)."""
+        for all of them, by role (what source/stacked.py reads a stack from). A stack is read as its first entry's
+        dtype (io/stacked_read.py): only the first is remade as fold makes it (MXFP4's U8 scales read as e8m0), the
+        rest are the stored entries."""
         if self._folded is not None:
             return parts_by_role([self._folded[n] for n in names])
         where = list(map(self._index().__getitem__, names))

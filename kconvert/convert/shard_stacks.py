@@ -13,6 +13,7 @@ tensor exactly as it always has.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 
 import torch
@@ -27,20 +28,24 @@ from kconvert.source.stacked import read_fp4_parts, read_stack
 
 STACK_BYTES = 64 << 20  # float32 bytes of one stack at most (a real model's large experts are not stacked)
 
-Pairs = list[tuple[SafetensorsWriter, Output]]  # one source weight's outputs: the file and what goes in it
+Pairs = Sequence[tuple[SafetensorsWriter, Output]]  # one source weight's outputs: the file and what goes in it
 
 
 def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes: dict | None) -> list[str | list[str]]:
     """The unit's source weights as jobs, in the order of each job's first weight: a weight alone (its name), or
     a stack (a list) of the weights that share a key, at most STACK_BYTES of float32; a stack of one too (a weight
     cut for every rank is still made in one call: _even_split)."""
+    table = list(map(by_src.__getitem__, order))
+    if list(map(len, table)).count(1) == len(table):  # each weight to one file (experts placed whole): its output's
+        keys = list(map(_STACK_PART, map(_OUTPUT, map(_FIRST, table))))
+    else:
+        keys = [tuple(map(_STACK_PART, map(_OUTPUT, pairs))) for pairs in table]
+    stackable = {key: _stackable(key, pairs) for key, pairs in dict(zip(keys, table)).items()}  # once per key
     jobs: list[str | list[str]] = []
-    open_stack: dict[tuple, list[str]] = {}
-    most: dict[tuple, int] = {}  # key -> weights a stack of it holds at most
-    stackable: dict[tuple, bool] = {}  # key -> whether every output of it is one quant/stacked.py does
-    for src in order:
-        key = _key(src, by_src[src], codes, stackable)
-        if key is None:
+    open_stack: dict = {}
+    most: dict = {}  # key -> weights a stack of it holds at most
+    for src, key in zip(order, keys):
+        if not stackable[key] or (codes and src in codes):
             jobs.append(src)  # alone
             continue
         stack = open_stack.get(key)
@@ -53,15 +58,12 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
     return jobs
 
 
-def _key(src: str, pairs: Pairs, codes: dict | None, stackable: dict[tuple, bool]) -> tuple | None:
-    """Every output's stack_part (the plan's id of the source's stored form, the cut, the storage), or None: alone."""
-    parts = tuple(map(_STACK_PART, map(_OUTPUT, pairs)))
-    ok = stackable.get(parts)
-    if ok is None:  # once per distinct key: every output stackable, and stored in a way quant/stacked.py does
-        ok = stackable[parts] = None not in parts and all(
-            stacked.supports_copy(o.copy.transform, o.options) if o.copy is not None else
-            o.scheme is None or stacked.supports(o.scheme, o.options) for _, o in pairs)
-    return parts if ok and not (codes and src in codes) else None
+def _stackable(key, pairs: Pairs) -> bool:
+    """Whether weights of this key (every output's stack_part: the plan's id of the source's stored form, the cut,
+    the storage) go as stacks: every output stackable, and stored in a way quant/stacked.py does."""
+    return key is not None and None not in (key if isinstance(key, tuple) else (key,)) and all(
+        stacked.supports_copy(o.copy.transform, o.options) if o.copy is not None else
+        o.scheme is None or stacked.supports(o.scheme, o.options) for _, o in pairs)
 
 
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
@@ -97,7 +99,8 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             continue
         pairs = list(map(itemgetter(j), table))
         # every output of the stack planned alike (then its specs are o0's, names aside), each file's at once
-        if set(map(_SHAPE_HOW, map(_OUTPUT, pairs))) != {_SHAPE_HOW(o0)}:
+        hows = set(map(_HOW, map(_OUTPUT, pairs)))  # (usually one: a bucket's expert group on this rank)
+        if hows != {o0.how} and set(map(_SHAPE_TRANSFORM, hows)) != {_SHAPE_TRANSFORM(o0.how)}:
             raise RuntimeError(f"{srcs}: not every weight is planned as a stacked {o0.transform} of {o0.shape}")
         writers = list(map(_WRITER, pairs))
         if writers.count(writers[0]) == n:  # one file takes them all (the usual under tp)
@@ -122,8 +125,9 @@ def _check_planned(writer: SafetensorsWriter, firsts: list[int], o0: Output) -> 
 
 
 _WRITER, _OUTPUT = itemgetter(0), itemgetter(1)  # of a (writer, output) pair
+_FIRST = itemgetter(0)  # a weight's first (writer, output) pair
 _STACK_PART = attrgetter("how.stack_part")
-_SHAPE_HOW = attrgetter("how.shape", "how.transform")
+_HOW, _SHAPE_TRANSFORM = attrgetter("how"), attrgetter("shape", "transform")
 _TAG_SHAPE = itemgetter(1, 2)  # of a planned (name, tag, shape)
 
 

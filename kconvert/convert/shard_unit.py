@@ -77,7 +77,7 @@ def _open(batch: list[WorkItem], out: Path) -> tuple[list[SafetensorsWriter], di
     srcs = [o.src for w in batch for o in w.outputs]
     if len(set(srcs)) == len(srcs):  # each source tensor goes to one file (experts placed whole: ep = tp): at once
         pairs = chain.from_iterable(zip(repeat(writer), w.outputs) for writer, w in zip(writers, batch))
-        return writers, dict(zip(srcs, map(list, zip(pairs))))
+        return writers, dict(zip(srcs, zip(pairs)))  # (a 1-tuple of its pair each)
     by_src: dict[str, Pairs] = {}
     for writer, w in zip(writers, batch):
         for o in w.outputs:

@@ -16,7 +16,10 @@ Shard's per-tensor overhead is what the topology costs beyond its data and its f
   data time    the same stored formats in a few large tensors (the preset at 16x its widths, 3 layers x 96
                experts: INT4 experts and BF16 rest for topo-k25, ~1,800 tensors of up to 4 MiB; same command),
                scaled to this checkpoint's tensor bytes (a BF16 baseline would leave INT4's 4x more values per
-               byte to dequantize and re-quantize, and 4x more bytes to write for --quant none, in the overhead)
+               byte to dequantize and re-quantize, and 4x more bytes to write for --quant none, in the overhead).
+               It is not the topology's mix: at tiny widths the experts and the router (replicated on every rank)
+               are a larger share of the bytes; the note prints the bytes each wrote (the data time's scaled)
+               and the overhead with the data time scaled by bytes written instead (the truth lies between)
   fixed cost   torch's import and a run's set-up: the same command on a 2-layer, 8-expert copy of the preset
                (a few hundred tiny tensors), not scaled
 Each process's CPU time is counted from outside, its exit included. The three shard commands run back to back,
@@ -70,10 +73,15 @@ def shard_round(root: Path, quant: str, tp: int, checkpoints: tuple[Path, Path, 
         dest = out if name == "topo" else ck.with_name(f"{ck.name}-tp{tp}-{quant}")
         shutil.rmtree(dest, ignore_errors=True)
         cpu[name] = kconvert("shard", ck, dest, "--tp", tp, "--quant", quant, root=root)
+        cpu[name]["written"] = sum(f.stat().st_size for f in dest.rglob("*.safetensors"))
         if name != "topo":
             shutil.rmtree(dest, ignore_errors=True)
     fixed, big = (cpu[k]["cpu"] - startup for k in ("fixed", "big"))
     data = fixed + (big - fixed) * scale  # scaled to this checkpoint's tensor bytes
+    cpu["topo"]["reference_written"] = cpu["big"]["written"] * scale  # what the data time writes, scaled alike
+    # the same data time scaled by the bytes each wrote instead: this checkpoint's mix writes more per source byte
+    by_written = fixed + (big - fixed) * cpu["topo"]["written"] / cpu["big"]["written"]
+    cpu["topo"]["beyond_by_written"] = cpu["topo"]["cpu"] - startup - by_written
     return cpu["topo"]["cpu"] - startup - data, data, fixed, cpu["topo"]
 
 
@@ -215,7 +223,10 @@ def main(argv=None) -> int:
             f"same formats and bytes in large tensors: {data:.1f} s CPU (fixed cost {fixed:.1f} s); beyond that: "
             f"{1e6 * beyond / n_out:.1f} us per written tensor, {1e6 * beyond / stored:.1f} per stored source tensor, "
             f"{1e6 * beyond / weights:.1f} per source weight "
-            f"(median of {a.rounds} rounds: {', '.join(f'{1e6 * x[0] / n_out:.1f}' for x in rounds)})")
+            f"(median of {a.rounds} rounds: {', '.join(f'{1e6 * x[0] / n_out:.1f}' for x in rounds)}); the data time "
+            f"is of {r['reference_written'] / 2**20:.0f} MiB written, scaled, where this run wrote "
+            f"{r['written'] / 2**20:.0f} MiB: scaled by bytes written instead, "
+            f"{1e6 * r['beyond_by_written'] / n_out:.1f} us per written tensor beyond it")
     fp8 = out["fp8"]
     files = json.loads((fp8 / "kconvert.json").read_text())["files"]
     r = kconvert("verify-files", fp8)

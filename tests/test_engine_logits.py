@@ -100,10 +100,24 @@ def engine(converted):
     return get
 
 
-def _compare(ref_logits, eng_logits, seed, what, near=()):
-    keep = torch.ones(ref_logits.shape[:2], dtype=torch.bool)
+def _kept(shape, near) -> torch.Tensor:
+    keep = torch.ones(shape, dtype=torch.bool)
     for b, q in near:  # a near tie in the indexer (indexer_ties_by_position): from there on either choice is right
         keep[b, q:] = False
+    return keep
+
+
+def _enough(ref_logits, near) -> bool:
+    """Whether the near ties leave at least half the positions to compare; else the test draws another prompt (an
+    early tie on one random prompt in a few dozen: the seed is fresh every run)."""
+    return bool(_kept(ref_logits.shape[:2], near).float().mean() >= 0.5)
+
+
+ATTEMPTS = 5  # fresh prompts a test draws before an early near tie on each counts as a failure
+
+
+def _compare(ref_logits, eng_logits, seed, what, near=()):
+    keep = _kept(ref_logits.shape[:2], near)
     assert keep.float().mean() >= 0.5, f"{what}: near ties at {sorted(near)} leave too little to compare (seed {seed})"
     scale = ref_logits.abs().max().item()
     err = (ref_logits - eng_logits)[keep].abs().max().item()
@@ -113,11 +127,14 @@ def _compare(ref_logits, eng_logits, seed, what, near=()):
 @pytest.mark.parametrize("preset", ["tiny-k25-dsv32", "tiny-dsv32"])
 @pytest.mark.parametrize("length", [8, 60])  # index_topk is 16: below and well above it
 def test_text_logits_match_transformers(preset, length, reference, engine):
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 768, (2, length), generator=g)  # batch of 2 prompts
-    with torch.no_grad(), indexer_ties_by_position() as near:
-        ref = reference(preset)(input_ids=ids).logits
+    for _ in range(ATTEMPTS):
+        seed = fresh_seed()
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 768, (2, length), generator=g)  # batch of 2 prompts
+        with torch.no_grad(), indexer_ties_by_position() as near:
+            ref = reference(preset)(input_ids=ids).logits
+        if _enough(ref, near):
+            break
     _compare(ref, engine(preset).forward(ids), seed, f"{preset} length {length}", near)
 
 
@@ -126,19 +143,23 @@ def test_image_prompt_logits_match_transformers(reference, engine):
 
     from engine.chat.image import preprocess
 
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
     model = engine("tiny-k25-dsv32")
-    pixels = (torch.rand(75, 110, 3, generator=g) * 255).to(torch.uint8).numpy()
-    patches, grid = preprocess(Image.fromarray(pixels))  # 75x110 -> padded 84x112 -> 6x8 patches -> 12 tokens
-    assert grid == (6, 8)
-    vc = model.mc.vision
-    n = model.tokens_per_image(grid)
-    ids = torch.cat([torch.randint(0, 768, (5,), generator=g), torch.tensor([786]), torch.full((n,), vc.image_token_id),
-                     torch.tensor([788]), torch.randint(0, 768, (40,), generator=g)])[None]
-    with torch.no_grad(), indexer_ties_by_position() as near:
-        ref = reference("tiny-k25-dsv32")(input_ids=ids, pixel_values=patches,
-                                   image_grid_thw=torch.tensor([[1, *grid]])).logits
+    for _ in range(ATTEMPTS):
+        seed = fresh_seed()
+        g = torch.Generator().manual_seed(seed)
+        pixels = (torch.rand(75, 110, 3, generator=g) * 255).to(torch.uint8).numpy()
+        patches, grid = preprocess(Image.fromarray(pixels))  # 75x110 -> padded 84x112 -> 6x8 patches -> 12 tokens
+        assert grid == (6, 8)
+        vc = model.mc.vision
+        n = model.tokens_per_image(grid)
+        ids = torch.cat([torch.randint(0, 768, (5,), generator=g), torch.tensor([786]),
+                         torch.full((n,), vc.image_token_id), torch.tensor([788]),
+                         torch.randint(0, 768, (40,), generator=g)])[None]
+        with torch.no_grad(), indexer_ties_by_position() as near:
+            ref = reference("tiny-k25-dsv32")(input_ids=ids, pixel_values=patches,
+                                              image_grid_thw=torch.tensor([[1, *grid]])).logits
+        if _enough(ref, near):
+            break
     out = model.forward(ids, image_embeds=model.vision(patches, [grid]))
     _compare(ref, out, seed, "text+image", near)
 

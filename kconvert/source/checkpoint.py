@@ -3,9 +3,10 @@
 `Checkpoint.open(src)` reads config.json, the index and every file's header (never tensor data; source/
 stored_files.py) and binds the family manifest. `validate()` checks every tensor against the manifest (known, right
 shape, none missing) a (rule, layer) group at a time, from the stored entries' columns where every group is stored
-in one form (source/stored_groups.py), so inspect and plan never fold a release's 250k experts. `logical` folds
-quantization companions into logical weights (`logical.fold`) on first use; `read(name)` reads one logical weight,
-or a row range of it, dequantized on request.
+in one form (source/stored_groups.py), so inspect and plan never fold a release's 250k experts. `logical` gives the
+logical weights (quantization companions folded in): made name by name from those columns on request
+(source/logical_by_name.py: shard never folds a release), else folded whole on first use (`logical.fold`);
+`read(name)` reads one logical weight, or a row range of it, dequantized on request.
 """
 
 from __future__ import annotations

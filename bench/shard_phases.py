@@ -3,9 +3,11 @@
 Runs `shard` on SRC with its unit pool replaced by a synchronous one (every phase on this thread, so CPU
 time is attributed exactly) and prints CPU seconds of: opening the source (headers, canonical names,
 folding), planning (validation included), writing the units (read, transform, write), committing them,
-kconvert.json and the rank lists, the source's fingerprint, and the rest (journal, output checks); writing
-the units also by part (its stacks by size, opening and finishing the files, planning the stacks). Per written tensor
-the figures say what metadata_bench.py's "beyond data" is made of.
+kconvert.json and the rank lists, the source's fingerprint, and the rest (journal, output checks), and of all of
+them how much was folding the stored tensors into logical ones (0.00: never folded); writing the units also by
+part (its stacks by size, opening and finishing the files, planning the stacks). Per written tensor the figures
+say what metadata_bench.py's "beyond data" is made of. Copied into a worktree of an older commit (its
+kconvert.json writer was shard._write_catalog), it times that tree the same way.
 
     .venv/bin/python bench/shard_phases.py /tmp/kmeta/topo-k25-L-E --quant fp8 --tp 8
 """
@@ -70,11 +72,16 @@ def main(argv=None) -> int:
         return run
 
     sh.ThreadPoolExecutor = SyncPool
+    import kconvert.source.checkpoint as checkpoint_module
+
+    folding: collections.Counter = collections.Counter()  # inside whichever phase asked first (0: never folded)
+    checkpoint_module.fold = timed("folding into logical tensors", checkpoint_module.fold, folding)
     opener = Checkpoint.open.__func__
     Checkpoint.open = classmethod(lambda cls, *args, **kw: timed("open source", opener)(cls, *args, **kw))
     Checkpoint.fingerprint = timed("source fingerprint", Checkpoint.fingerprint)
     for fn, name in (("plan_items", "plan"), ("write_unit", "write units"), ("commit_all", "commit"),
                      ("write_catalog", "kconvert.json + rank lists")):
+        fn = fn if hasattr(sh, fn) else f"_{fn}"  # (an older tree's private name)
         setattr(sh, fn, timed(name, getattr(sh, fn)))
     for fn, name in (("_open", "opening each unit's files"), ("plan_jobs", "stack planning"),
                      ("_finish", "finishing files (CRC, one write)"),
@@ -96,6 +103,7 @@ def main(argv=None) -> int:
         if name == "write units":
             for part, s in sorted(units.items(), key=lambda kv: -kv[1]):  # (their data included)
                 print(f"    {part:34s} {s:6.2f} s")
+    print(f"  of which {'folding into logical tensors':27s} {folding['folding into logical tensors']:6.2f} s")
     return 0
 
 

@@ -116,6 +116,19 @@ def _enough(ref_logits, near) -> bool:
 ATTEMPTS = 5  # fresh prompts a test draws before an early near tie on each counts as a failure
 
 
+def _reference_run(run):
+    """run(generator) -> (inputs, the reference's logits), run with the indexer's near ties recorded; drawn again
+    from a fresh seed (up to ATTEMPTS) while they leave less than half the positions to compare.
+    -> (seed, inputs, logits, near ties)."""
+    for _ in range(ATTEMPTS):
+        seed = fresh_seed()
+        with torch.no_grad(), indexer_ties_by_position() as near:
+            inputs, ref = run(torch.Generator().manual_seed(seed))
+        if _enough(ref, near):
+            break
+    return seed, inputs, ref, near
+
+
 def _compare(ref_logits, eng_logits, seed, what, near=()):
     keep = _kept(ref_logits.shape[:2], near)
     assert keep.float().mean() >= 0.5, f"{what}: near ties at {sorted(near)} leave too little to compare (seed {seed})"
@@ -127,14 +140,11 @@ def _compare(ref_logits, eng_logits, seed, what, near=()):
 @pytest.mark.parametrize("preset", ["tiny-k25-dsv32", "tiny-dsv32"])
 @pytest.mark.parametrize("length", [8, 60])  # index_topk is 16: below and well above it
 def test_text_logits_match_transformers(preset, length, reference, engine):
-    for _ in range(ATTEMPTS):
-        seed = fresh_seed()
-        g = torch.Generator().manual_seed(seed)
+    def run(g):
         ids = torch.randint(0, 768, (2, length), generator=g)  # batch of 2 prompts
-        with torch.no_grad(), indexer_ties_by_position() as near:
-            ref = reference(preset)(input_ids=ids).logits
-        if _enough(ref, near):
-            break
+        return ids, reference(preset)(input_ids=ids).logits
+
+    seed, ids, ref, near = _reference_run(run)
     _compare(ref, engine(preset).forward(ids), seed, f"{preset} length {length}", near)
 
 
@@ -144,22 +154,21 @@ def test_image_prompt_logits_match_transformers(reference, engine):
     from engine.chat.image import preprocess
 
     model = engine("tiny-k25-dsv32")
-    for _ in range(ATTEMPTS):
-        seed = fresh_seed()
-        g = torch.Generator().manual_seed(seed)
+    vc = model.mc.vision
+
+    def run(g):
         pixels = (torch.rand(75, 110, 3, generator=g) * 255).to(torch.uint8).numpy()
         patches, grid = preprocess(Image.fromarray(pixels))  # 75x110 -> padded 84x112 -> 6x8 patches -> 12 tokens
         assert grid == (6, 8)
-        vc = model.mc.vision
         n = model.tokens_per_image(grid)
         ids = torch.cat([torch.randint(0, 768, (5,), generator=g), torch.tensor([786]),
                          torch.full((n,), vc.image_token_id), torch.tensor([788]),
                          torch.randint(0, 768, (40,), generator=g)])[None]
-        with torch.no_grad(), indexer_ties_by_position() as near:
-            ref = reference("tiny-k25-dsv32")(input_ids=ids, pixel_values=patches,
-                                              image_grid_thw=torch.tensor([[1, *grid]])).logits
-        if _enough(ref, near):
-            break
+        ref = reference("tiny-k25-dsv32")(input_ids=ids, pixel_values=patches,
+                                          image_grid_thw=torch.tensor([[1, *grid]])).logits
+        return (ids, patches, grid), ref
+
+    seed, (ids, patches, grid), ref, near = _reference_run(run)
     out = model.forward(ids, image_embeds=model.vision(patches, [grid]))
     _compare(ref, out, seed, "text+image", near)
 

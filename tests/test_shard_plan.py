@@ -8,7 +8,7 @@ import pytest
 
 from kconvert.convert.layout import Layout
 from kconvert.convert.quant_policy import QuantPolicy
-from kconvert.convert.shard_outputs import _specs
+from kconvert.convert.shard_outputs import _specs, spec_suffixes
 from kconvert.convert.shard_plan import _PerName, _Plan, plan_items
 from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
@@ -43,7 +43,8 @@ def test_bucket_plan_is_the_name_plan(checkpoint, preset, kw, tp, ep, quant, req
     assert _outputs(by_bucket) == _outputs(by_name)
     # the specs the plan made by suffix (where names are the source's + a suffix) are the scheme's own
     outputs = [o for w in by_bucket.values() for o in w.outputs]
-    made = [o for o in outputs if o.spec_rows]
+    made = [o for o in outputs if spec_suffixes(o.transform, o.shape, o.src_dtype, o.scale_format, o.group_size,
+                                                o.int4_scales, o.fp8_block) is not None]
     assert made and all(o.specs() == _specs(o.src, o.transform, o.shape, o.src_dtype, o.options) for o in outputs)
 
 

@@ -20,6 +20,7 @@ from kconvert.convert.shard_outputs import WorkItem
 from kconvert.convert.shard_pipeline import Pipeline
 from kconvert.source.checkpoint import Checkpoint
 
+
 def catalog_rows(w: WorkItem, crcs: dict[str, str], shared: dict) -> Iterator[tuple]:
     """File w's tensor rows (rank_tensors.COLUMNS; a weight and its scale: two rows), a column at a time: a release's
     file holds hundreds of experts' tensors, their outputs sharing a few Hows."""

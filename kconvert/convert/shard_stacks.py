@@ -59,9 +59,10 @@ def plan_jobs(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], codes:
 
 
 def _stackable(key, pairs: Pairs) -> bool:
-    """Whether weights of this key (every output's stack_part: the plan's id of the source's stored form, the cut,
-    the storage) go as stacks: every output stackable, and stored in a way quant/stacked.py does."""
-    return key is not None and None not in (key if isinstance(key, tuple) else (key,)) and all(
+    """Whether weights of this key (every output's stack_part, or the one output's: the plan's id of the source's
+    stored form, the cut, the storage; None: never stacked) go as stacks: every output stackable, and stored in a
+    way quant/stacked.py does."""
+    return None not in (key if isinstance(key, tuple) else (key,)) and all(
         stacked.supports_copy(o.copy.transform, o.options) if o.copy is not None else
         o.scheme is None or stacked.supports(o.scheme, o.options) for _, o in pairs)
 

@@ -17,7 +17,6 @@ from kconvert.source.formats import FP4_TOP, LogicalTensor, all_finite, declared
 def read_stack(t0: LogicalTensor, parts: dict[str, list[TensorEntry]], group: int) -> torch.Tensor:
     """Logical weights sharing a logical.stack_form (the first, `t0`, and each stored part's entries for all of
     them by role: LogicalByName.columns) -> [N, *shape]."""
-    n = len(parts["weight"] if t0.format != "int4_packed" else parts["packed"])
     if t0.format == "plain":
         x = read_stacked(parts["weight"])  # a plain weight's one entry
         if not all_finite(x):
@@ -25,7 +24,7 @@ def read_stack(t0: LogicalTensor, parts: dict[str, list[TensorEntry]], group: in
         return x
     if t0.format == "fp4_packed":
         return _fp4_stack(t0, parts)
-    shapes = read_stacked(parts["shape"]).reshape(n, -1)
+    shapes = read_stacked(parts["shape"]).reshape(len(parts["shape"]), -1)
     rows, cols = declared_shape(t0, shapes[0])  # a CheckpointError here: the one-by-one read names it too
     if not bool((shapes == shapes[0]).all()):
         raise NotStackable

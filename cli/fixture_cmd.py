@@ -45,6 +45,9 @@ def fixture(preset: str, out: str, seed: int, size: str | None, layers: int | No
       kconvert fixture topo-k25 ./topo-k25                      # 61 x 384 experts, ~210k tensors
       kconvert fixture topo-k25 ./topo-small --layers 4 --experts 16
     """
+    from kconvert.fixtures import kernels
+
+    kernels.pin()  # before torch is imported: a trained preset's bytes are the same on AVX2 and AVX-512 CPUs
     from kconvert import renamed
     from kconvert.fixtures import build_fixture
     from kconvert.fixtures.presets import TOPOLOGY_PRESETS, TRAINED_PRESETS

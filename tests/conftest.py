@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from kconvert.fixtures import kernels
+
+kernels.pin()  # before any test imports torch: the trained fixtures' bytes, and the floors measured on them, are the
+# same on an AVX-512 machine as on an AVX2 one (kconvert/fixtures/kernels.py)
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):

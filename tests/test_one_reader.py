@@ -22,6 +22,7 @@ ALLOWED = {
     "kconvert/io/regular.py": "the reader itself",
     "kconvert/io/atomic.py": "opens a directory to fsync it (no data read)",
     "kconvert/host_memory.py": "/proc/meminfo and /proc/self/status",
+    "kconvert/fixtures/kernels.py": "/proc/cpuinfo's flags, before torch is imported",
     "kconvert/distributed.py": "/proc/PID/stat",
     "kconvert/family/limits.py": "manifests/limits.toml, shipped in the package",
     "kconvert/family/families.py": "manifests/*.toml, shipped in the package",

@@ -19,7 +19,7 @@ AVX2 = {"avx2", "fma"} <= kernels._cpu_flags()
 
 def _kernels_after(code: str, **env) -> str:
     """The kernels a fresh process's torch dispatches to after `code` ran, with ATEN_CPU_CAPABILITY as `env` says."""
-    clean = {k: v for k, v in os.environ.items() if k not in kernels.PINNED}
+    clean = {k: v for k, v in os.environ.items() if k != kernels.VARIABLE}
     r = subprocess.run([sys.executable, "-c", f"{code}\nfrom kconvert.fixtures import kernels\nprint(kernels.in_use())"],
                        capture_output=True, text=True, cwd=ROOT, env={**clean, **env}, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -103,8 +103,7 @@ def fixture(preset: str, path: Path, **kwargs) -> Path:
 
     if preset in TRAINED_PRESETS and set(kwargs) <= {"seed"}:  # trained by `kconvert fixture`, whose process pins the
         # AVX2 kernels before torch is imported (kconvert/fixtures/kernels.py): the bytes the tests and docs know
-        seed = ["--seed", str(kwargs["seed"])] if "seed" in kwargs else []
-        subprocess.run([*KCONVERT_CMD, "fixture", preset, str(path), *seed], cwd=ROOT, check=True)
+        cli("fixture", preset, path, "--seed", kwargs.get("seed", 0), check=True)
         return path
     return build_fixture(preset, path, **kwargs)
 

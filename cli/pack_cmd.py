@@ -26,8 +26,10 @@ def _report(r, out: str, as_json: bool) -> None:
 @click.option("--compress", "codec", default="zstd", show_default=True, metavar="zstd[:LEVEL]",
               help="Codec and zstd level (1 is the default: on byte-grouped weights it measured best).")
 @click.option("--threads", type=Whole(1, 1024), help="Chunks compressed in parallel (default: cores, at most 8).")
+@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+              help="Only this rank's files (repeatable), reading only its tensor list: each node packs its own share.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def pack(out, codec, threads, as_json):
+def pack(out, codec, threads, ranks, as_json):
     """Compress every shard of converted checkpoint OUT in place (lossless zstd, byte-grouped).
 
     Streams file by file (temp + fsync + rename); interrupted? Re-run it: it resumes. The loader
@@ -36,29 +38,33 @@ def pack(out, codec, threads, as_json):
     \b
     Example:
       kconvert pack ./tiny-k25-dsv32-tp2                 # zstd level 1; --compress zstd:LEVEL for another
+      kconvert pack ./tiny-k25-dsv32-tp2 --rank 1        # rank 1's files only (a node's own copy)
     """
     from kconvert.io.compressed import parse_codec
     from kconvert.convert.pack import pack as _pack
 
     _, level = parse_codec(codec)
     with byte_progress(f"pack zstd:{level}", enabled=not as_json) as cb:
-        r = _pack(out, level=level, threads=threads, progress=cb)
+        r = _pack(out, level=level, threads=threads, progress=cb, ranks=list(ranks) or None)
     _report(r, out, as_json)
 
 
 @click.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 @click.option("--threads", type=Whole(1, 1024), help="Chunks decompressed in parallel (default: cores, at most 8).")
+@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+              help="Only this rank's files (repeatable), reading only its tensor list.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def unpack(out, threads, as_json):
+def unpack(out, threads, ranks, as_json):
     """Decompress every compressed shard of converted checkpoint OUT in place (byte-identical to before pack).
 
     \b
     Example:
       kconvert unpack ./tiny-k25-dsv32-tp2
+      kconvert unpack ./tiny-k25-dsv32-tp2 --rank 1      # rank 1's files only
     """
     from kconvert.convert.pack import unpack as _unpack
 
     with byte_progress("unpack", enabled=not as_json) as cb:
-        r = _unpack(out, threads=threads, progress=cb)
+        r = _unpack(out, threads=threads, progress=cb, ranks=list(ranks) or None)
     _report(r, out, as_json)

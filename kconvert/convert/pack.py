@@ -19,65 +19,64 @@ import shutil
 from pathlib import Path
 
 from kconvert.errors import CheckpointError, ChecksumMismatch, KConvertError, UsageError
-from kconvert.io.atomic import write_atomic
+from kconvert.io.atomic import fsync_dir, write_atomic
 from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.safetensors_read import read_header
 from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import by_file, check_listed, check_size, file_crc32, first_bad_tensor
-from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE
+from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE, rank_flags
+from kconvert.converted.units import MANIFEST
 from kconvert.convert.run import PackFigures, Run, RunResult
 
 LOG = "pack-done.jsonl"
 
 
-def pack(out: str | Path, *, level: int = DEFAULT_LEVEL, threads: int | None = None, progress=None) -> RunResult:
-    """Compress every plain shard of converted directory `out` in place."""
-    return _convert(Path(out), "pack", level, threads, progress)
+def pack(out: str | Path, *, level: int = DEFAULT_LEVEL, threads: int | None = None, progress=None,
+         ranks: list[int] | None = None) -> RunResult:
+    """Compress every plain shard of converted directory `out` in place (`ranks`: only those ranks' files)."""
+    return _convert(Path(out), "pack", level, threads, progress, ranks)
 
 
-def unpack(out: str | Path, *, threads: int | None = None, progress=None) -> RunResult:
-    """Decompress every compressed shard of converted directory `out` in place."""
-    return _convert(Path(out), "unpack", None, threads, progress)
+def unpack(out: str | Path, *, threads: int | None = None, progress=None, ranks: list[int] | None = None) -> RunResult:
+    """Decompress every compressed shard of converted directory `out` in place (`ranks`: only those ranks' files)."""
+    return _convert(Path(out), "unpack", None, threads, progress, ranks)
 
 
-def _convert(out: Path, op: str, level: int | None, threads: int | None, progress) -> RunResult:
+def _convert(out: Path, op: str, level: int | None, threads: int | None, progress, ranks: list[int] | None) -> RunResult:
     run = Run(out, progress, logs=LOG, details=PackFigures(op))
     result = run.result
     threads = threads or min(8, os.cpu_count() or 1)
     cat = Catalog.read(out)
-    cat.tensors  # every rank's tensor list checked before kconvert.json is rewritten over them
+    ranks = sorted(set(ranks)) if ranks else None
+    for r in ranks or ():
+        if not 0 <= r < cat.world_size:
+            raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}", file=str(out / MANIFEST))
+    # the tensor lists of every rank converted, each checked against its sha256 before kconvert.json is rewritten
+    # over them (another rank's list is not read: a node packs its own share, and its list stays as it was)
+    listed = by_file(cat, ranks)
     journal = out / JOURNAL_DIR
     state = journal / PACK_STATE
     if state.exists():
-        try:
-            prev = read_json(state, limit=MAX_CONFIG)
-        except (OSError, KConvertError):
-            prev = {"op": op}
-        prev = prev if isinstance(prev, dict) else {"op": op}
-        if prev.get("op") != op:
-            raise UsageError(f"an unfinished `kconvert {prev.get('op')}` is converting this directory; re-run "
-                             f"`kconvert {prev.get('op')} {out}` first", file=str(out))
-        level = prev.get("level", level)
+        level = _resumed(out, state, op, ranks, level)
     elif journal.exists():
         raise UsageError("the directory holds an unfinished conversion journal; finish `kconvert shard` first",
                          file=str(out))
     want_stored = op == "pack"
-    todo = [rel for rel, rec in cat.files.items() if bool(rec.get("stored")) != want_stored]
-    result.details.untouched = len(cat.files) - len(todo)
+    todo = [rel for rel in listed if bool(cat.files[rel].get("stored")) != want_stored]
+    result.details.untouched = len(listed) - len(todo)
     if not todo:
         shutil.rmtree(journal, ignore_errors=True)
         result.already_complete = True
         return _pack_names(run.done())
     journal.mkdir(exist_ok=True)
-    if not state.exists():
-        write_atomic(state, json.dumps({"op": op, "level": level}).encode())
+    if not state.exists() and not _claim(state, {"op": op, "level": level, **({"ranks": ranks} if ranks else {})}):
+        level = _resumed(out, state, op, ranks, level)  # another process started one at the same moment
     done = run.journalled(_journalled_size)
     run.start(sum(cat.files[rel]["bytes"] for rel in todo))
     advance = (lambda n: progress("working", n=n)) if progress else None  # in flight; counted when durable
     damaged: list[tuple[str, KConvertError]] = []  # files left as they were: the others still convert
-    listed = by_file(cat)
     with run.log(LOG) as log:
         for rel in todo:
             rec = cat.files[rel]
@@ -109,11 +108,48 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
 
     run.finish(converted, _journalled_size, rewrite_catalog)
     if damaged:
-        raise _left_as_it_was(out, op, damaged, len(converted))
+        raise _left_as_it_was(out, op, damaged, len(converted), ranks)
     return _pack_names(run.done())
 
 
-def _left_as_it_was(out: Path, op: str, damaged: list[tuple[str, KConvertError]], converted: int) -> KConvertError:
+def _command(op: str, out: Path, ranks: list[int] | None) -> str:
+    return f"kconvert {op} {out}{rank_flags(ranks)}"
+
+
+def _resumed(out: Path, state: Path, op: str, ranks: list[int] | None, level: int | None) -> int | None:
+    """The level of the unfinished run `state` records, when it is this one (the same op over the same ranks: a
+    resume); else a UsageError naming the command that finishes it. Two nodes packing their own ranks of one shared
+    directory at once: the second is told to wait for the first, not let to rewrite kconvert.json beside it."""
+    try:
+        prev = read_json(state, limit=MAX_CONFIG)
+    except (OSError, KConvertError):
+        prev = {"op": op}
+    prev = prev if isinstance(prev, dict) else {"op": op}
+    prev_ranks = prev.get("ranks")
+    prev_ranks = prev_ranks if isinstance(prev_ranks, list) and all(type(r) is int for r in prev_ranks) else None
+    if prev.get("op") != op or prev_ranks != ranks:
+        raise UsageError(f"an unfinished `kconvert {prev.get('op')}{rank_flags(prev_ranks)}` is converting this "
+                         f"directory; re-run `{_command(prev.get('op'), out, prev_ranks)}` first", file=str(out))
+    return prev.get("level", level)
+
+
+def _claim(state: Path, record: dict) -> bool:
+    """Write the run's state file, durable, unless one is there already (another process's): False then. Linked into
+    place from a temporary, so it is either absent or whole, and only one of two processes starting at once gets it."""
+    tmp = state.with_name(f".{state.name}.tmp-{os.getpid()}")
+    write_atomic(tmp, json.dumps(record).encode())
+    try:
+        os.link(tmp, state)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(state.parent)
+    return True
+
+
+def _left_as_it_was(out: Path, op: str, damaged: list[tuple[str, KConvertError]], converted: int,
+                    ranks: list[int] | None) -> KConvertError:
     """The first damaged file's error, saying what was done and the ways out. The directory is consistent:
     kconvert.json records every file in the form it has now (the damaged ones unchanged), so every read that
     does not touch them works, `verify-files` names them, and the opposite command rolls the rest back."""
@@ -121,8 +157,8 @@ def _left_as_it_was(out: Path, op: str, damaged: list[tuple[str, KConvertError]]
     more = f" (and {len(damaged) - 1} more damaged files)" if len(damaged) > 1 else ""
     undo = "unpack" if op == "pack" else "pack"
     e.message = (f"{e.message}{more}; {op} left it as it was and finished the other {converted} files: restore it "
-                 f"(from a copy, or convert the source again) and re-run `kconvert {op} {out}`, or roll back with "
-                 f"`kconvert {undo} {out}`")
+                 f"(from a copy, or convert the source again) and re-run `{_command(op, out, ranks)}`, or roll back "
+                 f"with `{_command(undo, out, ranks)}`")
     return e
 
 

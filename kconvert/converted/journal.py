@@ -112,9 +112,16 @@ def check_not_mid_pack(out: Path) -> None:
     state = Path(out) / JOURNAL_DIR / PACK_STATE
     if state.exists():
         try:
-            op = read_json(state, limit=MAX_CONFIG).get("op", "pack")
+            record = read_json(state, limit=MAX_CONFIG)
+            op, ranks = record.get("op", "pack"), record.get("ranks")
         except (OSError, KConvertError, AttributeError):
-            op = "pack"
+            op, ranks = "pack", None
         op = op if op in ("pack", "unpack") else "pack"
-        raise CheckpointError(f"an unfinished `kconvert {op}` is converting this directory; re-run `kconvert {op} "
-                              f"{out}` to finish it first", file=str(out))
+        flags = rank_flags(ranks if isinstance(ranks, list) and all(type(r) is int for r in ranks) else None)
+        raise CheckpointError(f"an unfinished `kconvert {op}{flags}` is converting this directory; re-run "
+                              f"`kconvert {op} {out}{flags}` to finish it first", file=str(out))
+
+
+def rank_flags(ranks: list[int] | None) -> str:
+    """` --rank R` for each of `ranks`, as a command line names them (pack / unpack of some ranks' files)."""
+    return "".join(f" --rank {r}" for r in ranks or ())

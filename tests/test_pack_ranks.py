@@ -1,0 +1,86 @@
+"""`kconvert pack --rank R` / `unpack --rank R`: a node compresses its own share of a converted directory, reading
+only its rank's tensor list, on a copy that holds nothing of the other ranks; unpacking it gives the exact bytes
+back (kconvert.json included). Only one pack runs on a directory at a time: a pack of other ranks, the loader and
+verify-files name the unfinished command, its --rank included."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from helpers import assert_one_line_error, cli_here
+from kconvert.convert.pack import pack
+
+RANK1 = "rank-001/layer-0001.safetensors"
+
+
+@pytest.fixture
+def tp2(conversion, tmp_path):
+    out = tmp_path / "tp2"
+    shutil.copytree(conversion("tiny-k25-dsv32", tp=2, quant="fp8"), out)
+    return out
+
+
+def _stored(out) -> dict[str, bool]:
+    return {rel: bool(rec.get("stored")) for rel, rec in json.loads((out / "kconvert.json").read_text())["files"].items()}
+
+
+def _snapshot(out) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_node_packs_and_unpacks_its_own_rank_without_the_others(tp2):
+    shutil.rmtree(tp2 / "rank-000")  # a node's copy: kconvert.json and its own rank only (its list included)
+    before = _snapshot(tp2)
+    r = cli_here("pack", tp2, "--rank", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    stored = _stored(tp2)
+    assert got["files"] == sum(rel.startswith("rank-001/") for rel in stored) > 0
+    assert all(v == rel.startswith("rank-001/") for rel, v in stored.items())  # rank 0's records untouched
+    assert sum(p.stat().st_size for p in (tp2 / "rank-001").glob("*.safetensors")) < \
+        sum(len(b) for rel, b in before.items() if rel.endswith(".safetensors"))
+    assert cli_here("verify-files", tp2, "--rank", "1").returncode == 0
+    assert cli_here("load", tp2, "--rank", "1", "--device", "cpu", "--verify").returncode == 0
+    assert "already" in cli_here("pack", tp2, "--rank", "1").stdout  # nothing left for rank 1
+    assert cli_here("unpack", tp2, "--rank", "1").returncode == 0
+    assert _snapshot(tp2) == before  # every byte back, kconvert.json included
+
+
+def test_ranks_packed_in_turn_make_the_whole_directory_packed(tp2):
+    assert cli_here("pack", tp2, "--rank", "1").returncode == 0
+    r = pack(tp2)  # the rest: rank 1's files are left as they are
+    stored = _stored(tp2)
+    assert r.details.untouched == sum(rel.startswith("rank-001/") for rel in stored)
+    assert r.details.files == len(stored) - r.details.untouched and all(stored.values())
+    assert cli_here("verify-files", tp2).returncode == 0
+
+
+def test_an_unfinished_rank_pack_is_named_with_its_rank_and_resumes(tp2):
+    files = [rel for rel in json.loads((tp2 / "kconvert.json").read_text())["files"] if rel.startswith("rank-001/")]
+
+    def die_after_one(event, **kw):
+        if event == "file" and kw["path"] == files[0]:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        pack(tp2, ranks=[1], progress=die_after_one)
+    unfinished = f"kconvert pack {tp2} --rank 1"
+    assert_one_line_error(cli_here("pack", tp2, "--rank", "0"), f"re-run `{unfinished}`")  # one pack at a time
+    assert_one_line_error(cli_here("pack", tp2), f"re-run `{unfinished}`")
+    assert_one_line_error(cli_here("unpack", tp2, "--rank", "1"), f"re-run `{unfinished}`")
+    assert_one_line_error(cli_here("verify-files", tp2), f"re-run `{unfinished}`")
+    r = pack(tp2, ranks=[1])
+    assert (r.details.resumed, r.details.files) == (1, len(files) - 1)
+    assert cli_here("pack", tp2, "--rank", "0").returncode == 0 and all(_stored(tp2).values())
+
+
+def test_a_damaged_file_names_the_rank_commands_and_a_rank_out_of_range_is_refused(tp2):
+    data = (tp2 / RANK1).read_bytes()
+    (tp2 / RANK1).write_bytes(data[:-1] + bytes([data[-1] ^ 0x55]))
+    assert_one_line_error(cli_here("pack", tp2, "--rank", "1"), RANK1, "checksum mismatch",
+                          f"re-run `kconvert pack {tp2} --rank 1`", f"`kconvert unpack {tp2} --rank 1`")
+    assert not (tp2 / ".kconvert").exists()
+    assert_one_line_error(cli_here("pack", tp2, "--rank", "2"), "--rank 2", "ranks 0..1", "kconvert.json")
+    assert_one_line_error(cli_here("unpack", tp2, "--rank", "5"), "--rank 5", "ranks 0..1")

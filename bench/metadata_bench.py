@@ -7,7 +7,7 @@ widths) it times, each as its own `kconvert` process as a user runs it:
   read_header    kconvert's header reader (parse + every check) on the same files, in this process
   safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
   inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files (all, then --rank 1), load --rank 1
-  (time to ready)
+  (time to ready), pack --rank 1 (then unpack --rank 1: the directory as shard wrote it)
 and prints wall seconds, seconds beyond start-up, microseconds per tensor and each command's own peak RSS (started
 through bench/_cli.measured: not this process's, which built the fixtures), plus the size of kconvert.json and of
 the per-rank tensor lists. inspect and plan report their best of --rounds runs, as start-up and the floor do.
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from _cli import ENTRY, ROOT, compiled, fixture, measured  # first: this tree's kconvert on sys.path
+from files_cost import files_cost
 
 WIDE = {"widen": 16, "layers": 3, "experts": 96}  # the data-time checkpoint: same formats, large tensors
 FIXED = {"widen": 1, "layers": 2, "experts": 8}  # shard's fixed cost: the same formats, hardly any tensors
@@ -218,6 +219,7 @@ def main(argv=None) -> int:
         rounds = [shard_round(ROOT, quant, a.tp, (src, fixed_src, big), out[quant], startup["cpu"], source_bytes / big_bytes)
                   for _ in range(a.rounds)]
         n_out = written_tensors(out[quant])
+        fs, n_files = files_cost(out[quant])
         beyond, data, fixed, r = sorted(rounds, key=lambda x: x[0])[len(rounds) // 2]  # the median round
         row(f"shard --tp {a.tp} --quant {quant}", r, n_out, r["rss"],
             f"same formats and bytes in large tensors: {data:.1f} s CPU (fixed cost {fixed:.1f} s); beyond that: "
@@ -226,7 +228,9 @@ def main(argv=None) -> int:
             f"(median of {a.rounds} rounds: {', '.join(f'{1e6 * x[0] / n_out:.1f}' for x in rounds)}); the data time "
             f"is of {r['reference_written'] / 2**20:.0f} MiB written, scaled, where this run wrote "
             f"{r['written'] / 2**20:.0f} MiB: scaled by bytes written instead, "
-            f"{1e6 * r['beyond_by_written'] / n_out:.1f} us per written tensor beyond it")
+            f"{1e6 * r['beyond_by_written'] / n_out:.1f} us per written tensor beyond it; creating its {n_files} files "
+            f"(replayed: {1e6 * fs / n_files:.0f} us CPU a file) is {1e6 * fs / n_out:.1f} us per written tensor of the "
+            f"overhead")
     fp8 = out["fp8"]
     files = json.loads((fp8 / "kconvert.json").read_text())["files"]
     r = kconvert("verify-files", fp8)
@@ -245,6 +249,11 @@ def main(argv=None) -> int:
         f"best of {a.rounds}; ready {rep['seconds']['ready']:.2f} s of which read {rep['seconds']['read']:.2f} s, "
         f"{rep['files']} files, {rep['bytes'] / 2**20:.1f} MiB; wall beyond start-up {r['wall'] - startup['wall']:.2f} s "
         f"vs torch's import {torch_import:.2f} s + 0.5 s + the read = {budget:.2f} s")
+    r = kconvert("pack", fp8, "--rank", "1", "--json")  # then back: the directory stays as shard wrote it
+    back = kconvert("unpack", fp8, "--rank", "1", "--json")
+    row("pack --rank 1 (fp8)", r, n_out // a.tp, r["rss"],
+        f"{json.loads(r['stdout'])['files']} of {len(files)} files compressed, {rep['bytes'] / 2**20:.1f} MiB; "
+        f"unpack --rank 1 {back['cpu'] - startup['cpu']:.2f} s CPU beyond start-up")
     lists = sorted(fp8.glob("rank-*/tensors.json"))
     sizes = {"kconvert.json": (fp8 / "kconvert.json").stat().st_size,
              "rank lists (all)": sum(p.stat().st_size for p in lists),

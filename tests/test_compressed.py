@@ -229,7 +229,10 @@ def test_corrupt_chunk(convs, tmp_path):
 
 def test_truncated_chunk_index(convs, tmp_path):
     out = _copy_z(convs, tmp_path)
+    compress_file(convs["none"][0] / REL, out / REL, chunk=4096)  # small chunks: an index of more than 3 entries
+    _restat(out, REL)
     lay = read_header(out / REL).compressed
+    assert lay.n_chunks > 4
     cut = lay.index_at + 3 * comp_mod.ENTRY.size + 5  # three whole entries survive
     (out / REL).write_bytes((out / REL).read_bytes()[:cut])
     assert "truncated" in one_line(lambda: load_all(out))  # size differs from kconvert.json

@@ -45,13 +45,22 @@ def choose_group(sample: np.ndarray, itemsize: int, level: int) -> int:
     return itemsize if len(c.compress(group_bytes(sample, itemsize))) <= len(c.compress(sample)) else 1
 
 
+SMALL = 64 << 10  # a segment this short joins the chunk before it, under that chunk's grouping
+
+
 def plan_chunks(segments: list[tuple[int, int, int]], chunk: int) -> list[tuple[int, int, int]]:
     """(start, end, group) segments covering the file -> (offset, length, group) chunks of at most `chunk`
-    bytes; small neighbouring segments of the same grouping share a chunk."""
+    bytes; small neighbouring segments of the same grouping share a chunk, and a segment under SMALL bytes joins
+    the chunk before it whatever its grouping (when its length is a whole number of that chunk's groups): an FP8
+    weight's float32 scales, or a rank's thousands of small experts, are not a chunk each (at 65k tensors in a
+    rank's files that was 65k compression calls and pool tasks; the few bytes lose little of their grouping)."""
     chunk -= chunk % 8
     out: list[list[int]] = []
     for start, end, g in segments:
         pos = start
+        if out and end - start < SMALL and out[-1][1] + end - start <= chunk and (end - start) % out[-1][2] == 0:
+            out[-1][1] += end - start
+            continue
         while pos < end:
             if out and out[-1][2] == g and out[-1][1] < chunk:
                 take = min(end - pos, chunk - out[-1][1])

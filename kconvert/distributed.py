@@ -14,7 +14,6 @@ import datetime
 import os
 from dataclasses import dataclass, field, replace
 
-from kconvert import devices
 from kconvert.errors import EngineError
 
 # How long a collective may wait. Not torch's 30 minutes: a conversion's barrier waits while another rank
@@ -106,6 +105,8 @@ class Group:
             return cls()
         import torch
         import torch.distributed as dist
+
+        from kconvert import devices  # (torch's: a process that never joins a group, as pack, never imports it)
 
         if not dist.is_initialized():
             dev = torch.device(device)

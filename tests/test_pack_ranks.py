@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,7 @@ from helpers import assert_one_line_error, cli_here
 from kconvert.convert.pack import pack
 
 RANK1 = "rank-001/layer-0001.safetensors"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -84,3 +88,19 @@ def test_a_damaged_file_names_the_rank_commands_and_a_rank_out_of_range_is_refus
     assert not (tp2 / ".kconvert").exists()
     assert_one_line_error(cli_here("pack", tp2, "--rank", "2"), "--rank 2", "ranks 0..1", "kconvert.json")
     assert_one_line_error(cli_here("unpack", tp2, "--rank", "5"), "--rank 5", "ranks 0..1")
+
+
+def test_pack_and_unpack_never_import_torch(tp2):
+    """A node packing its share pays no torch import (a second of CPU: most of `pack --rank 1` at K2.5's topology)."""
+    code = f"""
+import contextlib, io, json, sys
+import cli.main
+codes = []
+for op in ("pack", "unpack"):
+    with contextlib.redirect_stdout(io.StringIO()):
+        codes.append(cli.main.main([op, {str(tp2)!r}, "--rank", "1"]))
+print(json.dumps({{"codes": codes, "torch": "torch" in sys.modules}}))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == {"codes": [0, 0], "torch": False}

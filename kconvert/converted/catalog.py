@@ -169,6 +169,14 @@ class Catalog:
             self._lists[rank] = rank_tensors.read_list(self.root, rank, entry, self.files)
         return self._lists[rank]
 
+    def rank_rows(self, rank: int) -> list:
+        """One rank's tensors as rows (rank_tensors.COLUMNS), checked as `rank_tensors` checks them, without a
+        record a tensor: the loader's read of its own list."""
+        if "tensors" in self.doc or rank in self._lists:
+            return list(map(rank_tensors.ROW, self.rank_tensors(rank)))
+        entry = self.doc["tensors_by_rank"][rank]
+        return rank_tensors.read_rows(self.root, rank, entry, self.files)
+
     def rank_files(self, rank: int) -> dict[str, dict]:
         return {rel: rec for rel, rec in self.files.items() if rec["rank"] == rank}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import stat
 import zlib
 from itertools import chain
+from operator import attrgetter, itemgetter
 from pathlib import Path
 
 from kconvert.errors import ChecksumMismatch, CheckpointError, FormatError, MissingFileError, UsageError
@@ -14,6 +15,7 @@ from kconvert.io.regular import kind_of
 from kconvert.io.safetensors_read import read_entry_bytes, read_header
 from kconvert.converted.catalog import MANIFEST, Catalog
 from kconvert.converted.journal import check_not_mid_pack
+from kconvert.converted.rank_tensors import COLUMNS
 
 CHUNK = 16 * 1024 * 1024
 
@@ -73,6 +75,22 @@ def check_listed(path: Path, header, records: list[dict], error: type[Checkpoint
     if len(header.tensors) != len(names):
         extra = next(n for n in header.tensors if n not in names)
         raise error("in the shard but not in its rank's tensor list", file=str(path), tensor=extra)
+
+
+def check_rows(path: Path, header, rows: list, error: type[CheckpointError] = CheckpointError) -> None:
+    """check_listed over rows of a rank list (Catalog.rank_rows: the loader's, no record a tensor), a column at a
+    time; a file they do not all describe is walked by check_listed, which names the tensor."""
+    names = list(map(_NAME, rows))
+    entries = list(map(header.tensors.get, names))
+    if len(set(names)) == len(names) == len(header.tensors) and None not in entries \
+            and list(map(_E_DTYPE, entries)) == list(map(_DTYPE, rows)) \
+            and list(map(list, map(_E_SHAPE, entries))) == list(map(list, map(_SHAPE, rows))):
+        return
+    check_listed(path, header, [dict(zip(COLUMNS, row)) for row in rows], error)
+
+
+_NAME, _DTYPE, _SHAPE = (itemgetter(COLUMNS.index(c)) for c in ("name", "dtype", "shape"))  # of a row
+_E_DTYPE, _E_SHAPE = attrgetter("dtype"), attrgetter("shape")  # of a header entry
 
 
 def check_headers(out: Path, cat: Catalog) -> None:

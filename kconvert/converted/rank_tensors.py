@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from itertools import chain
 from operator import itemgetter
 from pathlib import Path
 
@@ -31,7 +32,7 @@ FORMAT = "kconvert-rank-tensors"
 _CRC = re.compile(r"[0-9a-f]{8}")
 _INT = {int}  # every size an int itself (a bool is an int subclass, and equals 1 in a key)
 COLUMNS = ("name", "unit", "group", "component", "expert", "rule", "slice", "transform", "dtype", "shape", "crc32")
-_ROW = itemgetter(*COLUMNS)  # a record as its row (a tuple: JSON writes it as the list it was)
+ROW = itemgetter(*COLUMNS)  # a record as its row (a tuple: JSON writes it as the list it was)
 RECORD_KEYS = ("name", "file", "rank", "layer", "unit", "group", "component", "expert", "rule", "slice", "transform",
                "dtype", "shape", "crc32")  # a full record, as version 3 stored it
 
@@ -54,7 +55,7 @@ def split_by_rank(records: list[dict], world_size: int) -> list[list[dict]]:
 
 def write_lists(out: Path, records: list[dict], world_size: int) -> list[dict]:
     """Every rank's list from full records (kconvert.json version 3's form)."""
-    return write_rows(out, [list(map(_ROW, mine)) for mine in split_by_rank(records, world_size)])
+    return write_rows(out, [list(map(ROW, mine)) for mine in split_by_rank(records, world_size)])
 
 
 def write_rows(out: Path, rows_by_rank: list[list]) -> list[dict]:
@@ -70,6 +71,26 @@ def write_rows(out: Path, rows_by_rank: list[list]) -> list[dict]:
 def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict]) -> list[dict]:
     """Rank `rank`'s full tensor records, after checking the list's sha256 (kconvert.json's record `entry`)
     and every row (`check_record`)."""
+    with paused_gc():  # up to 100k+ records: io/gc_pause.py
+        rows, bad = _rows_of(out, rank, entry)
+        places: dict = {}  # unit -> (file, layer): a few dozen units for 100k+ rows
+        seen: set = set()  # what `check` has found valid already
+        return [_record(rank, i, row, files, bad, places, seen) for i, row in enumerate(rows)]
+
+
+def read_rows(out: Path, rank: int, entry: dict, files: dict[str, dict]) -> list[list]:
+    """Rank `rank`'s rows (COLUMNS) as the list holds them, checked as `read_list` checks them, a column at a time:
+    what the loader needs (a name, dtype and shape a tensor) without a record built per tensor. A list that fails
+    a check is walked row by row, which names the first bad row as `read_list` does."""
+    with paused_gc():
+        rows, bad = _rows_of(out, rank, entry)
+        if not _rows_pass(rank, rows, files):
+            return list(map(ROW, (_record(rank, i, row, files, bad, {}, set()) for i, row in enumerate(rows))))
+        return rows
+
+
+def _rows_of(out: Path, rank: int, entry: dict) -> tuple[list, object]:
+    """The list's rows after its sha256 and form are checked, and the `bad(field, why)` that names its file."""
     path = contained(out, entry["file"], named_in=Path(out) / "kconvert.json")
 
     def bad(field: str, why: str):
@@ -83,19 +104,45 @@ def read_list(out: Path, rank: int, entry: dict, files: dict[str, dict]) -> list
     if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
         raise CheckpointError(f"rank {rank}'s tensor list was changed after kconvert.json was written (its sha256 "
                               "does not match kconvert.json's tensors_by_rank): convert again", file=str(path))
-    with paused_gc():  # up to 100k+ records: io/gc_pause.py
-        try:
-            doc = json.loads(raw)
-        except RecursionError:  # shallower nesting fails the row checks below
-            raise CheckpointError(f"rank {rank}'s tensor list is JSON nested too deep", file=str(path)) from None
-        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, a number past Python's digit limit
-            raise CheckpointError(f"rank {rank}'s tensor list is not valid JSON ({_short(e)})", file=str(path)) from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("rank") != rank \
-                or doc.get("columns") != list(COLUMNS) or not isinstance(doc.get("tensors"), list):
-            bad("format", f"not rank {rank}'s {FORMAT} list with columns {', '.join(COLUMNS)}")
-        places: dict = {}  # unit -> (file, layer): a few dozen units for 100k+ rows
-        seen: set = set()  # what `check` has found valid already
-        return [_record(rank, i, row, files, bad, places, seen) for i, row in enumerate(doc["tensors"])]
+    try:
+        doc = json.loads(raw)
+    except RecursionError:  # shallower nesting fails the row checks below
+        raise CheckpointError(f"rank {rank}'s tensor list is JSON nested too deep", file=str(path)) from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, a number past Python's digit limit
+        raise CheckpointError(f"rank {rank}'s tensor list is not valid JSON ({_short(e)})", file=str(path)) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("rank") != rank \
+            or doc.get("columns") != list(COLUMNS) or not isinstance(doc.get("tensors"), list):
+        bad("format", f"not rank {rank}'s {FORMAT} list with columns {', '.join(COLUMNS)}")
+    return doc["tensors"], bad
+
+
+def _rows_pass(rank: int, rows: list, files: dict[str, dict]) -> bool:
+    """Whether every row passes what `_record` checks of it, found a column at a time (each distinct shape, slice
+    and unit once)."""
+    if not rows:
+        return True
+    try:
+        if set(map(type, rows)) != {list} or set(map(len, rows)) != {len(COLUMNS)}:
+            return False
+        names, units, _, _, _, _, slices, _, dtypes, shapes, crcs = zip(*rows)
+        if set(map(type, names)) != {str} or set(map(type, crcs)) != {str} or not all(map(_CRC.fullmatch, crcs)) \
+                or not set(dtypes) <= ITEMSIZE.keys() or set(map(type, shapes)) != {list} \
+                or not set(map(type, slices)) <= {list, type(None)} or set(map(type, units)) != {str}:
+            return False
+        cuts = [sl for sl in slices if sl is not None]
+        # every size an int itself, each row's own (a set of shapes would keep [1, 2] for a later [true, 2])
+        if not _INT.issuperset(map(type, chain.from_iterable(shapes))) \
+                or not _INT.issuperset(map(type, chain.from_iterable(cuts))) or set(map(len, cuts)) - {3}:
+            return False
+        if min(map(min, filter(None, set(map(tuple, shapes)))), default=0) < 0:
+            return False
+        for unit in set(units):
+            unit_layer(unit)
+            if unit_file(rank, unit) not in files:
+                return False
+    except (TypeError, ValueError):  # an unhashable dtype, shape member or slice; a unit that names no unit
+        return False
+    return True
 
 
 def _short(e: Exception) -> str:
@@ -186,4 +233,4 @@ def check_index(index, world_size: int, bad) -> None:
             bad(f"tensors_by_rank[{r}]", f"not a {{file: {list_file(r)!r}, tensors, sha256}} record")
 
 
-__all__ = ["COLUMNS", "check_index", "check_record", "list_file", "read_list", "write_lists"]
+__all__ = ["COLUMNS", "check_index", "check_record", "list_file", "read_list", "read_rows", "write_lists"]

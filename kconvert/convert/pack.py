@@ -25,7 +25,7 @@ from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.safetensors_read import read_header
 from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import by_file, check_listed, check_size, file_crc32, first_bad_tensor
+from kconvert.converted.integrity import by_file, check_rows, check_size, file_crc32, first_bad_tensor
 from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE, rank_flags
 from kconvert.converted.units import MANIFEST
 from kconvert.convert.run import PackFigures, Run, RunResult
@@ -172,12 +172,12 @@ def _pack_names(result: RunResult) -> RunResult:
 
 
 def _convert_one(out: Path, rel: str, rec: dict, cat: Catalog, op: str, level: int | None, threads: int,
-                 advance, listed: list[dict]) -> dict | None:
+                 advance, listed: list) -> dict | None:
     path = cat.path_of(out, rel)
     if not path.is_file():
         check_size(path, rec)  # names the missing file
     header = read_header(path)
-    check_listed(path, header, listed)  # rows that do not describe the file: damage, as a bad CRC is
+    check_rows(path, header, listed)  # rows that do not describe the file: damage, as a bad CRC is
     try:
         if op == "pack":
             if header.compressed is not None:  # renamed into place by a run killed before it journalled the file

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import stat
 import zlib
-from itertools import chain
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
 from kconvert.errors import ChecksumMismatch, CheckpointError, FormatError, MissingFileError, UsageError
+from kconvert.io.gc_pause import frozen_gc, paused_gc
 from kconvert.io.pread import read_bytes
 from kconvert.io.regular import kind_of
 from kconvert.io.safetensors_read import read_entry_bytes, read_header
 from kconvert.converted.catalog import MANIFEST, Catalog
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.converted.rank_tensors import COLUMNS
+from kconvert.converted.units import unit_file
 
 CHUNK = 16 * 1024 * 1024
 
@@ -47,13 +48,14 @@ def check_size(path: Path, rec: dict, error: type[CheckpointError] = CheckpointE
     return size
 
 
-def by_file(cat: Catalog, ranks: list[int] | None = None) -> dict[str, list[dict]]:
-    """Every file's tensor records (one pass over the rank lists, not one per file); `ranks`: only those ranks'
-    files, reading only their lists."""
+def by_file(cat: Catalog, ranks: list[int] | None = None) -> dict[str, list]:
+    """Every file's tensor rows (rank_tensors.COLUMNS, for check_rows; one pass over the rank lists, not one per
+    file); `ranks`: only those ranks' files, reading only their lists."""
     files = cat.files if ranks is None else [rel for rel, rec in cat.files.items() if rec["rank"] in ranks]
-    out: dict[str, list[dict]] = {rel: [] for rel in files}
-    for t in cat.tensors if ranks is None else chain.from_iterable(map(cat.rank_tensors, sorted(set(ranks)))):
-        out.setdefault(t["file"], []).append(t)
+    out: dict[str, list] = {rel: [] for rel in files}
+    for rank in range(cat.world_size) if ranks is None else sorted(set(ranks)):
+        for row in cat.rank_rows(rank):
+            out.setdefault(unit_file(rank, row[_UNIT]), []).append(row)
     return out
 
 
@@ -90,6 +92,7 @@ def check_rows(path: Path, header, rows: list, error: type[CheckpointError] = Ch
 
 
 _NAME, _DTYPE, _SHAPE = (itemgetter(COLUMNS.index(c)) for c in ("name", "dtype", "shape"))  # of a row
+_UNIT = COLUMNS.index("unit")
 _E_DTYPE, _E_SHAPE = attrgetter("dtype"), attrgetter("shape")  # of a header entry
 
 
@@ -99,7 +102,7 @@ def check_headers(out: Path, cat: Catalog) -> None:
     for rel, rec in cat.files.items():
         path = cat.path_of(out, rel)
         check_size(path, rec)
-        check_listed(path, read_header(path), listed[rel])
+        check_rows(path, read_header(path), listed[rel])
 
 
 def verify_files(out: str | Path, progress=None, ranks: list[int] | None = None) -> dict:
@@ -112,13 +115,19 @@ def verify_files(out: str | Path, progress=None, ranks: list[int] | None = None)
     for r in ranks or ():
         if not 0 <= r < cat.world_size:
             raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}", file=str(out / MANIFEST))
-    listed = by_file(cat, ranks)  # the tensor lists read, each against its sha256 in kconvert.json
+    with paused_gc():
+        listed = by_file(cat, ranks)  # the tensor lists read, each against its sha256 in kconvert.json
+    with frozen_gc():  # their rows (500k+ at Kimi K3's topology) out of the walks of the collections reading makes
+        return _verify_listed(out, cat, listed, progress)
+
+
+def _verify_listed(out: Path, cat: Catalog, listed: dict[str, list], progress) -> dict:
     total = 0
     for rel in listed:
         rec = cat.files[rel]
         path = cat.path_of(out, rel)
         size = check_size(path, rec)
-        check_listed(path, read_header(path), listed[rel])
+        check_rows(path, read_header(path), listed[rel])
         if rec.get("stored"):  # compressed: the CRC-32 is of the plain bytes it decompresses to
             comp = read_header(path).compressed
             if comp is None:

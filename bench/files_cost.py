@@ -1,6 +1,6 @@
 """The filesystem's own CPU cost of a conversion's files, replayed beside it (bench only, not CI): what
-metadata_bench.py's shard rows say of their overhead that is neither data nor kconvert's Python. On this machine's
-disk creating a file took from 17 to 600 µs of CPU, from one minute to the next."""
+metadata_bench.py's shard rows say of their overhead that is neither data nor kconvert's Python (on this session's
+machine it moved between runs: 339 to 737 µs of CPU a file)."""
 
 from __future__ import annotations
 

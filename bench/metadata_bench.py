@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     r = kconvert("pack", fp8, "--rank", "1", "--json")  # then back: the directory stays as shard wrote it
     back = kconvert("unpack", fp8, "--rank", "1", "--json")
     row("pack --rank 1 (fp8)", r, n_out // a.tp, r["rss"],
-        f"{json.loads(r['stdout'])['files']} of {len(files)} files compressed, {rep['bytes'] / 2**20:.1f} MiB; "
+        f"{json.loads(r['stdout'])['files']} of {len(files)} files compressed, {rep['bytes'] / 2**20:.1f} MiB to "
+        f"{json.loads(r['stdout'])['stored_bytes'] / 1e6:.1f} MB; "
         f"unpack --rank 1 {back['cpu'] - startup['cpu']:.2f} s CPU beyond start-up")
     lists = sorted(fp8.glob("rank-*/tensors.json"))
     sizes = {"kconvert.json": (fp8 / "kconvert.json").stat().st_size,

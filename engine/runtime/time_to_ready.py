@@ -22,6 +22,9 @@ from kconvert.load.loader import open_converted
 Progress = Callable[..., None]  # progress("phase", name=) / ("start", total=bytes) / ("advance", n=bytes) / ("file", path=unit)
 
 
+# torch's and the CLI's objects, alive before the load, out of the walks of the collections its tensors and views
+# make: at Kimi K3's topology (65k tensors a rank) those walks were a third of the time to ready
+@frozen_gc()
 def load_rank(out, *, rank: int | None = None, stage: int | None = None, tp_rank: int | None = None,
               world_size: int | None = None, device: str = "auto", verify: bool = False, prefetch: int = 2,
               threads: int = 4, warmup: int = 0, kv_dtype: str | None = None, kv_budget: str | None = None,
@@ -30,15 +33,7 @@ def load_rank(out, *, rank: int | None = None, stage: int | None = None, tp_rank
     tensors, seconds: {start_ranks, open, load, read, verify, copy, warmup, ready}, GBps, peak_host_rss_bytes,
     peak_device_bytes, verified, kv}. With warmup > 0 the rank is the launched process's (RANK), not `rank`, and
     `start_ranks` is the wait for every rank to join (their start-up), apart from `open`."""
-    # torch's and the CLI's objects, alive before the load, out of the walks of the collections its tensors and
-    # views make: at Kimi K3's topology (65k tensors a rank) those walks were a third of the time to ready
-    with frozen_gc():
-        return _load_rank(out, rank, stage, tp_rank, world_size, device, verify, prefetch, threads, warmup, kv_dtype,
-                          kv_budget, kv_device_budget, progress or (lambda *a, **k: None))
-
-
-def _load_rank(out, rank, stage, tp_rank, world_size, device, verify, prefetch, threads, warmup, kv_dtype, kv_budget,
-               kv_device_budget, progress: Progress) -> dict:
+    progress = progress or (lambda *a, **k: None)
     t0 = time.perf_counter()
     dev = devices.resolve(device)
     if dev.type != "cpu" and "LOCAL_RANK" in os.environ:  # one accelerator per torchrun process

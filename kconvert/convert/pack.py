@@ -23,11 +23,9 @@ from kconvert.io.atomic import fsync_dir, write_atomic
 from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.safetensors_read import read_header
-from kconvert.io.side_files import MAX_CONFIG, read_json
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import by_file, check_rows, check_size, file_crc32, first_bad_tensor
-from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE, rank_flags
-from kconvert.converted.units import MANIFEST
+from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE, pack_state, rank_flags
 from kconvert.convert.run import PackFigures, Run, RunResult
 
 LOG = "pack-done.jsonl"
@@ -50,9 +48,6 @@ def _convert(out: Path, op: str, level: int | None, threads: int | None, progres
     threads = threads or min(8, os.cpu_count() or 1)
     cat = Catalog.read(out)
     ranks = sorted(set(ranks)) if ranks else None
-    for r in ranks or ():
-        if not 0 <= r < cat.world_size:
-            raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}", file=str(out / MANIFEST))
     # the tensor lists of every rank converted, each checked against its sha256 before kconvert.json is rewritten
     # over them (another rank's list is not read: a node packs its own share, and its list stays as it was)
     listed = by_file(cat, ranks)
@@ -120,16 +115,10 @@ def _resumed(out: Path, state: Path, op: str, ranks: list[int] | None, level: in
     """The level of the unfinished run `state` records, when it is this one (the same op over the same ranks: a
     resume); else a UsageError naming the command that finishes it. Two nodes packing their own ranks of one shared
     directory at once: the second is told to wait for the first, not let to rewrite kconvert.json beside it."""
-    try:
-        prev = read_json(state, limit=MAX_CONFIG)
-    except (OSError, KConvertError):
-        prev = {"op": op}
-    prev = prev if isinstance(prev, dict) else {"op": op}
-    prev_ranks = prev.get("ranks")
-    prev_ranks = prev_ranks if isinstance(prev_ranks, list) and all(type(r) is int for r in prev_ranks) else None
-    if prev.get("op") != op or prev_ranks != ranks:
-        raise UsageError(f"an unfinished `kconvert {prev.get('op')}{rank_flags(prev_ranks)}` is converting this "
-                         f"directory; re-run `{_command(prev.get('op'), out, prev_ranks)}` first", file=str(out))
+    prev_op, prev_ranks, prev = pack_state(state, op)
+    if prev_op != op or prev_ranks != ranks:
+        raise UsageError(f"an unfinished `kconvert {prev_op}{rank_flags(prev_ranks)}` is converting this "
+                         f"directory; re-run `{_command(prev_op, out, prev_ranks)}` first", file=str(out))
     return prev.get("level", level)
 
 

@@ -50,7 +50,11 @@ def check_size(path: Path, rec: dict, error: type[CheckpointError] = CheckpointE
 
 def by_file(cat: Catalog, ranks: list[int] | None = None) -> dict[str, list]:
     """Every file's tensor rows (rank_tensors.COLUMNS, for check_rows; one pass over the rank lists, not one per
-    file); `ranks`: only those ranks' files, reading only their lists."""
+    file); `ranks`: only those ranks' files, reading only their lists (a rank out of range: a UsageError)."""
+    for r in ranks or ():
+        if not 0 <= r < cat.world_size:
+            raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}",
+                             file=str(Path(cat.root or ".") / MANIFEST))
     files = cat.files if ranks is None else [rel for rel, rec in cat.files.items() if rec["rank"] in ranks]
     out: dict[str, list] = {rel: [] for rel in files}
     for rank in range(cat.world_size) if ranks is None else sorted(set(ranks)):
@@ -112,9 +116,6 @@ def verify_files(out: str | Path, progress=None, ranks: list[int] | None = None)
     out = Path(out)
     cat = Catalog.read(out)
     check_not_mid_pack(out)
-    for r in ranks or ():
-        if not 0 <= r < cat.world_size:
-            raise UsageError(f"--rank {r}: this conversion has ranks 0..{cat.world_size - 1}", file=str(out / MANIFEST))
     with paused_gc():
         listed = by_file(cat, ranks)  # the tensor lists read, each against its sha256 in kconvert.json
     with frozen_gc():  # their rows (500k+ at Kimi K3's topology) out of the walks of the collections reading makes

@@ -111,15 +111,23 @@ def _plain(value) -> bool:
 def check_not_mid_pack(out: Path) -> None:
     state = Path(out) / JOURNAL_DIR / PACK_STATE
     if state.exists():
-        try:
-            record = read_json(state, limit=MAX_CONFIG)
-            op, ranks = record.get("op", "pack"), record.get("ranks")
-        except (OSError, KConvertError, AttributeError):
-            op, ranks = "pack", None
+        op, ranks, _ = pack_state(state)
         op = op if op in ("pack", "unpack") else "pack"
-        flags = rank_flags(ranks if isinstance(ranks, list) and all(type(r) is int for r in ranks) else None)
+        flags = rank_flags(ranks)
         raise CheckpointError(f"an unfinished `kconvert {op}{flags}` is converting this directory; re-run "
                               f"`kconvert {op} {out}{flags}` to finish it first", file=str(out))
+
+
+def pack_state(state: Path, op: str = "pack") -> tuple[object, list[int] | None, dict]:
+    """What an unfinished pack / unpack's state file (PACK_STATE) records: (its op, `op` where it says none or cannot be
+    read; its ranks, None for every rank or a value that is no list of ints; the record itself, {} if unreadable)."""
+    try:
+        record = read_json(state, limit=MAX_CONFIG)
+    except (OSError, KConvertError):
+        record = {}
+    record = record if isinstance(record, dict) else {}
+    ranks = record.get("ranks")
+    return record.get("op", op), ranks if isinstance(ranks, list) and all(type(r) is int for r in ranks) else None, record
 
 
 def rank_flags(ranks: list[int] | None) -> str:

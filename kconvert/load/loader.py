@@ -31,8 +31,7 @@ import torch
 
 from kconvert import devices
 from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import check_rows, check_size
-from kconvert.converted.rank_tensors import COLUMNS
+from kconvert.converted.integrity import by_file, check_rows, check_size
 from kconvert.load.first_load import mark_checked, needs_crc
 from kconvert.converted.journal import check_not_mid_pack
 from kconvert.converted.ranks import resolve_rank
@@ -42,8 +41,6 @@ from kconvert.io.regular import open_regular, regular_fd
 from kconvert.load.views import tensor_views
 from kconvert.io.safetensors_read import SafetensorsHeader, read_header
 from kconvert.io.window import ordered_window
-
-_UNIT = COLUMNS.index("unit")  # of a rank list's row
 
 CHUNK = 8 * 1024 * 1024
 
@@ -75,9 +72,7 @@ class ConvertedCheckpoint:
         by_unit = {r["unit"]: f for f, r in self.files.items()}
         self.units: list[str] = [u for u in catalog.units if u in by_unit]
         self._file_of = by_unit
-        self._rows: dict[str, list] = {}  # unit -> its tensors' rows (rank_tensors.COLUMNS; a unit is one file)
-        for row in catalog.rank_rows(rank):  # this rank's list only (kconvert.json version 4: its own file)
-            self._rows.setdefault(row[_UNIT], []).append(row)
+        self._rows = by_file(catalog, [rank])  # file -> its rows: this rank's list only (version 4: its own file)
         self.stats = LoadStats()
 
     @property
@@ -96,7 +91,7 @@ class ConvertedCheckpoint:
         if (header.compressed is not None) != bool(rec.get("stored")):
             raise LoaderError("shard is " + ("compressed" if header.compressed is not None else "plain") +
                               " but kconvert.json records otherwise", file=str(path))
-        check_rows(path, header, self._rows.get(rec["unit"], []), LoaderError)
+        check_rows(path, header, self._rows[rel], LoaderError)
         return header
 
     def _read_into(self, path: Path, buf: memoryview, size: int, pool: ThreadPoolExecutor) -> None:

@@ -21,6 +21,7 @@ from helpers import ROOT, assert_one_line_error, cli_here
 ALLOWED = {
     "kconvert/io/regular.py": "the reader itself",
     "kconvert/io/atomic.py": "opens a directory to fsync it (no data read)",
+    "kconvert/io/dir_lock.py": "opens a directory to lock it (no data read)",
     "kconvert/host_memory.py": "/proc/meminfo and /proc/self/status",
     "kconvert/fixtures/kernels.py": "/proc/cpuinfo's flags, before torch is imported",
     "kconvert/distributed.py": "/proc/PID/stat",

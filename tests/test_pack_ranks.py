@@ -104,3 +104,22 @@ print(json.dumps({{"codes": codes, "torch": "torch" in sys.modules}}))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[-1]) == {"codes": [0, 0], "torch": False}
+
+
+def test_a_second_pack_of_the_same_directory_is_refused_while_the_first_runs(tp2):
+    """Two shells packing the same rank at once would convert the same files side by side and rewrite kconvert.json
+    under each other: the second is refused in one line, and nothing is touched; once the first ends, it runs."""
+    holder = subprocess.Popen(  # another kconvert's hold on the directory, as pack takes it
+        [sys.executable, "-c", "import sys; from kconvert.io.dir_lock import held\n"
+         f"with held(__import__('pathlib').Path({str(tp2)!r}), 'busy'):\n print('held', flush=True); sys.stdin.read()"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = _snapshot(tp2)
+        for args in (["pack", tp2, "--rank", "1"], ["unpack", tp2]):
+            assert_one_line_error(cli_here(*args), "another `kconvert pack` or `unpack` is converting", str(tp2))
+        assert _snapshot(tp2) == before
+    finally:
+        holder.communicate("")
+    assert holder.returncode == 0
+    assert cli_here("pack", tp2, "--rank", "1").returncode == 0

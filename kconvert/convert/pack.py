@@ -22,6 +22,7 @@ from kconvert.errors import CheckpointError, ChecksumMismatch, KConvertError, Us
 from kconvert.io.atomic import fsync_dir, write_atomic
 from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
+from kconvert.io.dir_lock import held
 from kconvert.io.safetensors_read import read_header
 from kconvert.converted.catalog import Catalog
 from kconvert.converted.integrity import by_file, check_rows, check_size, file_crc32, first_bad_tensor
@@ -43,6 +44,16 @@ def unpack(out: str | Path, *, threads: int | None = None, progress=None, ranks:
 
 
 def _convert(out: Path, op: str, level: int | None, threads: int | None, progress, ranks: list[int] | None) -> RunResult:
+    if not out.is_dir():
+        Catalog.read(out)  # names what is missing
+    # one pack or unpack at a time on a directory, whichever ranks: a second one (another shell, the same node's
+    # job started twice) would convert the same files beside it and rewrite kconvert.json under it
+    with held(out, "another `kconvert pack` or `unpack` is converting this directory now; wait for it to end"):
+        return _convert_held(out, op, level, threads, progress, ranks)
+
+
+def _convert_held(out: Path, op: str, level: int | None, threads: int | None, progress,
+                  ranks: list[int] | None) -> RunResult:
     run = Run(out, progress, logs=LOG, details=PackFigures(op))
     result = run.result
     threads = threads or min(8, os.cpu_count() or 1)

@@ -6,7 +6,8 @@ widths) it times, each as its own `kconvert` process as a user runs it:
   json floor     `json.loads` of every header (a plain Python process; least of the rounds): the least any reader can do
   read_header    kconvert's header reader (parse + every check) on the same files, in this process
   safetensors    safetensors' `safe_open` + keys + every shape: the library's own listing
-  inspect, plan --tp T --quant fp8, shard --tp T (none, fp8), verify-files (all, then --rank 1), load --rank 1
+  inspect, plan --tp T --quant fp8, shard --tp T (none; fp4, a copy of the experts' bytes, where the source stores
+  them in FP4; fp8), verify-files (all, then --rank 1), load --rank 1
   (time to ready), pack --rank 1 (then unpack --rank 1: the directory as shard wrote it)
 and prints wall seconds, seconds beyond start-up, microseconds per tensor and each command's own peak RSS (started
 through bench/_cli.measured: not this process's, which built the fixtures), plus the size of kconvert.json and of
@@ -129,6 +130,16 @@ print(seconds, n)
 """
 
 
+def shard_quants(src: Path) -> tuple[str, ...]:
+    """none and fp8 for every source; fp4 between them where the source stores its experts in FP4 (Kimi K3's MXFP4,
+    DeepSeek-V4's e2m1): there `--quant fp4` copies their bytes, the cheapest conversion a user runs."""
+    from kconvert.plan.device_presets import source_format
+
+    config = json.loads((src / "config.json").read_text())
+    own = source_format(config.get("text_config") or config, config)
+    return ("none", "fp4", "fp8") if own == "fp4" else ("none", "fp8")
+
+
 def json_floor(src: Path) -> tuple[float, int]:
     """json.loads of every header, the raw bytes already read, in a plain Python process of its own (in this one,
     torch's and the fixtures' objects would make every collection the parse triggers dearer): (CPU s, tensors)."""
@@ -214,7 +225,7 @@ def main(argv=None) -> int:
         f"best of {a.rounds}; {(r['cpu'] - startup['cpu']) / floor:.2f}x the floor; "
         f"peak RSS {r['rss'] / header_json:.1f}x the headers' JSON")
     out = {}
-    for quant in ("none", "fp8"):
+    for quant in shard_quants(src):
         out[quant] = a.work / f"{src.name}-tp{a.tp}-{quant}"
         rounds = [shard_round(ROOT, quant, a.tp, (src, fixed_src, big), out[quant], startup["cpu"], source_bytes / big_bytes)
                   for _ in range(a.rounds)]

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from kconvert.errors import CheckpointError, ChecksumMismatch, KConvertError, UsageError
-from kconvert.io.atomic import fsync_dir, write_atomic
+from kconvert.io.atomic import fsync_dir, write_error
 from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.dir_lock import held
@@ -137,11 +137,16 @@ def _claim(state: Path, record: dict) -> bool:
     """Write the run's state file, durable, unless one is there already (another process's): False then. Linked into
     place from a temporary, so it is either absent or whole, and only one of two processes starting at once gets it."""
     tmp = state.with_name(f".{state.name}.tmp-{os.getpid()}")
-    write_atomic(tmp, json.dumps(record).encode())
     try:
+        with open(tmp, "wb") as f:  # private to this process until linked: written and fsynced in place
+            f.write(json.dumps(record).encode())
+            f.flush()
+            os.fsync(f.fileno())
         os.link(tmp, state)
     except FileExistsError:
         return False
+    except OSError as e:
+        raise write_error(e, state) from None
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(state.parent)

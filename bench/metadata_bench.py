@@ -133,10 +133,11 @@ print(seconds, n)
 def shard_quants(src: Path) -> tuple[str, ...]:
     """none and fp8 for every source; fp4 between them where the source stores its experts in FP4 (Kimi K3's MXFP4,
     DeepSeek-V4's e2m1): there `--quant fp4` copies their bytes, the cheapest conversion a user runs."""
+    from kconvert.family.manifest import bind
     from kconvert.plan.device_presets import source_format
 
     config = json.loads((src / "config.json").read_text())
-    own = source_format(config.get("text_config") or config, config)
+    own = source_format(bind(config).text_config, config)  # the family's manifest says where its text config is
     return ("none", "fp4", "fp8") if own == "fp4" else ("none", "fp8")
 
 
@@ -262,9 +263,10 @@ def main(argv=None) -> int:
         f"vs torch's import {torch_import:.2f} s + 0.5 s + the read = {budget:.2f} s")
     r = kconvert("pack", fp8, "--rank", "1", "--json")  # then back: the directory stays as shard wrote it
     back = kconvert("unpack", fp8, "--rank", "1", "--json")
+    packed = json.loads(r["stdout"])
     row("pack --rank 1 (fp8)", r, n_out // a.tp, r["rss"],
-        f"{json.loads(r['stdout'])['files']} of {len(files)} files compressed, {rep['bytes'] / 2**20:.1f} MiB to "
-        f"{json.loads(r['stdout'])['stored_bytes'] / 1e6:.1f} MB; "
+        f"{packed['files']} of {len(files)} files compressed, {rep['bytes'] / 2**20:.1f} MiB to "
+        f"{packed['stored_bytes'] / 1e6:.1f} MB; "
         f"unpack --rank 1 {back['cpu'] - startup['cpu']:.2f} s CPU beyond start-up")
     lists = sorted(fp8.glob("rank-*/tensors.json"))
     sizes = {"kconvert.json": (fp8 / "kconvert.json").stat().st_size,

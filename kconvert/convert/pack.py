@@ -44,8 +44,6 @@ def unpack(out: str | Path, *, threads: int | None = None, progress=None, ranks:
 
 
 def _convert(out: Path, op: str, level: int | None, threads: int | None, progress, ranks: list[int] | None) -> RunResult:
-    if not out.is_dir():
-        Catalog.read(out)  # names what is missing
     # one pack or unpack at a time on a directory, whichever ranks: a second one (another shell, the same node's
     # job started twice) would convert the same files beside it and rewrite kconvert.json under it
     with held(out, "another `kconvert pack` or `unpack` is converting this directory now; wait for it to end"):

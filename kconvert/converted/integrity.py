@@ -128,9 +128,10 @@ def _verify_listed(out: Path, cat: Catalog, listed: dict[str, list], progress) -
         rec = cat.files[rel]
         path = cat.path_of(out, rel)
         size = check_size(path, rec)
-        check_rows(path, read_header(path), listed[rel])
+        header = read_header(path)
+        check_rows(path, header, listed[rel])
         if rec.get("stored"):  # compressed: the CRC-32 is of the plain bytes it decompresses to
-            comp = read_header(path).compressed
+            comp = header.compressed
             if comp is None:
                 raise CheckpointError("kconvert.json records a compressed shard but the file is plain", file=str(path))
             crc = comp.crc32()

@@ -16,8 +16,13 @@ from kconvert.errors import UsageError
 
 @contextlib.contextmanager
 def held(path: Path, busy: str):
-    """Hold `path`'s lock for the block; UsageError(`busy`, naming `path`) when another process holds it."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    """Hold `path`'s lock for the block; UsageError(`busy`, naming `path`) when another process holds it. A path that
+    is no directory has nothing to lock: the block runs, and its own reads name what is missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

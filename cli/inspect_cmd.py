@@ -49,7 +49,8 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
     if s.quantization:
         con.print(f"quantized: format [cyan]{s.quantization['format']}[/] (scheme {s.quantization['scheme']})")
     m = s.model
-    con.print(f"{m['layers']} layers ({m['dense_layers']} dense, {m['mtp_layers']} MTP), hidden {m['hidden_size']}, "
+    bank = f": {m['draft_experts'][0]} routed experts, {m['draft_experts'][1]} per token" if m.get("draft_experts") else ""
+    con.print(f"{m['layers']} layers ({m['dense_layers']} dense, {m['mtp_layers']} MTP{bank}), hidden {m['hidden_size']}, "
               f"{m['attention_heads']} heads, {m['routed_experts']} routed experts ({m['experts_per_token']} per token) "
               f"+ {m['shared_experts']} shared, vocab {m['vocab_size']}"
               + (f", indexer top-k {m['sparse_attention_topk']}" if m['sparse_attention_topk'] else "")

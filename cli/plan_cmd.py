@@ -137,7 +137,8 @@ def plan(src: str, tp: int, ep: int | None, pp: int, pp_layers: str | None, gpus
     m, lay, mem = p.model, p.layout, p.memory
     kind = "checkpoint headers" if p.source_kind == "checkpoint" else "config only: manifest shapes, bf16 source"
     con.print(f"[bold]{p.source}[/] ({kind})  family [cyan]{p.family}[/]")
-    con.print(f"{fmt_count(p.total_params)} parameters without MTP; {m['layers']} layers, hidden {m['hidden_size']}, "
+    drafts = f" (+ {fmt_count(p.params['mtp'])} in draft heads, converted with them)" if p.params.get("mtp") else ""
+    con.print(f"{fmt_count(p.total_params)} parameters without MTP{drafts}; {m['layers']} layers, hidden {m['hidden_size']}, "
               f"{m['attention_heads']} heads, {m['routed_experts']} routed experts ({m['experts_per_token']} per token)")
     per = m["routed_experts"] // lay["ep"] if m["routed_experts"] else 0
     per = (f"{per} whole experts per rank" if lay["expert_tp"] == 1 else

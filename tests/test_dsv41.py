@@ -24,7 +24,7 @@ from kconvert.verify import damage
 
 # not the preset: 7 layers; ratios 1 and 2; KV sources 1 and 3 (layer 2 reads 1's entries, 4-5 read 3's); indexers
 # on 1 and 3 (their own keys) and 5 (3's keys, inside 3's candidate blocks); Engram 4-grams on 0 and 4; 3 streams;
-# DSpark blocks of 3, Markov rank 12
+# DSpark blocks of 3, Markov rank 12, the drafter's own bank of 4 experts (2 a token)
 OTHER = {"num_hidden_layers": 7, "hidden_size": 192, "num_attention_heads": 4, "head_dim": 96, "qk_rope_head_dim": 32,
          "q_lora_rank": 96, "o_groups": 2, "o_lora_rank": 96, "moe_intermediate_size": 128, "n_routed_experts": 8,
          "num_experts_per_tok": 3, "sliding_window": 6, "compress_ratios": [0, 1, 1, 2, 2, 2, 0],
@@ -32,14 +32,16 @@ OTHER = {"num_hidden_layers": 7, "hidden_size": 192, "num_attention_heads": 4, "
          "candidate_topk_blocks": 2, "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 64,
          "index_topk": 3, "hc_mult": 3, "engram_layer_ids": [0, 4], "engram_max_ngram_size": 4,
          "engram_vocab_size": 101, "engram_n_heads": 2, "engram_head_dim": 64, "dspark_block_size": 3,
-         "dspark_markov_rank": 12}
+         "dspark_markov_rank": 12, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2}
+# As V4.1-Flash ships its drafter: its stages route over their own, smaller bank (the release: 128 / 3 a token beside
+# 384 / 6) and its confidence head has no bias (vLLM's V4.1 DSpark builds it without one).
 
 
 @pytest.fixture(scope="module")
 def v41(tmp_path_factory):
     """The non-preset V4.1 (FP8 32 x 32 + FP4 experts) with its conversions and its MLX reference."""
     d = tmp_path_factory.mktemp("v41")
-    write_v41_checkpoint(d / "src", v41_config(OTHER), seed=4)
+    write_v41_checkpoint(d / "src", v41_config(OTHER), seed=4, confidence_bias=False)
     for args in (("shard", d / "src", d / "tp1", "--tp", 1),
                  ("shard", d / "src", d / "tp2", "--tp", 2),
                  ("shard", d / "src", d / "tp2pp2", "--tp", 2, "--pp", 2, "--pp-layers", "0-3,4-6"),
@@ -210,8 +212,9 @@ def test_the_dspark_drafter_travels_with_the_conversion(v41, tmp_path):
 
     drafts = {n for n in stored_names(v41 / "src") if n.startswith("mtp.")}
     assert {"mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.1.norm.weight", "mtp.1.markov_head.embed.weight",
-            "mtp.1.markov_head.head.weight", "mtp.1.confidence_head.proj.weight", "mtp.1.ffn.experts.7.w2.weight"} <= drafts
+            "mtp.1.markov_head.head.weight", "mtp.1.confidence_head.proj.weight", "mtp.1.ffn.experts.3.w2.weight"} <= drafts
     assert "mtp.1.main_proj.weight" not in drafts and "mtp.0.markov_head.embed.weight" not in drafts
+    assert "mtp.1.ffn.experts.4.w2.weight" not in drafts and "mtp.1.confidence_head.proj.bias" not in drafts
     for rank in ("rank-000", "rank-001"):
         held = {n for n in stored_names(v41 / "tp2" / rank) if n.startswith("mtp.")}
         assert {n for n in drafts if not n.endswith(".scale") and ("experts." not in n or "shared_" in n)} <= held
@@ -230,11 +233,63 @@ def test_the_dspark_drafter_travels_with_the_conversion(v41, tmp_path):
         new_drafter(bare)
 
 
+def test_the_drafter_routes_over_its_own_expert_bank(v41):
+    """The DSpark stages' own bank (4 experts, 2 a token, beside the backbone's 8 / 3) is what inspect reports, what
+    plan counts on every rank, where a tp 2 conversion places the stages' experts (2 whole experts a rank, by their own
+    bank), and what the engine's stages route over."""
+    from engine.model import Model
+    from kconvert.plan.memory import make_plan
+
+    r = cli_here("inspect", v41 / "src", "--json")
+    assert r.returncode == 0, r.stderr
+    model = json.loads(r.stdout)["model"]
+    assert (model["routed_experts"], model["experts_per_token"], model["draft_experts"]) == (8, 3, [4, 2])
+    for rank, own in (("rank-000", {0, 1}), ("rank-001", {2, 3})):
+        held = {int(n.split(".")[4]) for n in stored_names(v41 / "tp2" / rank) if n.startswith("mtp.1.ffn.experts.")}
+        assert held == own, rank
+    plan = make_plan(str(v41 / "src"), tp=2)
+    assert plan.rank["bytes"]["mtp"] > 0 and plan.params["mtp"] > 0
+    with one_thread():
+        m = Model.from_converted(v41 / "tp1", dtype=torch.float32)
+    for stage in m.draft_heads.values():
+        assert (stage.c.experts, stage.c.top_k) == (4, 2) and len(stage.ffn.experts) == 4
+
+
+@pytest.mark.parametrize("missing", ["mtp.1.markov_head.embed.weight", "mtp.0.main_proj.weight",
+                                     "mtp.1.ffn.experts.3.w1.weight", "mtp.1.attn.wkv.weight"])
+def test_a_drafter_stage_missing_a_tensor_is_refused_before_any_work(tmp_path, missing):
+    """A drafter the checkpoint holds is whole or refused, naming the tensor (not converted, then refused by chat)."""
+    from helpers import assert_one_line_error
+
+    src = tmp_path / "src"
+    gone = (missing, missing.removesuffix("weight") + "scale")  # a quantized weight goes with its scale
+    write_v41_checkpoint(src, v41_config(OTHER), seed=4, confidence_bias=False,
+                         without=gone)
+    assert_one_line_error(cli_here("shard", src, tmp_path / "out", "--tp", 1), missing)
+    assert not (tmp_path / "out" / "kconvert.json").exists()
+
+
+def test_a_whole_missing_stage_is_refused_and_a_missing_drafter_is_not(tmp_path):
+    """The config counts 2 stages: a checkpoint with only mtp.0 is refused naming the absent stage's first tensor; one
+    with no drafter at all converts (the target alone, as --no-draft-heads would)."""
+    from helpers import assert_one_line_error
+
+    cfg = v41_config(OTHER)
+    src = tmp_path / "one-stage"
+    write_v41_checkpoint(src, cfg, seed=4, without=("mtp.1.",))
+    assert_one_line_error(cli_here("inspect", src), "mtp.1.")
+    bare = tmp_path / "no-drafter"
+    write_v41_checkpoint(bare, cfg, seed=4, without=("mtp.",))
+    assert cli_here("inspect", bare).returncode == 0
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"dspark_target_layer_ids": [5, 6, 7]}, "text_config.dspark_target_layer_ids names layer 7: layers are 0..6"),
     ({"dspark_target_layer_ids": 5}, "text_config.dspark_target_layer_ids = 5: must be a list"),
     ({"dspark_markov_rank": 10**9}, "text_config.dspark_markov_rank = 1000000000: outside [0, 65536]"),
     ({"engram_n_heads": 10**9}, "text_config.engram_n_heads = 1000000000: outside [1, 4096]"),
+    ({"dspark_num_experts_per_tok": 5}, "num_experts_per_tok <= n_routed_experts"),
+    ({"dspark_n_routed_experts": "4"}, "text_config.dspark_n_routed_experts = '4': must be an integer"),
 ])
 def test_a_bad_drafter_config_is_one_line(tmp_path, change, needle):
     from helpers import assert_one_line_error

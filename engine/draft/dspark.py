@@ -64,10 +64,14 @@ class V41DsparkStage(nn.Module):
     own_components = None  # every tensor of the stage sits under mtp.{M}. (engine/draft/registry.own_prefix)
     staged = True  # told its first / last by the manifest's layer kinds (engine/draft/registry.draft_head)
 
-    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, first: bool, last: bool):
+    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, first: bool, last: bool,
+                 bank: tuple[int, int] | None = None):
         super().__init__()
         base = v41_config(cfg)
-        c = self.c = replace(base, ratios=base.ratios + (0,) * (layer + 1 - len(base.ratios)))  # a stage: window only
+        experts, top_k = bank or (base.experts, base.top_k)  # its own routed experts (V4.1-Flash: 128, 3 a token)
+        # a stage: window only, over its own expert bank
+        c = self.c = replace(base, ratios=base.ratios + (0,) * (layer + 1 - len(base.ratios)), experts=experts,
+                             top_k=top_k)
         self.layer, self.first, self.last, self.window = layer, first, last, c.window
         self.attn_norm, self.ffn_norm = V4RMSNorm(c.eps), V4RMSNorm(c.eps)
         self.attn = V41Attention(c, layer, par)
@@ -83,7 +87,7 @@ class V41DsparkStage(nn.Module):
             self.confidence_head = nn.Module()
             self.confidence_head.proj = nn.Module()
             slot(self.confidence_head.proj, "weight")
-            slot(self.confidence_head.proj, "bias")
+            slot(self.confidence_head.proj, "bias", optional=True)  # vLLM's V4.1 DSpark builds it without one
 
     def load(self, unit: str, tensors: dict, block_prefix: str, own_prefix: str, linear_format) -> None:
         resolve_linears(self, own_prefix, linear_format)

@@ -30,7 +30,8 @@ from kconvert.distributed import Group
 class V4DsparkStage(nn.Module):
     staged = True  # told its first / last by the manifest's layer kinds (engine/draft/registry.draft_head)
 
-    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, first: bool, last: bool):
+    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, first: bool, last: bool,
+                 bank: tuple[int, int] | None = None):  # bank: the manifest's; V4's stages route over the target's
         super().__init__()
         c = self.c = v4_config(cfg)
         self.layer, self.window, self.first, self.last = layer, c.window, first, last

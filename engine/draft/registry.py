@@ -47,7 +47,8 @@ DRAFTERS: dict[str, type] = {
 def draft_head(cfg: TextConfig, layer: int, par: Group, names: ModelMap) -> nn.Module:
     """Draft layer `layer`'s module, empty (its tensors arrive with its unit). A drafter of stages (`staged`) is told
     whether this one is its first and its last by the manifest's `first_stage` / `last_stage` layer kinds, bound
-    with the stages the conversion holds (`names`: V4-0731's config undercounts them)."""
+    with the stages the conversion holds (`names`: V4-0731's config undercounts them), and the expert bank it routes
+    over (`names.expert_bank`: V4.1's stages have their own)."""
     if cfg.draft_kind is None:
         raise CheckpointError(f"the converted checkpoint holds layer {layer} past the {cfg.num_layers} decoder "
                               "layers, and its family names no draft-head kind", file="kconvert.json")
@@ -55,7 +56,8 @@ def draft_head(cfg: TextConfig, layer: int, par: Group, names: ModelMap) -> nn.M
     if not getattr(cls, "staged", False):
         return cls(cfg, layer, par)
     part = next(p for p in names.parts if "first_stage" in p.kinds)
-    return cls(cfg, layer, par, first=part.is_kind("first_stage", layer), last=part.is_kind("last_stage", layer))
+    return cls(cfg, layer, par, first=part.is_kind("first_stage", layer), last=part.is_kind("last_stage", layer),
+               bank=names.expert_bank(layer))
 
 
 def build_draft_head(model, L: int, tensors: dict, linear_format) -> nn.Module:

@@ -58,12 +58,14 @@ def split_dim(info: TensorInfo) -> int | None:
     return None
 
 
-def pieces(info: TensorInfo, shape: tuple[int, ...], layout: Layout, n_experts: int) -> list[Piece]:
-    """Every rank's piece of one tensor. Raises UsageError when the cut does not divide evenly."""
+def pieces(info: TensorInfo, shape: tuple[int, ...], layout: Layout) -> list[Piece]:
+    """Every rank's piece of one tensor. Raises UsageError when the cut does not divide evenly. An expert's group
+    comes from its own bank (its part's expert count: DeepSeek-V4.1's drafter routes over 128 experts beside the
+    backbone's 384)."""
     if info.split == "replicate":
         return [Piece(r, None) for r in range(layout.tp)]
     if info.split == "expert":
-        group = info.expert // (n_experts // layout.ep)
+        group = info.expert // (info.rule.part.expert_count // layout.ep)
         ranks = range(group * layout.expert_tp, (group + 1) * layout.expert_tp)
         ways = layout.expert_tp
     else:
@@ -103,8 +105,10 @@ def layout_problem(model: ModelMap, layout: Layout) -> str | None:
     heads = int(model.text_config.get("num_attention_heads") or 0)
     if heads and heads % layout.tp:
         return f"{heads} attention heads do not divide over {layout.tp} ranks"
-    if text.expert_count and text.expert_count % layout.ep:
-        return f"{text.expert_count} routed experts do not divide over {layout.ep} expert groups"
+    for part in model.parts:  # every bank of routed experts (a drafter's own included)
+        if part.expert_count and part.expert_count % layout.ep:
+            whose = "" if part is text or part.group != "text" else f" of {part.prefix.rstrip('.')}"
+            return f"{part.expert_count} routed experts{whose} do not divide over {layout.ep} expert groups"
     # one representative per rule (shapes do not vary by layer or expert): fast for 3T-parameter maps
     for part in model.parts:
         for rule in part.rules:
@@ -115,7 +119,7 @@ def layout_problem(model: ModelMap, layout: Layout) -> str | None:
             name = rule.pattern.replace("{L}", str(layers[0])).replace("{E}", "0")
             info = TensorInfo(name, rule, layers[0], 0 if "{E}" in rule.pattern else None)
             try:
-                pieces(info, info.expected_shape(), layout, text.expert_count)
+                pieces(info, info.expected_shape(), layout)
             except UsageError as e:
                 return e.message
     return None

@@ -56,22 +56,21 @@ class _Plan:
 
     def __init__(self, ck: Checkpoint, layout: Layout, policy: QuantPolicy, requantize: bool, keep_mtp: bool):
         self.ck, self.layout, self.policy, self.requantize, self.keep_mtp = ck, layout, policy, requantize, keep_mtp
-        self.n_experts = ck.model.text.expert_count
         self.copies: dict[tuple, LosslessCopy | None] = {}  # by source format and grid: one answer for 70k tensors
         self.stack_parts: dict[tuple, int] = {}  # (stored form, cut, how) -> a small id (_stack_part)
 
     def by_bucket(self) -> dict[tuple[str, int], WorkItem]:
         items: dict[tuple[str, int], WorkItem] = {}
-        group_size = self.n_experts // self.layout.ep if self.n_experts else 1
         for b in self.ck.grouped.buckets:
             info0, t = b.info, b.sample
+            group_size = info0.rule.part.expert_count // self.layout.ep if info0.split == "expert" else 0
             if info0.component == "mtp" and not self.keep_mtp:
                 continue
             quant, copy = self._quant(info0, t)
             unit, plans = unit_of(info0), {}  # expert group (None: not an expert) -> the pieces' plan
             names, rule, layer = b.names, b.rule, b.layer
             infos = list(map(_info_of, zip(names, repeat(rule), repeat(layer), b.experts)))
-            for key, i, j in _runs(b.experts, group_size if info0.split == "expert" else 0):
+            for key, i, j in _runs(b.experts, group_size):
                 plan = plans.get(key)
                 if plan is None:  # decided by the expert group's first member, as a walk name by name decides it
                     try:
@@ -118,7 +117,7 @@ class _Plan:
         scheme, opts, pol, out = self.policy.quant, self.policy.options, self.policy, []
         dtype, options = t.stored_dtype, (pol.scale_format, pol.group_size, pol.int4_scales, pol.fp8_block)
         form = stack_form(t) if t.numel <= STACK_ELEMS else None
-        for p in pieces(info, t.shape, self.layout, self.n_experts):
+        for p in pieces(info, t.shape, self.layout):
             shape = list(t.shape)
             if p.dim is not None:
                 shape[p.dim] = p.stop - p.start
@@ -216,6 +215,6 @@ def _copies_aligned(ck: Checkpoint, tp: int, layout: Layout, policy: QuantPolicy
             continue
         copy = policy.quant.lossless_copy(source_quant(ck, t), policy.options)
         if copy is not None and not all(_aligned(p, t.shape, copy.block, copy.whole)
-                                        for p in pieces(info, t.shape, other, ck.model.text.expert_count)):
+                                        for p in pieces(info, t.shape, other)):
             return False
     return True

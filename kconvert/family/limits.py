@@ -2,7 +2,7 @@
 
 config.json is untrusted input: without bounds, num_hidden_layers = 10**9 makes inspect/plan run
 for minutes, a string where a number belongs reaches the shape evaluator, and weight_block_size = 0
-divides by zero deep inside a reader. `check_part` and `check_quantization` refuse such values
+divides by zero deep inside a reader. `check_bounds`, `check_relations` and `check_quantization` refuse such values
 with one line naming config.json and the field (ManifestError, exit 2).
 """
 
@@ -68,9 +68,8 @@ def check_value(field: str, value, bound, *, file: str) -> None:
         raise bad(f"outside [{lo}, {hi}]")
 
 
-def check_part(part: str, config: Mapping, env: Mapping, defaults: Mapping, *, prefix: str, file: str,
-               limits_path: Path) -> None:
-    """A part's config keys against their bounds, then the part's relations (on `env`: config + defaults)."""
+def check_bounds(part: str, config: Mapping, defaults: Mapping, *, prefix: str, file: str, limits_path: Path) -> None:
+    """A part's config keys against their bounds in limits.toml."""
     spec = limits(limits_path).get("part", {}).get(part, {})
     for key, bound in spec.get("bounds", {}).items():
         head, _, tail = key.partition(".")  # "section.key": a key inside a nested config section
@@ -79,6 +78,11 @@ def check_part(part: str, config: Mapping, env: Mapping, defaults: Mapping, *, p
         if not isinstance(where, Mapping) or name not in where or (where[name] is None and key in defaults):
             continue
         check_value(prefix + key, where[name], bound, file=file)
+
+
+def check_relations(part: str, env: Mapping, *, prefix: str, file: str, limits_path: Path) -> None:
+    """A part's relations in limits.toml, on `env` (config + defaults, with any keys the family rebinds)."""
+    spec = limits(limits_path).get("part", {}).get(part, {})
     for name, expr in spec.get("relations", {}).items():
         try:
             ok = evaluate(expr, env)

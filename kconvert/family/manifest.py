@@ -23,7 +23,7 @@ from kconvert.errors import ManifestError
 from kconvert.family.compose import part_applies, stage_count, stage_names, with_traits
 from kconvert.family.families import any_alias, family_aliases, literal_ends, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
-from kconvert.family.limits import LIMITS_FILE, check_part, check_quantization
+from kconvert.family.limits import LIMITS_FILE, check_bounds, check_quantization, check_relations
 from kconvert.family.rule_names import name_key, placeholders, rule_regex, scale_block, tensor_key  # noqa: F401 (API)
 from kconvert.family.schedule import list_length, padded, read_schedules
 
@@ -87,7 +87,8 @@ class BoundPart:
 
     def __init__(self, name: str, spec: dict, prefix: str, config: dict, *, section: str = ".",
                  config_file: str = "config.json", decoder_only: bool = False, engine_prefix: str | None = None,
-                 names: dict[str, str] | None = None, family_defaults: dict | None = None, stored_stages: int = 0):
+                 names: dict[str, str] | None = None, family_defaults: dict | None = None, stored_stages: int = 0,
+                 rebind: dict[str, str] | None = None):
         self.name, self.prefix, self.config, self.config_file = name, prefix, config, config_file
         self.engine_prefix = engine_prefix  # the engine's module path of its `engine` names (None: the root)
         self.decoder_only = decoder_only  # {L} names only decoder layers (V4 names its MTP blocks mtp.{M}.)
@@ -98,6 +99,8 @@ class BoundPart:
         self.kinds: dict[str, str] = spec.get("layer_kinds", {})
         # a family may fix a shared part's defaults for its own models (`defaults` in its [[parts]] entry)
         defaults = {**spec.get("defaults", {}), **(family_defaults or {})}
+        # (expression, layer) -> value: 384 experts x 61 layers share each layer's few shape expressions
+        self._values: dict[tuple, object] = {}
         # null for a key with a default means "not set" (DeepSeek configs write q_lora_rank: null)
         self._env = {**{k: v for k, v in defaults.items() if "." not in k},
                      **{k: v for k, v in config.items() if not (v is None and k in defaults)}}
@@ -106,14 +109,17 @@ class BoundPart:
             if tail and isinstance(self._env.get(section_key), dict) and self._env[section_key].get(tail) is None:
                 self._env[section_key] = {**self._env[section_key], tail: value}
         where = "" if section == "." else f"{section}."  # the section's prefix in messages
-        check_part(name, config, self._env, defaults, prefix=where, file=config_file,
-                   limits_path=manifests_dir() / LIMITS_FILE)
+        limits_path = manifests_dir() / LIMITS_FILE
+        check_bounds(name, config, defaults, prefix=where, file=config_file, limits_path=limits_path)
+        # a family may rebind keys for this part, from the config (DeepSeek-V4.1's drafter stages route over their own
+        # bank: n_routed_experts is dspark_n_routed_experts there when set), before the relations and shapes read them
+        self._env.update({key: self._eval(text) for key, text in (rebind or {}).items()})
+        self._values.clear()
+        check_relations(name, self._env, prefix=where, file=config_file, limits_path=limits_path)
         for key, path in head.get("lengths", {}).items():  # a config list's length, for shape expressions
             self._env[key] = list_length(self._env, path, prefix=where, file=config_file)
         schedules = read_schedules(spec.get("schedules", {}), self._env, prefix=where, file=config_file)
         self._env.update(schedules)
-        # (expression, layer) -> value: 384 experts x 61 layers share each layer's few shape expressions
-        self._values: dict[tuple, object] = {}
         self._shapes: dict[tuple, tuple[int, ...]] = {}
         self._layer_ok: dict[tuple, bool] = {}
         # per schedule, each layer's kind by name (inspect's layer kinds: sliding / CSA / HCA, hash / top-k)
@@ -124,7 +130,9 @@ class BoundPart:
         for count in ("layer_count", "extra_layers", "expert_count", "experts_per_token", "shared_experts"):
             if count in head:
                 setattr(self, count, int(self._eval(head[count])))
-        self.required_extra = stored_stages  # draft stages the checkpoint's names show (`stages_from_names`): whole
+        # draft stages the checkpoint's names show (`stages_from_names`): whole, and every stage the config counts with
+        # them (a drafter missing a stage is refused, one without any converts without it)
+        self.required_extra = max(stored_stages, self.extra_layers) if stored_stages else 0
         if stored_stages > self.extra_layers:  # and at least that many, past the schedules config.json gives
             self._env.update(padded(spec.get("schedules", {}), schedules, self.layer_count + stored_stages))
             self.extra_layers = stored_stages
@@ -241,6 +249,15 @@ class ModelMap:
     def text(self) -> BoundPart:
         return next(p for p in self.parts if p.group == "text")
 
+    def expert_bank(self, layer: int) -> tuple[int, int]:
+        """(routed experts, experts a token reaches) of text layer `layer`: the counts of the part whose routed
+        experts that layer holds (a DeepSeek-V4.1 DSpark stage routes over its own bank), else the text model's."""
+        for part in self.parts:
+            if part.group == "text" and part.expert_count and any(
+                    "{E}" in rule.pattern and part.layer_matches(rule, layer) for rule in part.rules):
+                return part.expert_count, part.experts_per_token or self.text.experts_per_token
+        return self.text.expert_count, self.text.experts_per_token
+
     def classify(self, name: str) -> TensorInfo | None:
         """The manifest entry for `name`, or None when the family does not know it."""
         for rule, fields in self.by_key.get(tensor_key(name), ()):  # a name has no {L}/{E}/{M}: its own key
@@ -316,5 +333,6 @@ def bind(config: dict, *, config_file: str = "config.json", names=None, draft_st
         parts.append(BoundPart(p["use"], part_spec, p.get("prefix", ""), sub, section=p.get("config", "."),
                                config_file=config_file, decoder_only=bool(p.get("decoder_layers_only", False)),
                                engine_prefix=p.get("engine_prefix"), names=p.get("names"),
-                               family_defaults=p.get("defaults"), stored_stages=stage_count(p, names)))
+                               family_defaults=p.get("defaults"), stored_stages=stage_count(p, names),
+                               rebind=p.get("rebind")))
     return ModelMap(spec["family"], parts, config)

@@ -76,7 +76,7 @@ class Sizing:
         """Every group's copy_bytes on `layout`, once: the tp table, the stage split and the pp search ask alike."""
         out = self._copies.get(layout)
         if out is None:
-            out = self._copies[layout] = [copy_bytes(g, layout, self.policy, self.n_experts) for g in self.groups]
+            out = self._copies[layout] = [copy_bytes(g, layout, self.policy) for g in self.groups]
         return out
 
     def per_rank(self, layout: Layout) -> list[dict[str, int]]:
@@ -87,4 +87,4 @@ class Sizing:
                    self.max_position)
 
     def misaligned(self, layout: Layout) -> str | None:
-        return fp8_misaligned(self.groups, layout, self.policy, self.n_experts)
+        return fp8_misaligned(self.groups, layout, self.policy)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
+from kconvert.plan.rank_bytes import COMPONENTS
 from kconvert.source.checkpoint import Checkpoint
 
-COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts", "engram",
-              "dense_mlp", "router", "hash_router", "norm", "embed", "head", "mtp", "vision", "projector")
 TEXT_ACTIVE = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "latent", "shared_experts", "dense_mlp",
                "router", "hash_router", "norm", "embed", "head")
 
@@ -63,6 +62,9 @@ def summarize(ck: Checkpoint) -> Summary:
         "attention_heads": tc.get("num_attention_heads"),
         "routed_experts": n_experts,
         "experts_per_token": per_tok,
+        # the draft stages' own bank where it differs (DeepSeek-V4.1-Flash's DSpark: 128 experts, 3 a token)
+        "draft_experts": list(ck.model.expert_bank(text.layer_count))
+        if text.extra_layers and ck.model.expert_bank(text.layer_count) != (n_experts, per_tok) else None,
         "shared_experts": text.shared_experts,
         "vocab_size": tc.get("vocab_size"),
         "sparse_attention_topk": tc.get("index_topk"),

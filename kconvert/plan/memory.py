@@ -197,7 +197,8 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
                "qk_rope_head_dim": tc.get("qk_rope_head_dim"),
                "index_head_dim": tc.get("index_head_dim") if tc.get("index_topk") else None,
                "max_position_embeddings": max_pos or None, "vision_layers": vision.layer_count if vision else 0},
-        params={c: params[c] for c in COMPONENTS if params.get(c)}, total_params=sum(params.values()),
+        params={c: params[c] for c in COMPONENTS if params.get(c)},
+        total_params=sum(v for c, v in params.items() if c != "mtp"),  # as models are counted: draft heads apart
         layout={"tp": layout.tp, "ep": layout.ep, "expert_tp": layout.expert_tp}, quant=quant,
         converted_bytes=sum(b for _, b in stored),
         replicated_bytes=sum(b for g, b in stored if g.info.split == "replicate"),

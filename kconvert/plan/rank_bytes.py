@@ -16,8 +16,9 @@ from kconvert.family.manifest import ModelMap, TensorInfo, bind
 from kconvert.quant.policy import QuantPolicy
 from kconvert.io.dtypes import ITEMSIZE
 
+# every component a manifest names, in report order (a draft head's tensors, whatever their rule, are "mtp")
 COMPONENTS = ("attention", "kda", "compressor", "indexer", "mhc", "attn_res", "routed_experts", "latent", "shared_experts", "engram",
-              "dense_mlp", "router", "hash_router", "norm", "embed", "head", "vision", "projector")
+              "dense_mlp", "router", "hash_router", "norm", "embed", "head", "mtp", "vision", "projector")
 
 
 class TensorGroup(NamedTuple):
@@ -46,11 +47,10 @@ class TensorGroup(NamedTuple):
 
 def _collapse(items) -> list[TensorGroup]:
     """(info, shape, itemsize, experts), any order -> groups: experts of one (rule, layer, shape, dtype) merged,
-    then equal (rule, shape, dtype, experts) merged across layers. MTP layers are left out."""
+    then equal (rule, shape, dtype, experts) merged across layers. Draft heads (MTP, DSpark stages) are counted: shard
+    keeps them by default (their experts placed by their own bank, on the last pipeline stage)."""
     per_layer: dict[tuple, tuple[TensorInfo, tuple, int, list[int]]] = {}
     for info, shape, itemsize, experts in items:
-        if info.component == "mtp":
-            continue
         key = (info.rule.pattern, info.layer if info.expert is not None else info.name, tuple(shape), itemsize)
         if key not in per_layer:
             per_layer[key] = (info, tuple(shape), itemsize, [])
@@ -71,7 +71,8 @@ def config_groups(config_json: str, config_file: str = "config.json") -> tuple[M
 
     def items():
         for rule, layer, required, names in model.expected_groups():
-            if required:
+            if required or (layer is not None and layer >= rule.part.layer_count and rule.part.group == "text"):
+                # the draft stages the config counts too: a release ships them and shard keeps them
                 experts = list(range(len(names))) if "{E}" in rule.pattern else []
                 info = TensorInfo(names[0], rule, layer, 0 if experts else None)
                 stored = ITEMSIZE[rule.dtype] if rule.dtype else 4 if names[0].endswith("e_score_correction_bias") else 2
@@ -91,10 +92,10 @@ def checkpoint_groups(ck: Checkpoint) -> list[TensorGroup]:
                      for b in ck.grouped.buckets)
 
 
-def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: int) -> list[int]:
+def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy) -> list[int]:
     """Converted bytes of one copy of group `g` (one layer's tensor, every expert it stands for) on every rank."""
     out = [0] * layout.tp
-    ps = pieces(g.info, g.shape, layout, n_experts)
+    ps = pieces(g.info, g.shape, layout)
     memo: dict[tuple, int] = {}
     sizes = []
     for p in ps:
@@ -107,7 +108,7 @@ def copy_bytes(g: TensorGroup, layout: Layout, policy: QuantPolicy, n_experts: i
             out[p.rank] += b
         return out
     # the pieces of one expert: ranks i of its group; every expert of group k lands on group k's ranks
-    per_group = n_experts // layout.ep
+    per_group = g.info.rule.part.expert_count // layout.ep  # the expert's own bank
     for k, c in Counter(e // per_group for e in g.experts).items():
         for i, b in enumerate(sizes):
             out[k * layout.expert_tp + i] += c * b
@@ -124,7 +125,7 @@ def rank_bytes(groups, copies: list[list[int]], tp: int) -> list[dict[str, int]]
     return [{c: r[c] for c in COMPONENTS if r.get(c)} for r in ranks]
 
 
-def fp8_misaligned(groups, layout: Layout, policy: QuantPolicy, n_experts: int) -> str | None:
+def fp8_misaligned(groups, layout: Layout, policy: QuantPolicy) -> str | None:
     """The first fp8 tensor whose per-rank slice starts inside a scale block (the run's block: 128 x 128, or a
     block-FP8 source's own, DeepSeek-V4.1's 32 x 32), if any."""
     if policy.scheme != "fp8":
@@ -132,7 +133,7 @@ def fp8_misaligned(groups, layout: Layout, policy: QuantPolicy, n_experts: int) 
     block = policy.fp8_block
     for g in groups:
         if policy.quantizes(g.info, g.shape):
-            for p in pieces(g.info, g.shape, layout, n_experts):
+            for p in pieces(g.info, g.shape, layout):
                 if p.dim is not None and p.start % block:
                     return (f"{g.info.name} splits into {p.stop - p.start}-wide slices (dim {p.dim}), not "
                             f"{block}-aligned")

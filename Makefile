@@ -33,7 +33,7 @@ test: install
 
 # One prepared run on a machine with a GPU (< 8 min on H100/H200); CPU dry run: make device-check ARGS="--device cpu --quick"
 device-check: install
-	$(BIN)/python bench/device_check.py $(ARGS)
+	$(BIN)/python tools/device_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO) *.egg-info

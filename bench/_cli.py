@@ -108,12 +108,14 @@ def fixture(preset: str, path: Path, **kwargs) -> Path:
     return build_fixture(preset, path, **kwargs)
 
 
-def conversion(src: Path, out: Path, tp: int = 1, **options) -> Path:
-    """`src` sharded into `out` in this process (ShardJob's options) unless that conversion is there already: shard
-    writes kconvert.json last, so its presence means complete (without it, shard resumes the run)."""
+def conversion(src: Path, out: Path, tp: int = 1, quant: str = "none", **options) -> Path:
+    """`src` sharded into `out` in this process (`--tp`, `--quant` and ShardJob's other options) unless that conversion
+    is there already: shard writes kconvert.json last, so its presence means complete (without it, shard resumes)."""
     out = Path(out)
     if not (out / "kconvert.json").exists():
-        from kconvert.convert.shard import ShardJob, shard
+        from kconvert.convert.layout import Topology
+        from kconvert.convert.shard.job import ShardJob, shard
+        from kconvert.quant.policy import QuantPolicy
 
-        shard(ShardJob(str(src), str(out), tp=tp, **options))
+        shard(ShardJob(str(src), str(out), topology=Topology(tp=tp), quant=QuantPolicy(quant), **options))
     return out

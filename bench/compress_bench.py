@@ -153,7 +153,9 @@ def main() -> None:
 
     from cli.units import fmt_bytes
     from kconvert.convert.pack import pack
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.shard.job import ShardJob, shard
+    from kconvert.convert.layout import Topology
+    from kconvert.quant.policy import QuantPolicy
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -163,7 +165,7 @@ def main() -> None:
     convs = {}
     for quant in ("none", "fp8", "int8"):
         out = work / f"{args.preset}-{quant}"
-        convs[quant] = Path(shard(ShardJob(str(src), str(out), tp=1, quant=quant)).out)
+        convs[quant] = Path(shard(ShardJob(str(src), str(out), topology=Topology(tp=1), quant=QuantPolicy(quant))).out)
         files = sorted(convs[quant].glob("rank-000/*.safetensors"))
         for dtype, (k, data) in dtype_bytes(files).items():
             if data.size >= 1 << 20:

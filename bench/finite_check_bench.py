@@ -23,7 +23,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quant", default="none")
     args = ap.parse_args()
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.shard.job import ShardJob, shard
+    from kconvert.convert.layout import Topology
+    from kconvert.quant.policy import QuantPolicy
     from kconvert.io.safetensors_read import read_tensor
     from kconvert.source import formats
     from kconvert.source.checkpoint import Checkpoint
@@ -52,7 +54,7 @@ def main() -> None:
             out = work / "finite-bench-out"
             shutil.rmtree(out, ignore_errors=True)
             t = time.perf_counter()
-            shard(ShardJob(str(src), str(out), 8, quant=args.quant, workers=2))
+            shard(ShardJob(str(src), str(out), topology=Topology(tp=8), quant=QuantPolicy(scheme=args.quant), workers=2))
             times[mode].append(time.perf_counter() - t)
     formats.all_finite = real
     shutil.rmtree(work / "finite-bench-out", ignore_errors=True)

@@ -45,7 +45,8 @@ def load(preset: str, work: Path, indexer_steps: int | None = None):
     """The converted fixture (built once into `work`); `indexer_steps` overrides a trained preset's indexer
     distillation (0: the seeded indexer), in a directory of its own."""
     from engine.model import Model
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.shard.job import ShardJob, shard
+    from kconvert.convert.layout import Topology
 
     name = preset if indexer_steps is None else f"{preset}-indexer{indexer_steps}"
     src, conv = work / name, work / f"{name}-conv"
@@ -56,7 +57,7 @@ def load(preset: str, work: Path, indexer_steps: int | None = None):
 
             text = TRAINED_TEXT[TRAINED_PRESETS[preset]]
             trained.RECIPE_OVERRIDES[text] = {**trained.RECIPE_OVERRIDES[text], "indexer_steps": indexer_steps}
-        shard(ShardJob(str(fixture(preset, src)), str(conv), tp=1))
+        shard(ShardJob(str(fixture(preset, src)), str(conv), topology=Topology(tp=1)))
     model = Model.from_converted(conv, dtype=torch.float32)
     model.materialize()
     return model, conv

@@ -24,7 +24,7 @@ del _cli
 
 def one_round(root: Path) -> dict[str, float]:
     import kconvert.source.checkpoint as C
-    from kconvert.plan.inspect import summarize
+    from kconvert.inspect.checkpoint import summarize
     from kconvert.source.logical import fold
 
     t: dict[str, float] = {}

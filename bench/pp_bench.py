@@ -74,15 +74,16 @@ def main() -> None:
     if a.worker:
         worker(a)
         return
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.shard.job import ShardJob, shard
+    from kconvert.convert.layout import Topology
     from kconvert.fixtures import build_fixture
 
     chunks = [int(c) for c in a.chunks.split(",")]
     with tempfile.TemporaryDirectory(prefix="pp-bench-") as tmp:
         src = build_fixture(a.preset, Path(tmp) / a.preset)
         one, piped = Path(tmp) / "pp1", Path(tmp) / f"pp{a.pp}"
-        shard(ShardJob(str(src), str(one), tp=1))
-        shard(ShardJob(str(src), str(piped), tp=1, pp=a.pp))
+        shard(ShardJob(str(src), str(one), topology=Topology(tp=1)))
+        shard(ShardJob(str(src), str(piped), topology=Topology(tp=1, pp=a.pp)))
         settings = [("1 process", one, 1, 0)] + [(f"pp {a.pp}, chunk {c or 'none'}", piped, a.pp, c) for c in chunks]
         best: dict[str, dict] = {}
         for _ in range(a.repeat):  # round robin: the machine's noise hits every setting alike

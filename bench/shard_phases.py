@@ -54,10 +54,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", default="none")
     ap.add_argument("--tp", type=int, default=8)
     a = ap.parse_args(argv)
-    import kconvert.convert.shard as sh
+    import kconvert.convert.shard.job as sh
+    from kconvert.convert.layout import Topology
+    from kconvert.quant.policy import QuantPolicy
     from kconvert.source.checkpoint import Checkpoint
 
-    import kconvert.convert.shard_unit as su
+    import kconvert.convert.shard.unit as su
 
     cpu: collections.Counter = collections.Counter()
     units: collections.Counter = collections.Counter()  # parts of "write units" (not added to the phases)
@@ -91,7 +93,8 @@ def main(argv=None) -> int:
     out = Path(tempfile.mkdtemp(prefix="shard-phases-"))
     try:
         t = time.process_time()
-        sh.shard(sh.ShardJob(str(a.src), str(out / "out"), tp=a.tp, quant=a.quant, workers=1))
+        sh.shard(sh.ShardJob(str(a.src), str(out / "out"), topology=Topology(tp=a.tp), quant=QuantPolicy(a.quant),
+                             workers=1))
         total = time.process_time() - t
         written = written_tensors(out / "out")
     finally:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's cache (engine/cache/compressed.py): decode cost and memory against the context, and the KLD each
+"""DeepSeek-V4's cache (engine/models/deepseek_v4/cache.py): decode cost and memory against the context, and the KLD each
 --kv-dtype adds. Two parts, either or both:
 
     .venv/bin/python bench/v4_cache_bench.py --cost --contexts 1k,32k,128k,1M --work /tmp/v4cache-work

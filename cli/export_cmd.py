@@ -41,7 +41,7 @@ def export(src, out, fmt, group_size, scale_format, max_shard_size, workers, ove
       kconvert export ./tiny-k25-dsv32 ./tiny-k25-dsv32-gptq --format w4a16 --calibrate calib.jsonl   # GPTQ, layer by layer
       kconvert verify ./tiny-k25-dsv32-w4a16 --against ./tiny-k25-dsv32
     """
-    from kconvert.convert.export import ExportJob, export as _export
+    from kconvert.convert.export.job import ExportJob, export as _export
     from kconvert.io.workdir import terminate_as_interrupt
 
     job = ExportJob(src, out, fmt, group_size, scale_format, parse_size(max_shard_size, "--max-shard-size"), workers, overwrite)

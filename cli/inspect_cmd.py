@@ -30,8 +30,8 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
       kconvert inspect ./tiny-k25-dsv32-tp2-fp8
     """
     from kconvert.io.gc_pause import keep_to_exit, paused_gc
-    from kconvert.plan.inspect import summarize
-    from kconvert.plan.inspect_converted import is_converted, summarize_converted
+    from kconvert.inspect.checkpoint import summarize
+    from kconvert.inspect.converted import is_converted, summarize_converted
     from kconvert.source.checkpoint import Checkpoint
 
     if is_converted(src):

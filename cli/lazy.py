@@ -61,7 +61,7 @@ def scale_formats() -> tuple[str, ...]:
 
 
 def export_formats() -> tuple[str, ...]:
-    from kconvert.convert.export_table import FORMATS
+    from kconvert.convert.export.table import FORMATS
 
     return FORMATS
 

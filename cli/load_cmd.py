@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kconvert.plan.kv_bytes import KV_DTYPES
+from kconvert.kv_rows import KV_DTYPES
 
 from .lazy import RegistryHelpOption, device_help
 from .progress import byte_progress

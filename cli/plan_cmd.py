@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kconvert.errors import ManifestError, UsageError
 from kconvert.plan.device_presets import GIB, devices
-from kconvert.plan.kv_bytes import KV_DTYPES
+from kconvert.kv_rows import KV_DTYPES
 
 from .lazy import RegistryChoice, shard_schemes
 from .units import fmt_count

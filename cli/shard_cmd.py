@@ -73,14 +73,18 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
       kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-pp2 --tp 2 --pp 2          # 4 ranks: 2 stages of 2
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
     """
-    from kconvert.convert.shard import ShardJob, shard as _shard
+    from kconvert.convert.shard.job import ShardJob, shard as _shard
+    from kconvert.convert.layout import Topology
+    from kconvert.quant.policy import QuantPolicy
 
     if keep_mtp and not draft_heads:
         from kconvert.errors import UsageError
 
         raise UsageError("--keep-mtp (kept for old scripts) and --no-draft-heads contradict each other")
-    job = ShardJob(src, out, tp, ep, quant, scale_format, tuple(keep), tuple(force), requantize, draft_heads, workers,
-                   overwrite, compress, group_size, int4_scales, pp, pp_layers)
+    job = ShardJob(src, out, topology=Topology(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers),
+                   quant=QuantPolicy(scheme=quant, scale_format=scale_format, keep=tuple(keep), force=tuple(force),
+                                     requantize=requantize, group_size=group_size, int4_scales=int4_scales),
+                   keep_mtp=draft_heads, workers=workers, overwrite=overwrite, compress=compress)
     with byte_progress(f"shard tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" {quant}", enabled=not as_json and _rank0()) as cb:
         r = _shard(job, progress=cb, calibrate=calibration_factory(
             calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid, ("kconvert", "kimi"),
@@ -111,7 +115,7 @@ def verify_files(out, ranks, as_json):
       kconvert verify-files ./tiny-k25-dsv32-tp2-fp8
       kconvert verify-files ./tiny-k25-dsv32-tp2-fp8 --rank 1    # one rank's files (a node's own)
     """
-    from kconvert.converted.integrity import verify_files as _verify_files
+    from kconvert.disk_format.integrity import verify_files as _verify_files
 
     with byte_progress("verify", enabled=not as_json) as cb:
         r = _verify_files(out, progress=lambda n: cb("advance", n=n), ranks=list(ranks) or None)

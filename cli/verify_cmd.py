@@ -7,7 +7,7 @@ import json
 
 import click
 
-from kconvert.plan.kv_bytes import KV_DTYPES
+from kconvert.kv_rows import KV_DTYPES
 
 from .progress import byte_progress
 from kconvert.arguments import number
@@ -129,7 +129,7 @@ def verify(out, reference_file, faithful_file, against, per_layer, device, force
         if key == "draft.new_tokens":
             limits[key] = int(limits[key])
     from kconvert.io.workdir import terminate_as_interrupt
-    from kconvert.plan.inspect_converted import is_converted
+    from kconvert.inspect.converted import is_converted
     from kconvert.verify.exported import as_converted, describe
 
     # SIGTERM as Ctrl-C: the temporary reshard and results are removed, the spawned ranks stopped

@@ -89,7 +89,7 @@ class VisionConfig:
     image_token_id: int
     kind: str = "moonvit"  # engine/models/registry.py VISION: moonvit (Kimi-K2.5), moonvit_v2 (Kimi K3), deepseek_vit
     qkv_hidden_size: int = 0  # attention width where it is not the tower's (MoonViT-V2)
-    processor: str = "kimi"  # engine/chat/image.py PROCESSORS: the family's [family.engine] image_processor
+    processor: str = "kimi"  # engine/inputs/image.py PROCESSORS: the family's [family.engine] image_processor
     # DeepSeek-V4.1's resize rules (deepseek_vit; merge_kernel is its r x r aligner window): an image smaller than
     # min_pixels is enlarged, one costing more than max_image_tokens text positions shrunk, wide ones clamped
     min_pixels: int = 0

@@ -28,8 +28,8 @@ from engine.models.registry import block_stack, decoder_layer, image_tokens, vis
 from engine.layers.linear import LinearSlot, PlainLinear, RMSNorm, format_of, materialize, options_of, resolve_linears
 from engine.layers.rope import Rotary
 from engine.layers.slots import Stored, holds_all, load_unit, slot
-from engine.models.moonvit import ImageEncoder
-from kconvert.converted.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
+from engine.models.kimi_k25.vision import ImageEncoder
+from kconvert.disk_format.units import GLOBALS, VISION, is_unit, layer_unit, unit_layer
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
 from kconvert.family.engine_names import engine_keys

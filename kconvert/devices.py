@@ -1,5 +1,5 @@
 """Device selection through torch's generic device-module APIs, so cuda, musa (torch_musa registers
-`musa` as the renamed PrivateUse1 backend) and the CPU-backed `standin` (kconvert/load/standin.py)
+`musa` as the renamed PrivateUse1 backend) and the CPU-backed `standin` (kconvert/testing/standin.py)
 take the same code path, and an absent device is a clear error.
 
 This is the only module that names an accelerator type; everything else asks it (a test greps the

@@ -39,7 +39,8 @@ def conversion(checkpoint, tmp_path_factory):
     """conversion("tiny-k25-dsv32", tp=2, quant="fp8") -> Path of `shard` of that preset with those ShardJob
     options, converted once per session and shared by every test module that asks for the same one (a family's
     tests pay for each conversion once). Read-only: a test that damages one copies it first (copy_checkpoint)."""
-    from kconvert.convert.shard import ShardJob, shard
+    from helpers import shard_job
+    from kconvert.convert.shard.job import shard
 
     built: dict[tuple, Path] = {}
 
@@ -48,7 +49,7 @@ def conversion(checkpoint, tmp_path_factory):
         if key not in built:
             name = "-".join([preset] + [f"{k}{v}" for k, v in sorted(job.items())])
             out = tmp_path_factory.mktemp("conversion") / name
-            built[key] = Path(shard(ShardJob(str(checkpoint(preset)), str(out), **job)).out)
+            built[key] = Path(shard(shard_job(checkpoint(preset), out, **job)).out)
         return built[key]
 
     return get

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from kconvert.errors import KConvertError
 
 SEED = 20261130
@@ -44,7 +45,7 @@ def refused(fn) -> KConvertError | None:
 
 
 def convert(src: Path, out: Path, **kw) -> KConvertError | None:
-    job = ShardJob(str(src), str(out), kw.pop("tp", 2), quant=kw.pop("quant", "fp8"), **kw)
+    job = shard_job(src, out, tp=kw.pop("tp", 2), quant=kw.pop("quant", "fp8"), **kw)
     return refused(lambda: shard(job))
 
 

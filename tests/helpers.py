@@ -91,7 +91,7 @@ def header_offsets(path: Path) -> tuple[int, dict]:
 
 def read_meta(out: Path) -> dict:
     """OUT/kconvert.json with every rank's tensor list inline (format version 4 keeps them per rank)."""
-    from kconvert.converted.catalog import Catalog
+    from kconvert.disk_format.catalog import Catalog
 
     return Catalog.read(out).whole_doc()
 
@@ -101,11 +101,27 @@ def rewrite_catalog(out: Path, meta: dict) -> None:
     that knows the format (or a careful attacker) would leave it. Checks then have to catch the damage
     elsewhere; a plain edit without the digest is refused on open (tests/test_catalog.py). A `tensors` list
     (from read_meta) goes back into the per-rank lists, with fresh sha256s."""
-    from kconvert.converted.catalog import SPLIT_VERSION, digest_of
-    from kconvert.converted.rank_tensors import write_lists
+    from kconvert.disk_format.catalog import SPLIT_VERSION, digest_of
+    from kconvert.disk_format.rank_tensors import write_lists
 
     meta = dict(meta)
     if "tensors" in meta and meta.get("format_version", 0) >= SPLIT_VERSION:
         meta["tensors_by_rank"] = write_lists(Path(out), meta.pop("tensors"), len(meta["tensors_by_rank"]))
     meta["digest"] = digest_of(meta)
     (Path(out) / "kconvert.json").write_text(json.dumps(meta, indent=1))
+
+
+def shard_job(src, out, *, tp: int = 1, ep: int | None = None, pp: int = 1, pp_layers: str | None = None,
+              quant: str = "none", **options):
+    """A ShardJob from the flat options tests name (--tp, --ep, --pp, --pp-layers, --quant and its options by
+    QuantPolicy's field names; the job's own keywords as they are)."""
+    from dataclasses import fields
+
+    from kconvert.convert.layout import Topology
+    from kconvert.convert.shard.job import ShardJob
+    from kconvert.quant.policy import QuantPolicy
+
+    names = {f.name for f in fields(QuantPolicy)}
+    policy = QuantPolicy(quant, **{k: v for k, v in options.items() if k in names})
+    return ShardJob(str(src), str(out), topology=Topology(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), quant=policy,
+                    **{k: v for k, v in options.items() if k not in names})

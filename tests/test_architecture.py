@@ -18,15 +18,18 @@ STAGES = [
     "kconvert.family",     # family manifests and their shape expressions
     "kconvert.quant",      # quantization schemes, their registry and policy
     "kconvert.source",     # source checkpoints: hub, index, formats, tokenizer
-    "kconvert.converted",  # the converted-directory contract (kconvert.json, units, journal)
+    "kconvert.disk_format",  # the converted directory's on-disk format (kconvert.json, rank lists, units, journal)
     "kconvert.convert",    # layout, quantization, shard plan, shard, pack
     "kconvert.load",       # devices, streaming loader
-    "kconvert.plan",       # inspect, memory plan, KV bytes
+    "kconvert.testing",    # the stand-in accelerator (tests, the device check's dry run)
+    "kconvert.plan",       # memory plan, KV bytes
+    "kconvert.inspect",    # what a checkpoint or a converted directory holds
     "engine",              # the engine's base: model hyper-parameters (config), the forward across stages (pipeline)
     "engine.layers",       # building blocks of every family: linear weights in stored formats, slots, rotary
     "engine.cache",        # decode caches and their byte formats, the host tier
-    "engine.models",       # model-family blocks (one package per family) and the layer-kind registry
-    "engine.draft",        # draft heads (MTP) over the family blocks, their registry and the drafter
+    "engine.models",       # one package per model family (its blocks, cache, draft heads, vision), the kind registry
+    "engine.inputs",       # tokenizer, chat template, image preprocessing: what chat and verify feed the engine
+    "engine.draft",        # the draft-head kinds' registry and the drafters that run them
     "engine.model",        # the model assembled from a converted checkpoint's units
     "engine.runtime",      # generation, launching ranks, time-to-ready, tp checks
     "engine.calibrate",    # GPTQ layer by layer through the engine
@@ -114,7 +117,7 @@ def import_cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def long_files_without_a_reason(root: Path = ROOT) -> list[str]:
     long = []
-    for folder in PACKAGES + ("tests", "bench"):
+    for folder in PACKAGES + ("tests", "bench", "tools"):
         for p in (root / folder).rglob("*.py"):
             text = p.read_text()
             lines = text.count("\n")
@@ -143,7 +146,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    for pkg in PACKAGES + ("tests", "bench"):
+    for pkg in PACKAGES + ("tests", "bench", "tools"):
         (root / pkg).mkdir(exist_ok=True)
     return root
 
@@ -153,9 +156,9 @@ def test_the_checkers_fail_on_a_synthetic_violation(tmp_path):
     one, inside a function), one with a cycle, and one with a long test file each fail their checker; the
     same trees without the violation pass it."""
     base = {"kconvert/__init__.py": "", "kconvert/io/__init__.py": "", "kconvert/convert/__init__.py": ""}
-    up = _tree(tmp_path / "up", {**base, "kconvert/convert/shard.py": "X = 1\n",
-                                "kconvert/io/atomic.py": "def f():\n    from kconvert.convert.shard import X\n"})
-    assert upward_imports(graph(up)) == ["kconvert.io.atomic (kconvert.io) imports kconvert.convert.shard "
+    up = _tree(tmp_path / "up", {**base, "kconvert/convert/shard/job.py": "X = 1\n",
+                                "kconvert/io/atomic.py": "def f():\n    from kconvert.convert.shard.job import X\n"})
+    assert upward_imports(graph(up)) == ["kconvert.io.atomic (kconvert.io) imports kconvert.convert.shard.job "
                                          "(kconvert.convert)"]
     assert not import_cycles(graph(up))
     # inside the engine: a shared building block reaching up into a family's package

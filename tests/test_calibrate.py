@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from helpers import assert_one_line_error, cli_here, one_thread
-from kconvert.converted.catalog import Catalog
-from kconvert.convert.shard import ShardJob, shard
+from kconvert.disk_format.catalog import Catalog
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from kconvert.errors import UsageError
 from kconvert.source.calibration_data import calibration_windows
 
@@ -29,7 +30,7 @@ def _make(grid="kconvert"):
 
 
 def _shard(src, out, tp=2, calibrate=None):
-    job = ShardJob(str(src), str(out), tp, quant="int4", force=SHARED, workers=1)
+    job = shard_job(src, out, tp=tp, quant="int4", force=SHARED, workers=1)
     return shard(job, calibrate=calibrate if calibrate is not None else _make())
 
 
@@ -164,7 +165,7 @@ def test_calibrated_w4a16_export_reads_back_in_compressed_tensors(checkpoint, tm
 
     from cli.calibrate_opts import calibration_factory
     from helpers import load_source
-    from kconvert.convert.export import ExportJob, export
+    from kconvert.convert.export.job import ExportJob, export
     from kconvert.quant.packing import unpack_int32_words
 
     src = checkpoint("tiny-k25-dsv32")
@@ -234,8 +235,8 @@ def test_calibration_memory_helpers_keep_the_numbers(checkpoint):
     from engine.calibrate import memory as mem
     from engine.calibrate import routing as calibrate_moe
     from engine.model import Model
-    from kconvert.convert.shard_plan import unit_of
-    from kconvert.converted.units import layer_unit
+    from kconvert.convert.shard.plan import unit_of
+    from kconvert.disk_format.units import layer_unit
     from kconvert.distributed import Group
     from kconvert.family.engine_names import engine_keys
     from kconvert.source.checkpoint import Checkpoint

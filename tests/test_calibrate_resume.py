@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 
 TOKENS, SEQ = 64, 32  # two sequences: a layer in well under a second
 SHARED = ("*shared_experts*",)
@@ -27,7 +28,7 @@ def _factory():
 
 
 def _shard(src: Path, out: Path):
-    return shard(ShardJob(str(src), str(out), 1, quant="int4", force=SHARED, workers=1), calibrate=_factory())
+    return shard(shard_job(src, out, tp=1, quant="int4", force=SHARED, workers=1), calibrate=_factory())
 
 
 def _files(out: Path) -> dict[str, bytes]:

@@ -1,4 +1,4 @@
-"""kconvert.json is owned by kconvert.converted.catalog: its digest refuses any edit, its schema is
+"""kconvert.json is owned by kconvert.disk_format.catalog: its digest refuses any edit, its schema is
 checked on every open, and no file name in it (or a symlink) reaches outside the directory. Every
 reader and writer (load, verify-files, pack/unpack, verify) goes through it: exit 2, one line naming
 kconvert.json and the field, nothing outside OUT touched."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_line_error, read_meta, rewrite_catalog, run_cli
-from kconvert.converted.catalog import Catalog, digest_of
+from kconvert.disk_format.catalog import Catalog, digest_of
 from kconvert.errors import CheckpointError
 
 
@@ -46,7 +46,7 @@ def _all_refuse(out: Path, *needles: str) -> None:
     """Every reader and writer refuses, in the library (load, verify-files, pack, unpack) and once through
     the CLI (one line, exit 2)."""
     from kconvert.convert.pack import pack, unpack
-    from kconvert.converted.integrity import verify_files
+    from kconvert.disk_format.integrity import verify_files
     from kconvert.load.loader import open_converted
 
     for name, call in (("load", lambda: list(open_converted(out).stream("cpu", verify=True))),
@@ -188,7 +188,7 @@ def test_a_record_like_one_checked_already_is_still_checked(out, edit, field):
 def test_rank_lists_are_the_bytes_json_dumps_writes(tmp_path):
     """The per-rank lists are encoded fast where that gives json.dumps' exact bytes (kconvert.json's digest and
     every conversion's bytes depend on them), and by json.dumps otherwise."""
-    from kconvert.converted.rank_tensors import COLUMNS, FORMAT, list_file, write_lists
+    from kconvert.disk_format.rank_tensors import COLUMNS, FORMAT, list_file, write_lists
 
     base = {"name": "m.w", "unit": "layer-0001", "group": "text", "component": "experts", "expert": 3, "rule": "x",
             "slice": [0, 1, 2], "transform": "fp8", "dtype": "F8_E4M3", "shape": [2, 3], "crc32": "0011aabb", "rank": 0}
@@ -207,7 +207,7 @@ def test_verify_files_of_one_rank_reads_only_its_share(out):
     """`verify-files --rank R` checks rank R's files against its own tensor list and reads no other rank's: with rank
     1's list and one of its files damaged, rank 0 passes, rank 1 and the whole directory are refused naming what is
     wrong; a rank the conversion does not have is a usage error naming kconvert.json."""
-    from kconvert.converted.integrity import verify_files
+    from kconvert.disk_format.integrity import verify_files
 
     cat = Catalog.read(out)
     whole = verify_files(out)

@@ -50,7 +50,7 @@ def png_claiming(path, width: int, height: int) -> None:
 
 # ---- images -------------------------------------------------------------------------------------
 def test_image_larger_than_the_limit_is_refused_before_decoding(tmp_path):
-    from engine.chat.image import ImageRules, load_image
+    from engine.inputs.image import ImageRules, load_image
 
     bomb = tmp_path / "bomb.png"
     png_claiming(bomb, 50_000, 50_000)  # 2.5 Gpx: 7.5 GB decoded, from a 70-byte file
@@ -68,7 +68,7 @@ def test_image_larger_than_the_limit_is_refused_before_decoding(tmp_path):
 
 @pytest.mark.parametrize("content", [b"", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, b"GIF89a" + b"\xff" * 30, b"not an image"])
 def test_corrupt_images_are_one_line_errors(tmp_path, content):
-    from engine.chat.image import load_image
+    from engine.inputs.image import load_image
 
     p = tmp_path / "broken.png"
     p.write_bytes(content)
@@ -80,7 +80,7 @@ def test_corrupt_images_are_one_line_errors(tmp_path, content):
 def test_truncated_image_and_directory(tmp_path):
     from PIL import Image
 
-    from engine.chat.image import load_image
+    from engine.inputs.image import load_image
 
     p = tmp_path / "cut.png"
     Image.effect_noise((300, 300), 60).convert("RGB").save(p)
@@ -105,7 +105,7 @@ MESSAGES = {"messages": [{"role": "user", "content": "hi"}], "add_generation_pro
     ("{{ raise_exception('no system role') }}", "no system role"),
 ])
 def test_bad_templates_fail_with_one_line(template, expect):
-    from engine.chat.template import render
+    from engine.inputs.template import render
 
     with pytest.raises(ChatTemplateError) as e:
         render(template, MESSAGES, "tokenizer_config.json: chat_template")
@@ -114,7 +114,7 @@ def test_bad_templates_fail_with_one_line(template, expect):
 
 
 def test_template_that_loops_forever_is_stopped():
-    from engine.chat.template import render
+    from engine.inputs.template import render
 
     nested = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"  # 10^10 steps
     t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def test_template_that_loops_forever_is_stopped():
 
 
 def test_good_template_renders():
-    from engine.chat.template import render
+    from engine.inputs.template import render
 
     assert render("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", MESSAGES, "t") == "<user>hi"
 
@@ -137,7 +137,7 @@ def test_good_template_renders():
     (lambda t: "", "no tokens"),
 ])
 def test_malformed_tiktoken_model(tok_copy, damage, expect):
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     path = tok_copy / "tiktoken.model"
     path.write_text(damage(path.read_text()))
@@ -155,7 +155,7 @@ def test_malformed_tiktoken_model(tok_copy, damage, expect):
     ("[]", "JSON object"),
 ])
 def test_malformed_tokenizer_config(tok_copy, text, expect):
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     path = tok_copy / "tokenizer_config.json"
     path.write_text(text)
@@ -165,7 +165,7 @@ def test_malformed_tokenizer_config(tok_copy, text, expect):
 
 
 def test_tokenizer_symlink_leading_out_is_refused(tok_copy, tmp_path):
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     outside = tmp_path / "elsewhere.model"
     shutil.move(tok_copy / "tiktoken.model", outside)

@@ -42,10 +42,10 @@ def _option(command: click.Command, name: str) -> click.Option:
 
 def test_help_comes_from_the_registries():
     from cli.main import app
-    from kconvert.convert.export import DEFAULT_MAX_SHARD
-    from kconvert.convert.export_table import FORMATS
+    from kconvert.convert.export.job import DEFAULT_MAX_SHARD
+    from kconvert.convert.export.table import FORMATS
     from kconvert.plan.device_presets import devices
-    from kconvert.plan.kv_bytes import KV_DTYPES
+    from kconvert.kv_rows import KV_DTYPES
     from kconvert.quant.registry import SHARD_SCHEMES
     from kconvert.quant.scheme import SCALE_FORMATS
     from cli.units import parse_size
@@ -71,7 +71,7 @@ def test_help_comes_from_the_registries():
 def test_ctrl_c_says_how_to_resume_where_the_same_command_resumes(monkeypatch, tmp_path):
     from helpers import cli_here
     from kconvert.convert import pack
-    from kconvert.converted import integrity
+    from kconvert.disk_format import integrity
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

@@ -17,12 +17,13 @@ from helpers import assert_one_line_error, cli_here, run_cli, rewrite_catalog
 from kconvert.io import compressed as comp_mod
 from kconvert.io.compress_file import compress_file
 from kconvert.io.compressed import parse_codec
-from kconvert.converted.integrity import verify_files
+from kconvert.disk_format.integrity import verify_files
 from kconvert.errors import CheckpointError, KConvertError, UsageError
 from kconvert.load.loader import open_converted
 from kconvert.convert.pack import pack, unpack
 from kconvert.io.safetensors_read import read_header, read_tensor
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 
 CASES = {"none": ("tiny-k25-dsv32", 2), "fp8": ("tiny-k25-dsv32-fp8", 1), "int8": ("tiny-k25-dsv32", 1)}
 
@@ -34,8 +35,8 @@ def convs(checkpoint, tmp_path_factory):
     out = {}
     for quant, (preset, tp) in CASES.items():
         src = str(checkpoint(preset))
-        plain = shard(ShardJob(src, str(base / f"{quant}-plain"), tp=tp, quant=quant)).out
-        z = shard(ShardJob(src, str(base / f"{quant}-z"), tp=tp, quant=quant, compress="zstd")).out
+        plain = shard(shard_job(src, base / f"{quant}-plain", tp=tp, quant=quant)).out
+        z = shard(shard_job(src, base / f"{quant}-z", tp=tp, quant=quant, compress="zstd")).out
         out[quant] = Path(plain), Path(z)
     return out
 
@@ -163,7 +164,7 @@ def test_compressed_source_checkpoint_inspects_and_converts(checkpoint, copy_che
         compress_file(f, f)
     summary = json.loads(run_cli("inspect", src, "--json", check=True).stdout)
     assert summary["tensors"] > 0
-    out = Path(shard(ShardJob(str(src), str(tmp_path / "o"), tp=1, quant="int8")).out)
+    out = Path(shard(shard_job(src, tmp_path / "o", tp=1, quant="int8")).out)
     want = json.loads((convs["int8"][0] / "kconvert.json").read_text())["files"]
     got = json.loads((out / "kconvert.json").read_text())["files"]
     assert got == want  # same bytes written from a compressed source

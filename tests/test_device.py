@@ -1,4 +1,4 @@
-"""The accelerator path on the stand-in device (kconvert/load/standin.py): the loader's device branch
+"""The accelerator path on the stand-in device (kconvert/testing/standin.py): the loader's device branch
 (pinned staging ring, side-stream copies, events, one allocation per unit), `kconvert load --device
 standin [--warmup]` and the engine, each against the CPU path, byte for byte."""
 
@@ -15,9 +15,10 @@ import torch
 
 from helpers import ROOT, assert_one_line_error
 from kconvert.convert.pack import pack
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from kconvert import devices
-from kconvert.load import standin
+from kconvert.testing import standin
 from kconvert.load.loader import open_converted
 
 DEV = standin.install()  # once per process; off except while this module's tests run
@@ -39,7 +40,7 @@ def converted(checkpoint, conversion, tmp_path_factory):
     base = tmp_path_factory.mktemp("device")
     out = {"fp8": conversion("tiny-k25-dsv32-fp8", tp=1, quant="fp8"),
            "int8-tp2": conversion("tiny-k25-dsv32", tp=2, quant="int8"),
-           "packed": shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(base / "packed"), tp=1, quant="none")).out}  # packed in place: its own
+           "packed": shard(shard_job(checkpoint("tiny-k25-dsv32"), base / "packed", tp=1, quant="none")).out}  # packed in place: its own
     pack(out["packed"])
     return {k: Path(v) for k, v in out.items()}
 
@@ -198,7 +199,7 @@ def test_engine_on_the_device_equals_cpu(converted, conversion, which):
 
 def _cli(*args) -> subprocess.CompletedProcess:
     """`kconvert ARGS` in a fresh process with the stand-in registered first (as torch_musa's import would)."""
-    code = "import sys; from kconvert.load import standin; standin.install(); from cli.main import main; sys.exit(main())"
+    code = "import sys; from kconvert.testing import standin; standin.install(); from cli.main import main; sys.exit(main())"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
 
@@ -237,7 +238,7 @@ def test_only_devices_py_names_an_accelerator():
 
     literal = re.compile(r"^[rbfu]*['\"](%s)(:\d+)?['\"]$" % "|".join(ACCELERATOR_NAMES))
     bad = []
-    for folder in ("kconvert", "engine", "cli", "bench"):
+    for folder in ("kconvert", "engine", "cli", "bench", "tools"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path == ROOT / "kconvert/devices.py":
                 continue

@@ -1,4 +1,4 @@
-"""bench/device_check.py, the one prepared GPU run, works end to end here on CPU with small sizes
+"""tools/device_check.py, the one prepared GPU run, works end to end here on CPU with small sizes
 (verify is left out for time: `--device standin --quick` runs it on the stand-in, see docs/LOADER.md)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from helpers import ROOT
 
 def test_device_check_runs_on_cpu(tmp_path):
     out = tmp_path / "check.json"
-    r = subprocess.run([sys.executable, "bench/device_check.py", "--device", "cpu", "--quick", "--skip", "verify",
+    r = subprocess.run([sys.executable, "tools/device_check.py", "--device", "cpu", "--quick", "--skip", "verify",
                         "--workdir", str(tmp_path / "work"), "--out", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -38,7 +38,7 @@ def test_a_verify_fail_is_shown_as_fail_and_builds_are_kept_apart_by_size(monkey
     import importlib.util
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "bench" / "device_check.py")
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "tools" / "device_check.py")
     dc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dc)
     import kconvert.verify.verdict as verdict

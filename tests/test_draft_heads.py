@@ -15,8 +15,9 @@ import torch
 
 from engine.draft.drafter import Context, new_drafter
 from engine.model import Model
-from kconvert.convert.shard import ShardJob, shard
-from kconvert.converted.units import GLOBALS, layer_unit
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
+from kconvert.disk_format.units import GLOBALS, layer_unit
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, UsageError
 from kconvert.load.loader import open_converted
@@ -67,7 +68,7 @@ def v3(tmp_path_factory):
     out = {}
     for own in (True, False):
         src = write_v3_with_mtp(root / f"src-{own}", own)
-        out[own] = src, Path(shard(ShardJob(str(src), str(root / f"tp1-{own}"), tp=1)).out)
+        out[own] = src, Path(shard(shard_job(src, root / f"tp1-{own}", tp=1)).out)
     return out
 
 
@@ -121,7 +122,7 @@ def test_v4_mtp_head_matches_mlx_vlm_drafter(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     write_v4_model(build_v4_model(0, dict(CONFIGS["wide"], vocab_size=1024, num_nextn_predict_layers=1)), src, 0)
-    conv = shard(ShardJob(str(src), str(tmp_path / "tp1"), tp=1)).out
+    conv = shard(shard_job(src, tmp_path / "tp1", tp=1)).out
     cfg = json.loads((src / "config.json").read_text())
     n = cfg["num_hidden_layers"]
     # the drafter's block is sliding only; mlx-vlm's config takes only the released rates 0 / 4 / 128

@@ -2,7 +2,7 @@
 says `num_nextn_predict_layers: 1`. The stages are counted from the checkpoint's names and carried by shard (each
 tensor once, byte for byte at --quant none, the FP8 blocks bit for bit at --quant fp8), a stage missing a tensor is
 refused naming it, mlx-vlm's own drafter (kconvert/verify/mlx_dspark.py) loads the source strictly and runs, and the
-engine's drafter (engine/draft/dspark_v4.py) gives its predictions.
+engine's drafter (engine/models/deepseek_v4/dspark.py) gives its predictions.
 On the preset and on a config that is none (other widths, target layers out of order, rank, block size; bf16)."""
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def test_the_mlx_reference_runs_and_its_markov_head_counts(request, which):
 
 @pytest.mark.parametrize("which", ["preset", "other", "trained"])
 def test_the_engines_drafter_is_mlx_vlms(request, tmp_path, which):
-    """The engine's DSpark drafter over V4 stages (engine/draft/dspark_v4.py) gives mlx-vlm's deepseek_v4_dspark
+    """The engine's DSpark drafter over V4 stages (engine/models/deepseek_v4/dspark.py) gives mlx-vlm's deepseek_v4_dspark
     drafter's first-draft log-probs at every position (mean KLD < 1e-5, float32; the context read past its window
     of 8), on the preset (FP8 / FP4), on the non-preset config (targets out of order, blocks of 3) and on the trained
     preset (trained through the engine's drafter: kconvert/fixtures/trained_dspark.py); greedy decoding drafted by it

@@ -126,7 +126,7 @@ def test_resize_plans_are_mlx_vlms(sides, name):
     tall image, one row for a very wide one): the same pixel size and window grid as mlx-vlm's plan_image_grid."""
     from mlx_vlm.models.deepseek_v41.processing_deepseek_v41 import plan_image_grid
 
-    from engine.chat.image_deepseek import DeepseekImageRules, plan
+    from engine.models.deepseek_v41.image import DeepseekImageRules, plan
 
     model, _, config = sides[name]
     rules, mc = DeepseekImageRules.of(model.mc.vision), _mlx_config(config)
@@ -144,7 +144,7 @@ def test_preprocessing_gives_mlx_vlms_patches(sides, name, tmp_path):
     from mlx_vlm.models.deepseek_v41.processing_deepseek_v41 import load_image, num_image_tokens
     from PIL import Image
 
-    from engine.chat.image import preprocess_for
+    from engine.inputs.image import preprocess_for
     from kconvert.verify.prompts import synthetic_image
 
     model, _, config = sides[name]
@@ -206,8 +206,8 @@ def test_chat_answers_an_image_turn_as_the_reference_predicts(sides, v41, tmp_pa
     import io
 
     from engine.chat import session as chat_session
-    from engine.chat.image import preprocess_for
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.image import preprocess_for
+    from engine.inputs.tokenizer import Tokenizer
     from engine.runtime.generate import Sampling
     from kconvert.verify.prompts import synthetic_image
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers import ROOT
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from v4_reference import earliest_ties
 
 
@@ -25,7 +26,7 @@ def conversions(checkpoint, tmp_path_factory):
         key = (preset, quant, tp, pp)
         if key not in made:
             out = d / f"{preset}-{quant}-tp{tp}-pp{pp}"
-            shard(ShardJob(str(checkpoint(preset)), str(out), tp=tp, pp=pp, quant=quant))
+            shard(shard_job(checkpoint(preset), out, tp=tp, pp=pp, quant=quant))
             made[key] = out
         return made[key]
 

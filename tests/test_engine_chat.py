@@ -48,7 +48,7 @@ def test_chat_refuses_unknown_commands_confirms_clear_and_echoes_a_completion(ti
     from engine.chat import session as chat_mod
     from engine.runtime.generate import Sampling
     from engine.model import Model
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     model = Model.from_converted(tiny_converted, dtype=torch.float32)
     tok = Tokenizer(tiny_converted)
@@ -91,7 +91,7 @@ def test_generation_greedy_equals_argmax_and_stops(tiny_converted):
 
 
 def test_tokenizer_chat_template_and_image_expansion(tiny_converted):
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_converted)
     text = "Hello, world! 你好"
@@ -105,7 +105,7 @@ def test_tokenizer_chat_template_and_image_expansion(tiny_converted):
 
 def test_streaming_never_prints_part_of_a_character(tiny_converted):
     from engine.chat.stream import TextStream
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_converted)
     text = "naïve café: 你好, 世界 😀🚀 ok"
@@ -135,7 +135,7 @@ def test_cache_is_sized_by_use_not_by_the_config(tiny_converted):
     from engine.chat.session import Session
     from engine.runtime.generate import Sampling
     from engine.model import Model
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     model = Model.from_converted(tiny_converted, dtype=torch.float32)
     model.cfg = dataclasses.replace(model.cfg, max_position_embeddings=1 << 20)  # a 1M-context config

@@ -151,7 +151,7 @@ def test_text_logits_match_transformers(preset, length, reference, engine):
 def test_image_prompt_logits_match_transformers(reference, engine):
     from PIL import Image
 
-    from engine.chat.image import preprocess
+    from engine.inputs.image import preprocess
 
     model = engine("tiny-k25-dsv32")
     vc = model.mc.vision

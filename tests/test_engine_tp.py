@@ -9,15 +9,16 @@ import sys
 
 import torch
 
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from helpers import ROOT
 
 
 def test_tp2_under_torchrun_matches_tp1(checkpoint, tmp_path):
     src = checkpoint("tiny-k25-dsv32")
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
-    shard(ShardJob(str(src), str(tp1), tp=1))
-    shard(ShardJob(str(src), str(tp2), tp=2))
+    shard(shard_job(src, tp1, tp=1))
+    shard(shard_job(src, tp2, tp=2))
     seed = int.from_bytes(os.urandom(4), "little")
     out = tmp_path / "tp2.pt"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",

@@ -14,9 +14,9 @@ from engine.config import ModelConfig
 from engine.models.registry import decoder_layer
 from engine.layers.linear import PlainLinear, resolve_linears
 from engine.layers.slots import load_unit
-from engine.cache.compressed import V4LayerState
+from engine.models.deepseek_v4.cache import V4LayerState
 from engine.models.deepseek_v4.compressor import Indexer
-from kconvert.converted.units import GLOBALS, layer_unit
+from kconvert.disk_format.units import GLOBALS, layer_unit
 from kconvert.distributed import Group
 from v4_reference import CONFIGS, earliest_ties, engine_state, reference, text_config
 

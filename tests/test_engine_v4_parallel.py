@@ -14,8 +14,8 @@ import engine.model as engine_model
 from engine.models.registry import decoder_layer
 from engine.layers.linear import PlainLinear, resolve_linears
 from engine.layers.slots import load_unit
-from engine.cache.compressed import V4LayerState
-from kconvert.converted.units import GLOBALS, layer_unit
+from engine.models.deepseek_v4.cache import V4LayerState
+from kconvert.disk_format.units import GLOBALS, layer_unit
 from kconvert.distributed import Group
 from test_engine_v4 import TOL, engine_layer, engine_model_of, ids_of, ref, rel  # noqa: F401 (ref: the fixture)
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import assert_one_line_error, cli_here, load_source, one_thread, run_cli
-from kconvert.convert.export import ExportJob, export
+from kconvert.convert.export.job import ExportJob, export
 from kconvert.source.checkpoint import Checkpoint
 
 CT_FORMATS = ("w4a16", "w8a8-int8", "fp8-channel")
@@ -149,14 +149,15 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
     from click.testing import CliRunner
 
     from cli.main import app
-    from kconvert.convert.shard import ShardJob, shard
+    from helpers import shard_job
+    from kconvert.convert.shard.job import shard
 
     def inspect(path) -> dict:
         res = CliRunner().invoke(app, ["inspect", str(path), "--json"])
         assert res.exit_code == 0, res.output
         return json.loads(res.output)
 
-    from kconvert.convert.export_table import EXPORT_FORMATS
+    from kconvert.convert.export.table import EXPORT_FORMATS
 
     src = inspect(checkpoint("tiny-k25-dsv32"))
     assert src["quantization"] is None
@@ -164,7 +165,7 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
         got = inspect(out)
         assert got["total_params"] == src["total_params"] and got["params"] == src["params"], fmt
         assert got["quantization"] == {"format": fmt, "scheme": EXPORT_FORMATS[fmt].scheme}, fmt
-        assert shard(ShardJob(out, str(tmp_path / fmt), tp=2)).files_written > 0
+        assert shard(shard_job(out, tmp_path / fmt, tp=2)).files_written > 0
         index = json.loads((Path(out) / "model.safetensors.index.json").read_text())
         sizes = sum(t.numel() * t.element_size() for t in load_source(Path(out)).values())
         assert index["metadata"]["total_size"] == sizes
@@ -172,7 +173,7 @@ def test_inspect_and_shard_read_exports_back(exported, checkpoint, tmp_path):
 
 
 def test_interrupted_export_resumes_and_never_looks_complete(checkpoint, tmp_path, monkeypatch):
-    import kconvert.convert.export as ex
+    import kconvert.convert.export.job as ex
 
     src, out = checkpoint("tiny-k25-dsv32"), tmp_path / "o"
     job = ExportJob(str(src), str(out), "w8a8-int8", max_shard_bytes=2_000_000, workers=2)

@@ -29,7 +29,7 @@ import torch
 
 from faults import CLI_EVERY, FLOATS, MANIFEST, SEED, Sandbox, library_reads, snapshot, value_bytes, write_header
 from helpers import assert_one_line_error, cli_here, header_offsets, run_cli
-from kconvert.converted.integrity import verify_files
+from kconvert.disk_format.integrity import verify_files
 from kconvert.errors import NonFiniteError
 from kconvert.source.checkpoint import Checkpoint
 

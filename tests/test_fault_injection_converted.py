@@ -14,7 +14,7 @@ import pytest
 
 from faults import CLI_EVERY, MANIFEST, SEED, convert, refused, snapshot
 from helpers import cli_here, run_cli
-from kconvert.converted.integrity import verify_files
+from kconvert.disk_format.integrity import verify_files
 
 N_CONVERTED = 90
 

@@ -115,7 +115,7 @@ def test_side_file_damage_via_cli_is_one_line(sandbox, deadline, name, kind):
 @pytest.mark.parametrize("kind", ["fifo", "char_device", "deep_json", "huge"])
 def test_converted_side_files_refused(checkpoint, tmp_path, deadline, kind):
     """kconvert.json and --reference through the same bounded reader."""
-    from kconvert.converted.catalog import Catalog
+    from kconvert.disk_format.catalog import Catalog
     from kconvert.errors import KConvertError
     from kconvert.verify.reference import load_reference
 
@@ -168,7 +168,7 @@ EXPORT_COPY_CASES = [  # fixture, damage, format, what the one line names
 
 @pytest.mark.parametrize("fixture,damage,fmt,needle", EXPORT_COPY_CASES)
 def test_export_copy_paths_checked_like_shard(checkpoint, tmp_path, fixture, damage, fmt, needle):
-    from kconvert.convert.export import ExportJob, export
+    from kconvert.convert.export.job import ExportJob, export
     from faults import refused
 
     box = Sandbox(checkpoint(fixture), tmp_path)
@@ -218,7 +218,7 @@ def test_chat_arguments_checked_before_loading(argv, needle):
 
 
 def test_image_path_too_long_is_one_line():
-    from engine.chat.image import load_image
+    from engine.inputs.image import load_image
     from kconvert.errors import ImageError
 
     with pytest.raises(ImageError):

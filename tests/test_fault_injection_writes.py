@@ -18,8 +18,9 @@ import pytest
 
 from faults import MANIFEST, convert
 from helpers import ROOT
-from kconvert.convert.shard import ShardJob, shard
-from kconvert.converted.integrity import verify_files
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
+from kconvert.disk_format.integrity import verify_files
 from kconvert.errors import WriteError
 
 
@@ -50,7 +51,7 @@ def test_disk_full_is_a_clean_error_and_resumable(checkpoint, tmp_path):
     assert not (out / MANIFEST).exists()
     assert not list(out.rglob(".*.tmp-*")), "a temporary file was left behind"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    again = shard(ShardJob(str(src), str(out), 2, quant="fp8"))  # the same job, no limit: it resumes and finishes
+    again = shard(shard_job(src, out, tp=2, quant="fp8"))  # the same job, no limit: it resumes and finishes
     assert again.files_resumed == len(first) and again.files_written == len(sizes) - len(first)
     verify_files(out)
 
@@ -62,7 +63,7 @@ def _trace_durability(monkeypatch) -> list[tuple]:
     """Record, in order, every fsync (by the path its descriptor names), rename and journal append."""
     import threading
 
-    from kconvert.converted.journal import JournalLog
+    from kconvert.disk_format.journal import JournalLog
 
     events: list[tuple] = []
     lock = threading.Lock()
@@ -139,7 +140,7 @@ def test_fsync_failure_journals_none_of_the_unit_and_resumes(checkpoint, tmp_pat
     stale = [out / "rank-000" / ".layer-0001.safetensors.tmp-4242", out / "rank-001" / ".layer-0001.safetensors.tmp-7"]
     for f in stale:  # what a killed run would have left of the files still to write
         f.write_bytes(b"torn")
-    again = shard(ShardJob(str(src), str(out), 2, quant="fp8"))
+    again = shard(shard_job(src, out, tp=2, quant="fp8"))
     assert again.files_resumed == len(kept)
     assert not any(f.exists() for f in stale) and not list(out.rglob(".*.tmp-*"))
     verify_files(out)
@@ -179,7 +180,7 @@ def test_unwritable_file_is_a_write_error_naming_it(tmp_path, monkeypatch, where
 def test_journal_fsync_failure_is_a_write_error_naming_the_journal(tmp_path, monkeypatch):
     """EIO while making a journal record durable is a WriteError naming the journal (exit 2, one line),
     not a raw OSError that ends as an internal error."""
-    from kconvert.converted.journal import JournalLog
+    from kconvert.disk_format.journal import JournalLog
 
     def eio(fd):
         raise OSError(errno.EIO, "Input/output error")

@@ -41,7 +41,7 @@ def test_ids_and_bytes_are_what_transformers_reads(tok_dir):
 def test_chat_ids_are_the_templates_as_transformers_applies_it(tok_dir):
     from transformers import AutoTokenizer
 
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     ours = Tokenizer(tok_dir)
     ref = AutoTokenizer.from_pretrained(str(tok_dir))

@@ -4,7 +4,7 @@ changed on disk) is decoded, and a record JSON would not give back as it is (a t
 
 from __future__ import annotations
 
-from kconvert.converted.journal import JournalLog, read_done
+from kconvert.disk_format.journal import JournalLog, read_done
 
 
 def _file(out, rel: str, size: int) -> None:

@@ -63,7 +63,8 @@ def test_pages_taken_on_demand_returned_and_bounded(model):
 @pytest.mark.parametrize("width", [200, 256])  # a partial last tile, and whole tiles (the broadcast decode)
 def test_rows_round_trip(code, width):
     from engine.cache.row_format import RowFormat
-    from kconvert.plan.kv_bytes import latent_bytes, row_bytes
+    from kconvert.kv_rows import row_bytes
+    from kconvert.plan.kv_bytes import latent_bytes
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     lat = torch.randn(3, 5, width, generator=g) * torch.logspace(-3, 2, width)  # tiles of very different range

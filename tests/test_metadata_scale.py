@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import verify_files
-from kconvert.convert.shard import ShardJob, shard
+from kconvert.disk_format.catalog import Catalog
+from kconvert.disk_format.integrity import verify_files
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from kconvert.load.loader import open_converted
-from kconvert.plan.inspect import summarize
+from kconvert.inspect.checkpoint import summarize
 from kconvert.source.checkpoint import Checkpoint
 
 SCALED = [("topo-k25", 96), ("topo-kimi-k3", 48)]  # INT4 triples; Kimi K3's MXFP4 pairs (the columnar path)
@@ -26,7 +27,7 @@ def _metadata_work(src, out) -> tuple[float, int]:
     """(CPU seconds, stored tensors) of inspect, shard --tp 2, verify-files and loading rank 1."""
     t = time.process_time()
     stored = summarize(Checkpoint.open(src)).tensors
-    shard(ShardJob(str(src), str(out), tp=2))
+    shard(shard_job(src, out, tp=2))
     verify_files(out)
     for _ in open_converted(out, rank=1).stream("cpu", prefetch=1):
         pass
@@ -80,7 +81,7 @@ def test_a_rank_reads_only_its_own_tensor_list(checkpoint, tmp_path):
     """kconvert.json (format 4) lists no tensors; each rank's list is its own file, checked against the
     sha256 kconvert.json records: loading rank 1 works with every other rank's list gone."""
     out = tmp_path / "tp2"
-    shard(ShardJob(str(checkpoint("topo-k25", layers=3, experts=8)), str(out), tp=2))
+    shard(shard_job(checkpoint("topo-k25", layers=3, experts=8), out, tp=2))
     cat = Catalog.read(out)
     assert "tensors" not in cat.doc and len(cat.doc["tensors_by_rank"]) == 2
     everyone = cat.tensors

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from helpers import assert_one_line_error, load_source, read_meta, run_cli
+from helpers import assert_one_line_error, load_source, read_meta, run_cli, shard_job
 from test_shard import deepseek_slice
 
 from kconvert.errors import LoaderError, UsageError
@@ -32,7 +32,8 @@ def four_layers(checkpoint):
 def converted(checkpoint, tmp_path_factory):
     """converted(preset, tp, pp, quant="none") -> OUT, converted in this process once per module (the CLI
     path of shard --pp is exercised by the tests that use run_cli)."""
-    from kconvert.convert.shard import ShardJob, shard
+    from helpers import shard_job
+    from kconvert.convert.shard.job import shard
 
     made: dict[tuple, Path] = {}
 
@@ -40,7 +41,7 @@ def converted(checkpoint, tmp_path_factory):
         key = (preset, tp, pp, quant)
         if key not in made:
             out = tmp_path_factory.mktemp("conv") / f"{preset}-tp{tp}-pp{pp}-{quant}"
-            shard(ShardJob(str(checkpoint(preset)), str(out), tp, quant=quant, pp=pp))
+            shard(shard_job(checkpoint(preset), out, tp=tp, pp=pp, quant=quant))
             made[key] = out
         return made[key]
 
@@ -86,7 +87,7 @@ def check_against_source(src: Path, out: Path, tp: int, pp: int) -> dict:
 
 
 def test_tp2_pp2_holds_each_stage_slice_and_edges(checkpoint, converted):
-    from kconvert.converted.integrity import verify_files
+    from kconvert.disk_format.integrity import verify_files
 
     src, out = checkpoint("tiny-dsv32"), converted("tiny-dsv32", 2, 2)
     meta = check_against_source(src, out, 2, 2)
@@ -107,10 +108,10 @@ def test_tp1_pp4_with_a_pp_layers_override(four_layers, tmp_path):
 
 def test_shard_pp_errors_are_one_line(checkpoint, tmp_path):
     src = checkpoint("tiny-dsv32")
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.shard.job import shard
 
     with pytest.raises(UsageError, match="--pp 4: the model has 3 decoder layers"):
-        shard(ShardJob(str(src), str(tmp_path / "a"), 1, pp=4))
+        shard(shard_job(src, tmp_path / "a", tp=1, pp=4))
     assert_one_line_error(run_cli("shard", src, tmp_path / "b", "--tp", 1, "--pp", 2, "--pp-layers", "0-0,2-2"),
                           "--pp-layers", "layer 1 is in no stage")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything is written
@@ -120,9 +121,9 @@ def test_pp1_is_todays_layout(checkpoint, converted):
     """pp = 1 writes what the tp-only converter wrote: the tp items unchanged, one stage holding every unit,
     and the rank files of a tp 2 x pp 2 run's first stage byte-identical to the pp = 1 run's."""
     from kconvert.convert.layout import Layout
-    from kconvert.convert.quant_policy import QuantPolicy
-    from kconvert.convert.shard_pipeline import plan_pipeline
-    from kconvert.convert.shard_plan import plan_items
+    from kconvert.quant.policy import QuantPolicy
+    from kconvert.convert.shard.pipeline import plan_pipeline
+    from kconvert.convert.shard.plan import plan_items
     from kconvert.source.checkpoint import Checkpoint
 
     src = checkpoint("tiny-k25-dsv32")
@@ -178,7 +179,7 @@ def test_a_stage_reads_only_its_own_files(converted, tmp_path):
 
 def test_pack_unpack_roundtrip_of_a_pp_conversion(converted, copy_checkpoint):
     from kconvert.convert.pack import pack, unpack
-    from kconvert.converted.integrity import verify_files
+    from kconvert.disk_format.integrity import verify_files
     from kconvert.load.loader import open_converted
 
     out = copy_checkpoint(converted("tiny-dsv32", 2, 2))
@@ -191,7 +192,7 @@ def test_pack_unpack_roundtrip_of_a_pp_conversion(converted, copy_checkpoint):
 
 
 def test_resume_with_another_pp_is_refused(checkpoint, tmp_path):
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.shard.job import shard
 
     src, out = checkpoint("tiny-dsv32"), tmp_path / "out"
 
@@ -200,14 +201,14 @@ def test_resume_with_another_pp_is_refused(checkpoint, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        shard(ShardJob(str(src), str(out), 1, pp=2, pp_layers="0-0,1-2", workers=1), progress=stop_after_first_file)
+        shard(shard_job(src, out, tp=1, pp=2, pp_layers="0-0,1-2", workers=1), progress=stop_after_first_file)
     assert not (out / "kconvert.json").exists()
     with pytest.raises(UsageError, match="unfinished conversion with other arguments"):
-        shard(ShardJob(str(src), str(out), 1, pp=3))
+        shard(shard_job(src, out, tp=1, pp=3))
     # the same pp with another split (here the balanced one, 0-1,2-2) is another conversion too
     with pytest.raises(UsageError, match="unfinished conversion with other arguments"):
-        shard(ShardJob(str(src), str(out), 1, pp=2))
-    r = shard(ShardJob(str(src), str(out), 1, pp=2, pp_layers="0-0,1-2"))
+        shard(shard_job(src, out, tp=1, pp=2))
+    r = shard(shard_job(src, out, tp=1, pp=2, pp_layers="0-0,1-2"))
     assert r.files_resumed >= 1 and r.files_written + r.files_resumed == 5  # 3 layers + globals twice
     assert json.loads((out / "kconvert.json").read_text())["job"]["pp_layers"] == "0-0,1-2"
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from helpers import ROOT, run_cli
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 
 LAYOUTS = {"tp1": (1, 1), "tp2-pp2": (2, 2), "tp1-pp4": (1, 4)}
 
@@ -38,7 +39,7 @@ def conv(src, tmp_path_factory):
     def get(name: str) -> Path:
         if name not in done:
             tp, pp = LAYOUTS[name]
-            shard(ShardJob(str(src), str(root / name), tp=tp, pp=pp))
+            shard(shard_job(src, root / name, tp=tp, pp=pp))
             done[name] = root / name
         return done[name]
 

@@ -66,8 +66,8 @@ def test_scheme_stores_its_specs_and_dequantizes_by_the_formula(name, enc):
 
 def test_schemes_listed_once():
     from cli.shard_cmd import shard
-    from kconvert.converted.catalog import SCHEMES as catalog_schemes
-    from kconvert.convert.quant_policy import SCHEMES as policy_schemes
+    from kconvert.disk_format.catalog import SCHEMES as catalog_schemes
+    from kconvert.quant.policy import SCHEMES as policy_schemes
 
     assert catalog_schemes == policy_schemes == SHARD_SCHEMES == ("none", "fp8", "int8", "int4", "fp4")
     quant = next(p for p in shard.params if p.name == "quant")
@@ -77,10 +77,10 @@ def test_schemes_listed_once():
 def test_shard_and_export_count_an_int4_source_by_its_stored_bytes(checkpoint, tmp_path):
     """Both planners count what they read as the source stores it: packed INT4 is half a byte a value
     (shard once counted a byte, so it reported twice the bytes read and GB/s of an INT4 release)."""
-    from kconvert.convert.export import ExportJob, plan_export
+    from kconvert.convert.export.job import ExportJob, plan_export
     from kconvert.convert.layout import Layout
-    from kconvert.convert.quant_policy import QuantPolicy
-    from kconvert.convert.shard_plan import plan_items
+    from kconvert.quant.policy import QuantPolicy
+    from kconvert.convert.shard.plan import plan_items
     from kconvert.source.checkpoint import Checkpoint
 
     ck = Checkpoint.open(checkpoint("tiny-k25-dsv32-int4"))

@@ -2,7 +2,7 @@
 careful attacker) so that its rows no longer describe the shard: a dtype or shape that disagrees, a row missing,
 duplicated or extra. `load` refused some of these; `verify-files`, `inspect`, `pack` and `unpack` accepted them
 (verify-files said "all checksums match"). Every reader now checks the rows against the shard's header
-(kconvert/converted/integrity.py check_listed)."""
+(kconvert/disk_format/integrity.py check_listed)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from kconvert.converted import rank_tensors
-from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import check_listed, check_rows
+from kconvert.disk_format import rank_tensors
+from kconvert.disk_format.catalog import Catalog
+from kconvert.disk_format.integrity import check_listed, check_rows
 from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import read_header
 

@@ -129,10 +129,11 @@ def test_the_bar_counts_a_file_when_it_is_durable(checkpoint, tmp_path):
     from types import SimpleNamespace
 
     from cli.progress import FlooredPercent
-    from kconvert.convert.export import ExportJob, export
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.export.job import ExportJob, export
+    from helpers import shard_job
+    from kconvert.convert.shard.job import shard
 
-    for run in (lambda cb: shard(ShardJob(str(checkpoint("tiny-k25-dsv32")), str(tmp_path / "s"), tp=2), progress=cb),
+    for run in (lambda cb: shard(shard_job(checkpoint("tiny-k25-dsv32"), tmp_path / "s", tp=2), progress=cb),
                 lambda cb: export(ExportJob(str(checkpoint("tiny-k25-dsv32")), str(tmp_path / "e"), "fp8-block",
                                             max_shard_bytes=4_000_000), progress=cb)):
         events = []

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kconvert.convert.layout import Layout
-from kconvert.convert.quant_policy import QuantPolicy
-from kconvert.convert.shard_outputs import _specs, spec_suffixes
-from kconvert.convert.shard_plan import _PerName, _Plan, plan_items
+from kconvert.quant.policy import QuantPolicy
+from kconvert.convert.shard.outputs import _specs, spec_suffixes
+from kconvert.convert.shard.plan import _PerName, _Plan, plan_items
 from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kconvert.convert import shard_plan, shard_unit
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from kconvert.errors import KConvertError
 from kconvert.io.safetensors_read import read_header, read_tensor
 from kconvert.io.safetensors_write import SafetensorsWriter
@@ -113,11 +114,11 @@ def test_stacked_shard_writes_the_same_bytes(checkpoint, tmp_path, monkeypatch, 
     stacks = []
     real = shard_unit.write_stack
     monkeypatch.setattr(shard_unit, "write_stack", lambda ck, srcs, by_src: stacks.extend(srcs) or real(ck, srcs, by_src))
-    shard(ShardJob(str(src), str(tmp_path / "stacked"), tp=tp, ep=ep, quant=quant))
+    shard(shard_job(src, tmp_path / "stacked", tp=tp, ep=ep, quant=quant))
     experts = sum(".experts." in name for name in stacks)  # int4 quantizes experts alone (its clip search)
     assert experts == (0 if quant == "int4" else 2 * 3 * 8) and len(stacks) > experts
     monkeypatch.setattr(shard_plan, "STACK_ELEMS", 0)  # every weight alone: the path before stacks
-    shard(ShardJob(str(src), str(tmp_path / "alone"), tp=tp, ep=ep, quant=quant))
+    shard(shard_job(src, tmp_path / "alone", tp=tp, ep=ep, quant=quant))
     stacked_files = _digest(tmp_path / "stacked")
     assert len(stacked_files) > 4 and stacked_files == _digest(tmp_path / "alone")
 
@@ -137,7 +138,7 @@ def test_a_damaged_expert_in_a_stack_is_named_as_before(checkpoint, copy_checkpo
     for tag, elems in (("stacked", shard_plan.STACK_ELEMS), ("alone", 0)):
         monkeypatch.setattr(shard_plan, "STACK_ELEMS", elems)
         with pytest.raises(KConvertError) as e:
-            shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant="fp8"))
+            shard(shard_job(src, tmp_path / tag, tp=2, quant="fp8"))
         errors.append(e.value.one_line())
     assert any(".experts.5.up_proj" in n for n in stacked)  # the damaged expert was read in a stack first
     assert errors[0] == errors[1] and "experts.5.up_proj" in errors[0]
@@ -217,12 +218,12 @@ def test_a_library_shard_keeps_nothing_alive_after_it_returns(checkpoint, tmp_pa
     monkeypatch.setattr(Checkpoint, "open", classmethod(lambda cls, *a, **k: opened.append(real_open(cls, *a, **k))
                                                         or opened[-1]))
     src = checkpoint("topo-k25", layers=2, experts=4)
-    shard(ShardJob(str(src), str(tmp_path / "lib"), tp=2))
+    shard(shard_job(src, tmp_path / "lib", tp=2))
     ck = weakref.ref(opened.pop())
     assert gc_pause._kept is None and ck() is None
     monkeypatch.setattr(gc_pause, "_kept", None)
     gc_pause.end_without_teardown()
-    shard(ShardJob(str(src), str(tmp_path / "cli"), tp=2))
+    shard(shard_job(src, tmp_path / "cli", tp=2))
     assert opened[-1] in gc_pause._kept
 
 
@@ -232,7 +233,7 @@ def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(check
     from kconvert.source import stacked as source_stacked
 
     src = checkpoint("topo-k25", layers=3, experts=8)
-    shard(ShardJob(str(src), str(tmp_path / "ref"), tp=2, quant="fp8"))
+    shard(shard_job(src, tmp_path / "ref", tp=2, quant="fp8"))
     calls = []
 
     def flaky(entries):
@@ -240,7 +241,7 @@ def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(check
         raise FileNotFoundError(2, "gone for a moment", str(entries[0].file))
 
     monkeypatch.setattr(source_stacked, "read_stacked", flaky)
-    shard(ShardJob(str(src), str(tmp_path / "redone"), tp=2, quant="fp8"))
+    shard(shard_job(src, tmp_path / "redone", tp=2, quant="fp8"))
     assert calls and _digest(tmp_path / "redone") == _digest(tmp_path / "ref")
     monkeypatch.undo()
     opened = []  # each unit's files: opened again only by a redo
@@ -249,7 +250,7 @@ def test_a_failed_stack_read_is_redone_one_by_one_and_a_write_error_is_not(check
     for method in ("write_bytes", "write_stacked"):  # lone weights and stacks
         monkeypatch.setattr(SafetensorsWriter, method, lambda *a: (_ for _ in ()).throw(DiskFullError("disk full")))
     with pytest.raises(DiskFullError):
-        shard(ShardJob(str(src), str(tmp_path / "full"), tp=2, quant="fp8"))
+        shard(shard_job(src, tmp_path / "full", tp=2, quant="fp8"))
     assert opened and len(opened) == len(set(opened))
 
 

@@ -9,7 +9,8 @@ import hashlib
 import pytest
 
 from kconvert.convert import shard_plan, shard_unit
-from kconvert.convert.shard import ShardJob, shard
+from helpers import shard_job
+from kconvert.convert.shard.job import shard
 from kconvert.errors import KConvertError
 from kconvert.io.safetensors_read import read_header
 
@@ -30,10 +31,10 @@ def test_fp4_experts_are_read_as_stacks_with_the_same_bytes(checkpoint, tmp_path
     stacks = []
     real = shard_unit.write_stack
     monkeypatch.setattr(shard_unit, "write_stack", lambda ck, srcs, by_src: stacks.extend(srcs) or real(ck, srcs, by_src))
-    shard(ShardJob(str(src), str(tmp_path / "stacked"), tp=tp, quant=quant))
+    shard(shard_job(src, tmp_path / "stacked", tp=tp, quant=quant))
     assert sum(".experts." in name for name in stacks) >= 2 * 3 * 8
     monkeypatch.setattr(shard_plan, "STACK_ELEMS", 0)
-    shard(ShardJob(str(src), str(tmp_path / "alone"), tp=tp, quant=quant))
+    shard(shard_job(src, tmp_path / "alone", tp=tp, quant=quant))
     stacked_files = _digest(tmp_path / "stacked")
     assert len(stacked_files) > 4 and stacked_files == _digest(tmp_path / "alone")
 
@@ -58,7 +59,7 @@ def _errors_stacked_and_alone(src, tmp_path, monkeypatch, quant: str) -> tuple[l
     for tag, elems in (("stacked", shard_plan.STACK_ELEMS), ("alone", 0)):
         monkeypatch.setattr(shard_plan, "STACK_ELEMS", elems)
         with pytest.raises(KConvertError) as e:
-            shard(ShardJob(str(src), str(tmp_path / tag), tp=2, quant=quant))
+            shard(shard_job(src, tmp_path / tag, tp=2, quant=quant))
         errors.append(e.value.one_line())
     return errors, stacked_names
 

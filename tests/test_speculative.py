@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from engine.cache.compressed import V4LayerState
+from engine.models.deepseek_v4.cache import V4LayerState
 from engine.model import Model
 from engine.runtime.generate import Sampling, generate
 from engine.runtime.speculative import generate_speculative
@@ -149,7 +149,7 @@ def test_chat_turns_with_a_drafter_follow_the_cache(conversion):
     """Two chat turns, the second continuing the first's cache (the drafter goes back one position and reads the
     next turn's tokens): the same tokens as plain chat, on V4 whose cache only rewinds to a mark."""
     from engine.chat.session import Session
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     out = conversion("tiny-dsv4", tp=1)
     with one_thread():
@@ -184,9 +184,10 @@ def test_chat_speculative_prints_plain_greedy_text_and_its_acceptance(conversion
 
 
 def test_chat_speculative_refuses_what_it_cannot_do(conversion, checkpoint, tmp_path):
-    from kconvert.convert.shard import ShardJob, shard
+    from helpers import shard_job
+    from kconvert.convert.shard.job import shard
 
-    bare = shard(ShardJob(str(checkpoint("tiny-dsv32-mtp")), str(tmp_path / "bare"), tp=1, keep_mtp=False)).out
+    bare = shard(shard_job(checkpoint("tiny-dsv32-mtp"), tmp_path / "bare", tp=1, keep_mtp=False)).out
     assert_one_line_error(chat(bare, "--speculative"), "no draft heads")
     assert_one_line_error(chat(conversion("tiny-dsv4", tp=1), "--speculative", "--temperature", "0.7"), "greedily")
     assert_one_line_error(chat(conversion("tiny-dsv4", tp=1), "--draft-tokens", "2"), "--speculative")

@@ -89,15 +89,16 @@ def test_logical_by_name_is_the_fold(checkpoint, preset, kw):
 def test_a_columnar_shard_never_folds(checkpoint, tmp_path, monkeypatch):
     """shard reads a release's experts as stacks from the stored columns: no LogicalTensor is folded for each
     (Kimi K3: 250k of them, a sixth of shard's work beyond its data); the files are the folded path's."""
-    from kconvert.convert.shard import ShardJob, shard
+    from helpers import shard_job
+    from kconvert.convert.shard.job import shard
     from kconvert.source import checkpoint as checkpoint_module
 
     src = checkpoint("tiny-kimi-k3")
     with monkeypatch.context() as m:  # validated by the fold and group_tensors: Checkpoint.logical a folded dict
         m.setattr(checkpoint_module, "group_stored", lambda model, stored: None)
-        shard(ShardJob(str(src), str(tmp_path / "folded"), tp=2, quant="fp8"))
+        shard(shard_job(src, tmp_path / "folded", tp=2, quant="fp8"))
     monkeypatch.setattr(checkpoint_module, "fold", lambda stored: pytest.fail("folded"))
-    shard(ShardJob(str(src), str(tmp_path / "columns"), tp=2, quant="fp8"))
+    shard(shard_job(src, tmp_path / "columns", tp=2, quant="fp8"))
     files = sorted((tmp_path / "folded").rglob("*.safetensors"))
     assert files
     for f in files:

@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 
 from kconvert.errors import KConvertError
-from kconvert.plan.inspect import summarize
+from kconvert.inspect.checkpoint import summarize
 from kconvert.plan.rank_bytes import checkpoint_groups
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.tensor_groups import check_tensor

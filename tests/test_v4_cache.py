@@ -1,4 +1,4 @@
-"""DeepSeek-V4's long-context cache (engine/cache/compressed.py, v4_store.py, v4_format.py): its rows' byte layouts, its
+"""DeepSeek-V4's long-context cache (engine/models/deepseek_v4/cache.py, v4_store.py, v4_format.py): its rows' byte layouts, its
 bytes against plan's exact formula at lengths that are not multiples of the rates, what a long prefill leaves
 behind, and --kv-dtype's logits (chunking changes nothing; 8-bit stays close to the compute-dtype cache)."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.cache.latent import KVOptions
-from engine.cache.entry_format import EntryFormat, key_format
-from kconvert.plan.kv_bytes import KV_DTYPES, kv_bytes
+from engine.models.deepseek_v4.entry_format import EntryFormat, key_format
+from kconvert.kv_rows import KV_DTYPES
+from kconvert.plan.kv_bytes import kv_bytes
 from test_engine_v4 import engine_model_of, ids_of
 from v4_reference import CONFIGS, engine_state, reference, text_config
 

@@ -1,4 +1,4 @@
-"""Storage of DeepSeek-V4's cache: byte rows per sequence of a lock-step batch (engine/cache/entry_format.py encodes them).
+"""Storage of DeepSeek-V4's cache: byte rows per sequence of a lock-step batch (engine/models/deepseek_v4/entry_format.py encodes them).
 
 `PagedRows` holds a growing list of rows (compressed entries, indexer keys) in pages of PAGE rows: storage
 grows by whole pages, 1/4 at a time (appends stay O(1) amortized, at most 25 % + one page over the rows in

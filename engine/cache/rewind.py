@@ -1,4 +1,4 @@
-"""Going back in a DeepSeek-V4 compressor's state (engine/cache/compressed.py): speculative decoding drops the
+"""Going back in a DeepSeek-V4 compressor's state (engine/models/deepseek_v4/cache.py): speculative decoding drops the
 tokens its target rejected, and a compressor has folded them into its pending rows, its overlap and maybe a
 finished entry. `mark` copies the fixed-size state; from then on the state journals the projected rows each
 step adds and the overlap (first series) of each window completed; `rewind(keep)` rebuilds the state the first

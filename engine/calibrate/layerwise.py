@@ -39,8 +39,8 @@ from engine.calibrate.routing import chosen_experts, down_input, expert_parts, k
 from engine.calibrate.split import Split
 from engine.layers.linear import PlainLinear
 from engine.model import Model
-from kconvert.converted.units import layer_unit
-from kconvert.convert.shard_plan import unit_of
+from kconvert.disk_format.units import layer_unit
+from kconvert.convert.shard.plan import unit_of
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError
 from kconvert.family.engine_names import engine_keys, engine_name

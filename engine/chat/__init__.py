@@ -1,1 +1,2 @@
-"""`python -m engine.chat`: arguments, tokenizer and template, images, streaming text, chat on a source."""
+"""`python -m engine.chat`: arguments, the session loop, streaming text, chat on a source checkpoint (the tokenizer,
+template and images it reads come from engine/inputs/)."""

@@ -12,7 +12,7 @@ import torch
 
 from kconvert import arguments as arg
 from kconvert.errors import UsageError
-from kconvert.plan.kv_bytes import KV_DTYPES
+from kconvert.kv_rows import KV_DTYPES
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 MAX_SEED = 2**63 - 1

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from kconvert.converted.catalog import MANIFEST
+from kconvert.disk_format.catalog import MANIFEST
 from kconvert.errors import KConvertError, UsageError
 from kconvert.io.workdir import base_dir, scrub, work_dir
 
@@ -28,8 +28,10 @@ def converted_dir(path: str, say: Callable[[str], object], nproc: int | None = N
     if (Path(path) / MANIFEST).exists():
         yield path
         return
-    from kconvert.convert.export_table import runs_as
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.export.table import runs_as
+    from kconvert.convert.shard.job import ShardJob, shard
+    from kconvert.convert.layout import Topology
+    from kconvert.quant.policy import QuantPolicy
     from kconvert.source.checkpoint import Checkpoint
 
     quant = runs_as(Checkpoint.open(path, headers_only=True).quantization_config)
@@ -39,7 +41,7 @@ def converted_dir(path: str, say: Callable[[str], object], nproc: int | None = N
     with work_dir("chat") as tmp:
         t0 = time.perf_counter()
         try:
-            r = shard(ShardJob(path, str(tmp / "tp1"), tp=1, quant=quant))
+            r = shard(ShardJob(path, str(tmp / "tp1"), topology=Topology(tp=1), quant=QuantPolicy(scheme=quant)))
         except KConvertError as e:
             raise scrub(e, tmp, f"converting {path} for chat (under {base_dir()}, removed)") from None
         say(f"{path} is not a converted directory: converted to a temporary tp 1 directory (--quant {quant}) in "

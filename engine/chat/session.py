@@ -33,11 +33,11 @@ from engine.runtime.generate import Sampling, generate
 from engine.runtime.speculative import generate_speculative
 from engine.draft.drafter import new_drafter
 from engine.chat.args import DTYPES, parse_args
-from engine.chat.image import load_image, preprocess_for
+from engine.inputs.image import load_image, preprocess_for
 from engine.cache.budget import kv_options
 from engine.model import Model
 from engine.chat.stream import TextStream
-from engine.chat.tokenizer import Tokenizer
+from engine.inputs.tokenizer import Tokenizer
 from kconvert import devices
 from kconvert.distributed import Group
 from kconvert.errors import EngineError, KConvertError, UsageError

@@ -1,141 +1,28 @@
-"""DeepSeek-V4.1's DSpark block drafter (draft kind "dspark"): its stages `mtp.{M}.*` and the drafter that runs them.
+"""The DSpark block drafter (draft kinds "dspark": DeepSeek-V4.1, and "v4_dspark": DeepSeek-V4-0731's layout): it
+runs a family's stages (engine/models/deepseek_v41/dspark.py, engine/models/deepseek_v4/dspark.py) a block at a time.
 
 What it is (FACTS.md "DeepSeek-V4.1 and draft heads"; the same algorithm as mlx-vlm 0.7.10's deepseek_v4_dspark
 drafter for V4's layout, the only implementation on this machine): the target's residual after the layers of
 `dspark_target_layer_ids`, each averaged over its hc streams and concatenated, goes through the first stage's
-`main_proj` and `main_norm`: the context. Each stage is a window-only V4.1 block whose attention reads that context's
-keys (its own `wkv` / `kv_norm`, RoPE at the context's positions, kept for the last `sliding_window` - 1 positions
-plus those read since the last block) and the block's own: a block is the anchor (the last verified token) and
-`dspark_block_size` - 1 noise tokens (`dspark_noise_token_id`), at the positions after the context, attending to
-all of it and to each other (no causal mask), with a sink per head. The last stage's streams collapse with its
-pending weights (V4.1 has no hc_head), its `norm`, the target's head: the block's base logits. Draft j is the
-argmax of base logits j plus the Markov bias of draft j-1 (the anchor for j = 0): `markov_head.head` of
-`markov_head.embed`[previous token]. The confidence head (sigmoid of `proj` over the hidden state and that
-embedding) is loaded; greedy drafting proposes the whole block and the target decides, so it is not consulted.
-
-DeepSeek-V4's DSpark layout (V4-Flash-0731: V4 blocks, `hc_head` and `markov_w1` / `markov_w2` on the last stage) is
-the same drafter over V4 stages (engine/draft/dspark_v4.py).
+`main_proj` and `main_norm`: the context. Each stage is a window-only block whose attention reads that context's
+keys (kept for the last `sliding_window` - 1 positions plus those read since the last block) and the block's own: a
+block is the anchor (the last verified token) and `dspark_block_size` - 1 noise tokens (`dspark_noise_token_id`), at
+the positions after the context, attending to all of it and to each other (no causal mask), with a sink per head.
+The last stage leaves through its own merge and `norm`, then the target's head: the block's base logits. Draft j is
+the argmax of base logits j plus the Markov bias of draft j-1 (the anchor for j = 0). The confidence head is loaded;
+greedy drafting proposes the whole block and the target decides, so it is not consulted.
 
 The drafter reads the target's context where engine/runtime/speculative.py hands the MTP drafter its residual:
 `Model.tap_layers` makes the forward collect the taps instead, each stage passing those of its layers on with the
-residual, so the last stage (the drafter's) has them all."""
+residual, so the last stage (the drafter's) has them all. A stage kind offers: first / last / window, context
+(first), context_keys, forward, leave and markov (last)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from engine.config import TextConfig
 from engine.draft.context import Context
-from engine.layers.linear import LinearSlot, resolve_linears
-from engine.layers.slots import Stored, load_unit, slot
-from engine.models.deepseek_v4.attention import attend_with_sink, grouped_output
-from engine.models.deepseek_v4.norm import V4RMSNorm
-from engine.models.deepseek_v4.rope import rope_tail
-from engine.models.deepseek_v41.attention import V41Attention
-from engine.models.deepseek_v41.block import collapse, through
-from engine.models.deepseek_v41.config import v41_config
-from engine.models.deepseek_v41.moe import V41MoE
-from kconvert.distributed import Group
 from kconvert.errors import CheckpointError, EngineError, UsageError
-
-
-def attend_block(q: torch.Tensor, own: torch.Tensor, keys: torch.Tensor, visible, sinks: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """Queries q [B,L,h,D] of a block over the context's keys [1 or B,T,D] (`visible` [B,T] or None: all) and the
-    block's own K=V rows own [B,L,D], no causal mask, a sink per head -> [B,L,h,D]."""
-    B = q.shape[0]
-    ctx = keys.to(q.dtype).expand(B, -1, -1)
-    seen = torch.einsum("bshd,btd->bhst", q, ctx)
-    if visible is not None:
-        seen = seen.masked_fill(~visible[:, None, None, :], float("-inf"))
-    return attend_with_sink([seen, torch.einsum("bshd,btd->bhst", q, own)], [ctx, own], sinks, scale)
-
-
-class V41DsparkStage(nn.Module):
-    """One stage, `mtp.{M}.*` as stored: a V4.1 block's tensors (window-only attention, MoE, the two hc mixings),
-    `main_proj` / `main_norm` on the first stage, `norm`, `markov_head.{embed,head}` and `confidence_head.proj` on
-    the last. What the drafter calls of a stage: first / last / window, context (first), context_keys, forward,
-    leave and markov (last)."""
-
-    own_components = None  # every tensor of the stage sits under mtp.{M}. (engine/draft/registry.own_prefix)
-    staged = True  # told its first / last by the manifest's layer kinds (engine/draft/registry.draft_head)
-
-    def __init__(self, cfg: TextConfig, layer: int, par: Group, *, first: bool, last: bool,
-                 bank: tuple[int, int] | None = None):
-        super().__init__()
-        base = v41_config(cfg)
-        experts, top_k = bank or (base.experts, base.top_k)  # its own routed experts (V4.1-Flash: 128, 3 a token)
-        # a stage: window only, over its own expert bank
-        c = self.c = replace(base, ratios=base.ratios + (0,) * (layer + 1 - len(base.ratios)), experts=experts,
-                             top_k=top_k)
-        self.layer, self.first, self.last, self.window = layer, first, last, c.window
-        self.attn_norm, self.ffn_norm = V4RMSNorm(c.eps), V4RMSNorm(c.eps)
-        self.attn = V41Attention(c, layer, par)
-        self.ffn = V41MoE(c, par)
-        for name in ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"):
-            slot(self, name)
-        if self.first:
-            self.main_proj, self.main_norm = LinearSlot(), V4RMSNorm(c.eps)
-        if self.last:
-            self.norm = V4RMSNorm(c.eps)
-            self.markov_head = nn.Module()
-            self.markov_head.embed, self.markov_head.head = Stored(), Stored()
-            self.confidence_head = nn.Module()
-            self.confidence_head.proj = nn.Module()
-            slot(self.confidence_head.proj, "weight")
-            slot(self.confidence_head.proj, "bias", optional=True)  # vLLM's V4.1 DSpark builds it without one
-
-    def load(self, unit: str, tensors: dict, block_prefix: str, own_prefix: str, linear_format) -> None:
-        resolve_linears(self, own_prefix, linear_format)
-        load_unit(unit, {own_prefix: self}, tensors)
-
-    def own(self, component: str):
-        return None  # the stages share the target's embeddings and head
-
-    def context(self, taps: torch.Tensor) -> torch.Tensor:
-        """First stage: the context [B,S,hidden] from the taps [B,S,len(targets) * hidden]."""
-        return self.main_norm(self.main_proj(taps))
-
-    def context_keys(self, ctx: torch.Tensor, start: int) -> torch.Tensor:
-        """This stage's keys [B,S,head_dim] of the context at positions start.., RoPE applied."""
-        a = self.attn
-        B, S, _ = ctx.shape
-        cos, sin = a.rotary((start + torch.arange(S, device=ctx.device))[None].expand(B, S), ctx.dtype)
-        return rope_tail(a.kv_norm(a.wkv(ctx)), cos, sin)
-
-    def _attend(self, h: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, visible) -> torch.Tensor:
-        """Each row's block (its anchor at position starts[b]) attends to the context's keys [1 or B,T,head_dim]
-        (`visible` [B,T]: those row b sees; None: all) and to its own tokens, no causal mask; this rank's heads'
-        partial output."""
-        a, c = self.attn, self.c
-        B, L, _ = h.shape
-        cos, sin = a.rotary(starts[:, None] + torch.arange(L, device=h.device), h.dtype)
-        q = rope_tail(a.wq_b(a.q_norm(a.wq_a(h))).view(B, L, a.heads, c.head_dim), cos[:, :, None], sin[:, :, None])
-        own = rope_tail(a.kv_norm(a.wkv(h)), cos, sin)
-        o = attend_block(q, own, keys, visible, a.attn_sink, a.scale)
-        return grouped_output(o, cos, sin, a.groups, a.wo_a, a.wo_b)
-
-    def forward(self, x: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, par: Group,
-                visible: torch.Tensor | None = None) -> torch.Tensor:
-        """The residual [B,L,hc,hidden + 1] of B blocks (row b's at positions starts[b]..) through this stage."""
-        H = self.c.hidden
-        return through(self, x[..., :H], x[..., H].float(), lambda h: self._attend(h, keys, starts, visible), None,
-                       par)
-
-    def leave(self, x: torch.Tensor) -> torch.Tensor:
-        """Last stage: the block's residual collapsed (its pending weights: V4.1 has no hc_head) and normed."""
-        H = self.c.hidden
-        return self.norm(collapse(x[..., :H], x[..., H].float()))
-
-    def markov(self, prev: torch.Tensor) -> torch.Tensor:
-        """Last stage: the Markov bias [N, vocab] after the tokens prev [N]."""
-        m = self.markov_head
-        return F.linear(m.embed.weight[prev].float(), m.head.weight.float())
-
 
 class DSparkDrafter:
     """engine/draft/drafter.Drafter's calls (start, extend, score, resume, draft) for a DSpark drafter."""

@@ -18,12 +18,13 @@ import os
 from torch import nn
 
 from engine.config import TextConfig
-from engine.draft.dspark import DSparkDrafter, V41DsparkStage
-from engine.draft.dspark_v4 import V4DsparkStage
-from engine.draft.mtp import MTPHead
-from engine.draft.v4_mtp import V4MTPHead
+from engine.draft.dspark import DSparkDrafter
+from engine.models.deepseek_v3.mtp import MTPHead
+from engine.models.deepseek_v4.dspark import V4DsparkStage
+from engine.models.deepseek_v4.mtp import V4MTPHead
+from engine.models.deepseek_v41.dspark import V41DsparkStage
 from engine.models.registry import kind
-from kconvert.converted.units import layer_unit
+from kconvert.disk_format.units import layer_unit
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError
 from kconvert.family.engine_names import engine_name
@@ -33,7 +34,7 @@ DRAFT: dict[str, type[nn.Module]] = {
     "mtp": MTPHead,  # DeepSeek-V3 / V3.2, Kimi-K2 / K2.5 text: eh_proj + a decoder layer + shared_head
     "v4_mtp": V4MTPHead,  # DeepSeek-V4: e_proj / h_proj + a V4 block + its own hc_head
     "dspark": V41DsparkStage,  # DeepSeek-V4.1: a stage of the DSpark block drafter (engine/draft/dspark.py)
-    "v4_dspark": V4DsparkStage,  # DeepSeek-V4-0731 / -DSpark: the same drafter over V4 blocks (engine/draft/dspark_v4.py)
+    "v4_dspark": V4DsparkStage,  # DeepSeek-V4-0731 / -DSpark: the same drafter over V4 blocks
 }
 
 # Kinds run by a drafter of their own shape (default: engine/draft/drafter.Drafter, one head chained).

@@ -87,7 +87,7 @@ def linear_class(scheme: Scheme) -> type[SchemeLinear]:
                                             "TAGS": tuple(t for _, t, _ in specs), "__module__": __name__})
 
 
-# kconvert.json `tensors[*].transform` of a weight -> the class that reads it (convert/shard_plan.py writes them)
+# kconvert.json `tensors[*].transform` of a weight -> the class that reads it (convert/shard/plan.py writes them)
 BY_TRANSFORM: dict[str, type[StoredLinear]] = {"copy": PlainLinear, "bf16": PlainLinear}
 for _scheme in REGISTRY.values():
     if _scheme.shard:  # what a converted checkpoint can hold

@@ -28,9 +28,9 @@ from engine.models.deepseek_v41.block import V41Block
 from engine.models.kimi_linear.block import KimiDecoderLayer, kimi_attention
 from engine.models.kimi_linear.config import kimi_config
 from engine.models.kimi_linear.moe import KimiMLP, KimiMoE
-from engine.models.deepseek_vit import DeepseekAligner, DeepseekViT, span_length
-from engine.models.moonvit import Projector, VisionTower, tokens_per_image
-from engine.models.moonvit_v2 import PatchMergerV2, VisionTowerV2
+from engine.models.deepseek_v41.vision import DeepseekAligner, DeepseekViT, span_length
+from engine.models.kimi_k25.vision import Projector, VisionTower, tokens_per_image
+from engine.models.kimi_linear.vision import PatchMergerV2, VisionTowerV2
 from kconvert.distributed import Group
 from kconvert.errors import EngineError
 

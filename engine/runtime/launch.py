@@ -88,7 +88,7 @@ def world_for(conv, nproc: int | None, device: str) -> int:
     """How many ranks to run for the opened conversion `conv` (kconvert.load.loader.ConvertedCheckpoint): its
     world size (tp x pp); --nproc may only repeat it, and accelerators need one device per rank. Everything
     is checked here, before a single rank is started (a wrong --nproc used to spawn them all first)."""
-    from kconvert.converted.ranks import resolve_rank
+    from kconvert.disk_format.ranks import resolve_rank
 
     world = conv.catalog.world_size if nproc is None else nproc
     if world < 1:

@@ -37,6 +37,21 @@ class Layout:
         return self.tp // self.ep
 
 
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Where a conversion's tensors go: `tp` ranks (among them `ep` expert groups; None: ep = tp) times `pp` pipeline
+    stages (`pp_layers` "0-14,15-30,...": their layers; None: balanced by bytes)."""
+
+    tp: int = 1
+    ep: int | None = None
+    pp: int = 1
+    pp_layers: str | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.make(self.tp, self.ep)
+
+
 @dataclass(frozen=True)
 class Piece:
     """Rank `rank` holds `tensor[start:stop]` along `dim` (dim None: the whole tensor)."""

@@ -13,8 +13,8 @@ from kconvert.io.atomic import write_atomic, write_error
 from kconvert.io.paths import contained
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, check_regular, read_json
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.converted.catalog import MANIFEST
-from kconvert.converted.journal import JOURNAL_DIR
+from kconvert.disk_format.catalog import MANIFEST
+from kconvert.disk_format.journal import JOURNAL_DIR
 
 COPY_PATTERNS = ("config.json", "generation_config.json", "tokenizer_config.json", "tiktoken.model", "*.tiktoken",
                  "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json", "processor_config.json",

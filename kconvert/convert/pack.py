@@ -24,9 +24,9 @@ from kconvert.io.compress_file import compress_file, decompress_file
 from kconvert.io.compressed import DEFAULT_LEVEL
 from kconvert.io.dir_lock import held
 from kconvert.io.safetensors_read import read_header
-from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import by_file, check_rows, check_size, file_crc32, first_bad_tensor
-from kconvert.converted.journal import JOURNAL_DIR, PACK_STATE, pack_state, rank_flags
+from kconvert.disk_format.catalog import Catalog
+from kconvert.disk_format.integrity import by_file, check_rows, check_size, file_crc32, first_bad_tensor
+from kconvert.disk_format.journal import JOURNAL_DIR, PACK_STATE, pack_state, rank_flags
 from kconvert.convert.run import PackFigures, Run, RunResult
 
 LOG = "pack-done.jsonl"

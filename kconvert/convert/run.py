@@ -32,7 +32,7 @@ from kconvert.arguments import path_name
 from kconvert import distributed
 from kconvert.errors import KConvertError
 from kconvert.host_memory import available_memory, peak_rss_bytes
-from kconvert.converted.journal import JOURNAL_DIR, JournalLog, read_done
+from kconvert.disk_format.journal import JOURNAL_DIR, JournalLog, read_done
 from kconvert.convert.output_dir import prepare_out
 from kconvert.io.gc_pause import frozen_gc
 

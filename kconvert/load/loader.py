@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from kconvert import devices
-from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import by_file, check_rows, check_size
+from kconvert.disk_format.catalog import Catalog
+from kconvert.disk_format.integrity import by_file, check_rows, check_size
 from kconvert.load.first_load import mark_checked, needs_crc
-from kconvert.converted.journal import check_not_mid_pack
-from kconvert.converted.ranks import resolve_rank
+from kconvert.disk_format.journal import check_not_mid_pack
+from kconvert.disk_format.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.pread import pread_into
 from kconvert.io.regular import open_regular, regular_fd
@@ -123,7 +123,7 @@ class ConvertedCheckpoint:
             crc = f"{zlib.crc32(buf.numpy()):08x}"
             self.stats.verify_seconds += time.perf_counter() - t1
             if crc != self.files[rel]["crc32"]:
-                from kconvert.converted.integrity import first_bad_tensor
+                from kconvert.disk_format.integrity import first_bad_tensor
 
                 raise LoaderError("checksum mismatch: the shard is damaged (nothing from it was used)", file=str(path),
                                   tensor=first_bad_tensor(path, self.catalog, rel))

@@ -32,13 +32,9 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from kconvert.errors import UsageError
+from kconvert.kv_rows import INDEX_CODE, KV_DTYPES, LATENT_CODE, row_bytes, v4_entry_bytes
 from kconvert.family.v4_schedule import CSA, attention_kinds, compress_rates
 
-KV_DTYPES = ("bf16", "fp8", "int8", "fp8-ds")
-ROW_CODES = ("bf16", "fp8", "int8")  # how one cached row (latent or indexer key) is encoded
-LATENT_CODE = {"bf16": "bf16", "fp8": "fp8", "int8": "int8", "fp8-ds": "fp8"}  # the latent's code under each --kv-dtype
-INDEX_CODE = {"bf16": "bf16", "fp8": "bf16", "int8": "bf16", "fp8-ds": "fp8"}  # the indexer key's code
-SCALE_GROUP = 128  # values per float32 scale in the fp8 / int8 rows
 
 
 @dataclass(frozen=True)
@@ -131,13 +127,6 @@ class KVBytes:
         return out
 
 
-def row_bytes(width: int, code: str) -> int:
-    """Bytes of `width` values in a row code: bf16, or 8-bit values + a float32 scale per SCALE_GROUP."""
-    if code == "bf16":
-        return 2 * width
-    return width + 4 * math.ceil(width / SCALE_GROUP)
-
-
 def latent_bytes(kv_lora_rank: int, rope_dim: int, dtype: str) -> int:
     """The latent in `dtype`'s code (LATENT_CODE), the rope part always in bf16 (it carries the position)."""
     return row_bytes(kv_lora_rank, LATENT_CODE[dtype]) + 2 * rope_dim
@@ -175,19 +164,7 @@ def compressed_layers(tc: dict) -> list[tuple[int, bool]]:
     return [(rates.get(k, 0), k == CSA) for k in attention_kinds(tc, int(tc["num_hidden_layers"]), rates)]
 
 
-V4_SCALE_GROUP = 64  # values per scale in DeepSeek-V4's 8-bit K=V rows (one ue8m0 byte each for fp8)
 V4_STATE_BYTES = 4  # the compressors' running state is float32
-
-
-def v4_entry_bytes(head_dim: int, rope: int, code: str) -> int:
-    """One DeepSeek-V4 K=V row (a compressed entry or a sliding-window key) in a row code: bf16; fp8 as vLLM and
-    SGLang store it (e4m3 no-rope part + bf16 rope part + one ue8m0 byte per 64 values, padded to 8 B: 584 B at
-    512 / 64); int8 (int8 no-rope part + bf16 rope + a float32 scale per 64, padded to 8 B: 608 B)."""
-    if code == "bf16":
-        return 2 * head_dim
-    plain = head_dim - rope
-    tiles = math.ceil(plain / V4_SCALE_GROUP)
-    return -(-(plain + 2 * rope + (tiles if code == "fp8" else 4 * tiles)) // 8) * 8
 
 
 def compressor_state_bytes(rate: int, dim: int, overlap: bool) -> int:
@@ -198,7 +175,7 @@ def compressor_state_bytes(rate: int, dim: int, overlap: bool) -> int:
 
 
 def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
-    """DeepSeek-V4's cache as the engine keeps it (engine/cache/compressed.py). Per layer of rate m, for a sequence of L
+    """DeepSeek-V4's cache as the engine keeps it (engine/models/deepseek_v4/cache.py). Per layer of rate m, for a sequence of L
     tokens: L // m compressed entries (`v4_entry_bytes`), on CSA layers also L // m indexer keys; every layer
     its last `sliding_window - 1` keys (a ring of K=V rows in the entry's code) and each compressor's state
     (`compressor_state_bytes`): the last two are per sequence, whatever L. `latent_bytes` / `indexer_bytes`
@@ -225,7 +202,7 @@ def compressed_kv_bytes(tc: dict, dtype: str) -> KVBytes:
 
 
 def v41_kv_bytes(tc: dict, dtype: str) -> KVBytes:
-    """DeepSeek-V4.1's cache as the engine keeps it (engine/cache/v41.py): every layer its sliding window's ring; a
+    """DeepSeek-V4.1's cache as the engine keeps it (engine/models/deepseek_v41/cache.py): every layer its sliding window's ring; a
     KV source of ratio r its L // r entries and its compressor's float32 rows of the group still filling up (kv and
     gate, r rows each); a source that also indexes, L // r index keys (and the same running rows, at the key width,
     which the engine keeps though a key needs none). Layers that read another layer's entries keep nothing more."""
@@ -253,7 +230,7 @@ def v41_kv_bytes(tc: dict, dtype: str) -> KVBytes:
                    cache="compressed", layer_terms=tuple(terms))
 
 
-KDA_STATE_BYTES = 4  # the recurrent state is float32 (engine/cache/recurrent.py)
+KDA_STATE_BYTES = 4  # the recurrent state is float32 (engine/models/kimi_linear/cache.py)
 KDA_CONV_BYTES = 2  # the short convolutions' window is kept in the compute dtype (bf16)
 
 
@@ -264,7 +241,7 @@ def kda_state_bytes(heads: int, head_dim: int, kernel: int) -> int:
 
 
 def hybrid_kv_bytes(tc: dict, dtype: str) -> KVBytes:
-    """Kimi Linear / K3 as the engine keeps it (engine/cache/recurrent.py): per MLA layer one latent row a token
+    """Kimi Linear / K3 as the engine keeps it (engine/models/kimi_linear/cache.py): per MLA layer one latent row a token
     (rate 1), per KDA layer a fixed state a sequence (rate 0). The layers' kinds as the family manifest schedules
     them: `linear_attn_config.kda_layers` counts from 1 (kconvert/family/schedule.py checks the lists)."""
     lin = tc["linear_attn_config"]
@@ -285,7 +262,7 @@ def kv_options(text_config: dict, free_bytes: int, batch: int, host_bytes: int, 
     """Per KV format: bytes per token, the longest context the device's free bytes hold, and the context
     the host tier reaches: indexer keys of every token + 1/TIER_DEVICE_SHARE of the latent stay on the
     device, the whole latent is in `host_bytes` of host memory (engine.cache.latent with --kv-device-budget). DeepSeek-V4's
-    host tier (engine/cache/compressed.py) keeps the CSA entries in host memory, everything else on the device."""
+    host tier (engine/models/deepseek_v4/cache.py) keeps the CSA entries in host memory, everything else on the device."""
     out = []
     free = max(free_bytes, 0)
     for dtype in KV_DTYPES:

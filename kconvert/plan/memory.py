@@ -40,7 +40,7 @@ from kconvert.plan.kv_bytes import kv_bytes, kv_options
 from kconvert.plan.pipeline import GPUS_PER_NODE, pipeline_fit, search, stage_inputs
 from kconvert.plan.rank_bytes import COMPONENTS, checkpoint_groups, config_groups
 from kconvert.convert.layout import TP_DEGREES, Layout, check
-from kconvert.convert.quant_policy import source_fp8_block
+from kconvert.source.stored_quant import source_fp8_block
 from kconvert.family.manifest import ModelMap, manifests_dir
 from kconvert.quant.policy import QuantPolicy
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kconvert.source.checkpoint import Checkpoint
-from kconvert.converted.units import layer_unit
+from kconvert.disk_format.units import layer_unit
 from kconvert.family.engine_names import engine_keys
 from kconvert.load.loader import open_converted
 from kconvert.verify.fake_quant import expected_tensor

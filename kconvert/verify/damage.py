@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from kconvert.converted.catalog import Catalog
+from kconvert.disk_format.catalog import Catalog
 
 P = "language_model.model.layers."  # tiny-k25-dsv32's decoder layers
 

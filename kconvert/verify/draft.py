@@ -46,7 +46,7 @@ class DraftCheck:
 
 def draft_layers(meta: dict) -> list[int]:
     """The draft layers a converted directory holds (its units past the decoder layers)."""
-    from kconvert.converted.units import unit_layer
+    from kconvert.disk_format.units import unit_layer
 
     cfg = meta["config"]
     n = cfg.get("text_config", cfg)["num_hidden_layers"]
@@ -111,11 +111,12 @@ def reference_draft(src: str, prompts: list[dict], tokens: list[torch.Tensor], n
                     tmp: Path) -> tuple[str, dict[str, torch.Tensor]]:
     """(what the predictions are compared with, engine_draft's tensors) of the source's own head."""
     from engine.model import Model
-    from kconvert.convert.shard import ShardJob, shard
+    from kconvert.convert.shard.job import ShardJob, shard
+    from kconvert.convert.layout import Topology
     from kconvert.source.checkpoint import Checkpoint
 
     ck = Checkpoint.open(src)
-    conv = shard(ShardJob(str(src), str(tmp / "draft-reference"), tp=1, quant="none")).out
+    conv = shard(ShardJob(str(src), str(tmp / "draft-reference"), topology=Topology(tp=1))).out
     model = Model.from_converted(conv, dtype=torch.float32)
     streams: dict = {}
     got = engine_draft(model, prompts, tokens, new_tokens, streams)

@@ -19,9 +19,11 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kconvert.converted.catalog import MANIFEST
-from kconvert.convert.export_table import EXPORT_FORMATS, format_of, runs_as
-from kconvert.convert.shard import ShardJob, shard
+from kconvert.disk_format.catalog import MANIFEST
+from kconvert.convert.export.table import EXPORT_FORMATS, format_of, runs_as
+from kconvert.convert.shard.job import ShardJob, shard
+from kconvert.convert.layout import Topology
+from kconvert.quant.policy import QuantPolicy
 from kconvert.errors import KConvertError, UsageError
 from kconvert.io.side_files import MAX_INDEX, read_json
 from kconvert.io.workdir import base_dir, scrub, work_dir
@@ -61,7 +63,7 @@ def as_converted(export: Export, tp: int = 1):
     with work_dir("verify-export") as tmp:  # as large as the conversion: removed on every way out
         out = Path(tmp) / "converted"
         try:
-            shard(ShardJob(export.path, str(out), tp=tp, quant=export.runs_as))
+            shard(ShardJob(export.path, str(out), topology=Topology(tp=tp), quant=QuantPolicy(scheme=export.runs_as)))
         except KConvertError as e:
             raise scrub(e, tmp, f"resharding the export for verify (under {base_dir()}, removed)") from None
         yield str(out)

@@ -1,7 +1,7 @@
 """The MLX reference of DeepSeek-V4's MTP block (verify's draft check, kconvert/verify/draft.py): mlx-vlm 0.7.10's
 own `deepseek_v4_mtp` drafter, loaded strictly from the source's `mtp.{M}.*` tensors through its own `sanitize`,
 with the source's embeddings and head, on MLX's CPU backend in float32. It reads the target's residual streams
-after the last layer and the next tokens, as the engine's head does (engine/draft/v4_mtp.py; tests/
+after the last layer and the next tokens, as the engine's head does (engine/models/deepseek_v4/mtp.py; tests/
 test_draft_heads.py checks the two agree on a config that is no preset)."""
 
 from __future__ import annotations

@@ -138,9 +138,9 @@ def synthetic_image(seed: int, width: int, height: int):
 
 def prompt_patches(prompt: dict, config: dict):
     """(patches [N, 3, p, p], (gh, gw), text positions) of an image prompt's synthetic picture, preprocessed by
-    the processor and vision config of the model's family (engine/chat/image.py), its positions counted by the
+    the processor and vision config of the model's family (engine/inputs/image.py), its positions counted by the
     family's vision kind: the one place both the reference and the engine get their pixels from."""
-    from engine.chat.image import preprocess_for
+    from engine.inputs.image import preprocess_for
     from engine.config import model_config
     from engine.models.registry import image_tokens
     from kconvert.family.manifest import bind

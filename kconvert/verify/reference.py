@@ -43,7 +43,7 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_tok
     """Tokenize and preprocess images, expanding each image's placeholder (`image_token_id`, default config.json's)
     to the text positions its vision kind gives it. Chat and image prompts take Kimi's turn format with Kimi's
     tokenizer, the checkpoint's own chat template with a tokenizer.json (DeepSeek's releases)."""
-    from engine.chat.tokenizer import Tokenizer
+    from engine.inputs.tokenizer import Tokenizer
 
     pad = config.get("image_token_id") if image_token_id is None else image_token_id
     tok = Tokenizer(model_dir, pad)  # tiktoken.model or tokenizer.json, read once; none: one line naming the directory
@@ -67,7 +67,7 @@ def encode_prompts(prompts: list[dict], model_dir: Path, config: dict, image_tok
 
 
 def _templated(tok, p: dict) -> str:
-    """A prompt's text through the checkpoint's chat template (engine/chat/tokenizer.py renders it, sandboxed, an image
+    """A prompt's text through the checkpoint's chat template (engine/inputs/tokenizer.py renders it, sandboxed, an image
     as its token's text)."""
     if p.get("chat"):
         return tok.render([{"role": m["role"], "content": m["content"]} for m in p["chat"]])
@@ -158,7 +158,7 @@ def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str 
     elif like is None:
         tensors, specs = _run(ck, prompts, dtype, top_k, hidden_states, progress)
     else:
-        from kconvert.converted.catalog import Catalog
+        from kconvert.disk_format.catalog import Catalog
         from kconvert.verify.exported import describe
         from kconvert.verify.fake_quant import plan_digest, write_export_fake_quant_source, write_fake_quant_source
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kconvert.converted.catalog import Catalog
-from kconvert.converted.integrity import verify_files
+from kconvert.disk_format.catalog import Catalog
+from kconvert.disk_format.integrity import verify_files
 from kconvert.errors import KConvertError, UsageError, VerifyFailed
 from kconvert.verify import kld
 from kconvert.verify.reference import load_reference, run_reference

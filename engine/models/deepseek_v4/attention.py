@@ -18,7 +18,7 @@ from torch import nn
 from engine.config import TextConfig
 from engine.layers.linear import LinearSlot
 from engine.layers.slots import slot
-from engine.cache.compressed import V4LayerState
+from engine.models.deepseek_v4.cache import V4LayerState
 from engine.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from engine.models.deepseek_v4.config import CSA, SLIDING, v4_config
 from engine.models.deepseek_v4.norm import V4RMSNorm, unweighted_rms_norm
@@ -151,3 +151,15 @@ def grouped_output(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups
     grouped = o.reshape(B, S, groups, -1)
     w = wo_a.dense(o.dtype).view(groups, -1, grouped.shape[-1])
     return wo_b(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
+
+
+def attend_block(q: torch.Tensor, own: torch.Tensor, keys: torch.Tensor, visible, sinks: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Queries q [B,L,h,D] of a block over the context's keys [1 or B,T,D] (`visible` [B,T] or None: all) and the
+    block's own K=V rows own [B,L,D], no causal mask, a sink per head -> [B,L,h,D]."""
+    B = q.shape[0]
+    ctx = keys.to(q.dtype).expand(B, -1, -1)
+    seen = torch.einsum("bshd,btd->bhst", q, ctx)
+    if visible is not None:
+        seen = seen.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return attend_with_sink([seen, torch.einsum("bshd,btd->bhst", q, own)], [ctx, own], sinks, scale)

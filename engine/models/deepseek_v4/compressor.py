@@ -15,9 +15,9 @@ from torch import nn
 from engine.models.deepseek_v3.dsa_indexer import top_keys
 from engine.layers.linear import LinearSlot
 from engine.layers.slots import slot
-from engine.cache.compressed import CompressorState
+from engine.models.deepseek_v4.compressor_state import CompressorState
 from engine.models.deepseek_v4.config import V4Config
-from engine.cache.entry_format import key_format
+from engine.models.deepseek_v4.entry_format import key_format
 from engine.models.deepseek_v4.norm import V4RMSNorm
 from engine.models.deepseek_v4.rope import V4Rotary, rope_tail
 
@@ -35,7 +35,7 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, state: CompressorState, fmt, host: bool = False) -> None:
         """Append to `state` the entries completed by x [B, S, hidden] (the next tokens of its sequence);
-        `fmt` encodes them (engine/cache/entry_format.py); `host`: they live in host memory."""
+        `fmt` encodes them (engine/models/deepseek_v4/entry_format.py); `host`: they live in host memory."""
         B, d, r = x.shape[0], self.dim, self.rate
         state.ready(fmt, B, r, 2 * d if self.overlap else d, d, self.overlap, x.device, host)
         kv, gate, first = state.take(self.kv_proj(x), self.gate_proj(x), r)

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.config import TextConfig
 from engine.layers.slots import slot
-from engine.cache.compressed import V4Cache
+from engine.models.deepseek_v4.cache import V4Cache
 from engine.models.deepseek_v4.config import v4_config
 from engine.models.deepseek_v4.norm import V4RMSNorm, unweighted_rms_norm
 from kconvert.distributed import Group

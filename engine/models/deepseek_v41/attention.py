@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.v41 import V41LayerView
+from engine.models.deepseek_v41.cache import V41LayerView
 from engine.layers.linear import LinearSlot
 from engine.layers.slots import slot
 from engine.models.deepseek_v4.norm import V4RMSNorm

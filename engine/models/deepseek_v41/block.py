@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.v41 import V41Cache, V41LayerView
+from engine.models.deepseek_v41.cache import V41Cache, V41LayerView
 from engine.config import TextConfig
 from engine.layers.slots import slot
 from engine.models.deepseek_v4.mhc import sinkhorn, spread

@@ -23,7 +23,7 @@ from engine.layers.linear import LinearSlot
 from engine.models.deepseek_v3.dsa_indexer import top_keys
 from engine.models.deepseek_v4.norm import V4RMSNorm
 from engine.models.deepseek_v4.rope import V4Rotary, rope_tail
-from engine.cache.compressed import CompressorState
+from engine.models.deepseek_v4.compressor_state import CompressorState
 from engine.models.deepseek_v41.config import V41Config
 
 

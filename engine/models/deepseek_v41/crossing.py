@@ -4,15 +4,15 @@ before it, an indexer the keys of the last key owner and the candidate blocks, a
 indexer's choice (engine/models/deepseek_v41/config.py); when that layer is on an earlier stage, the stage before
 sends it: the entries and keys this forward added (as the cache's byte rows: nothing is re-rounded), the choices and
 candidate blocks of this forward's tokens. The receiver appends the rows to its mirror of the source's state
-(engine/cache/v41.py) and hands the choices on, so every stage holds what its layers read and computes nothing
+(engine/models/deepseek_v41/cache.py) and hands the choices on, so every stage holds what its layers read and computes nothing
 twice. Both sides derive the message's layout from the config, the positions and the batch: one uint8 buffer."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.cache.entry_format import EntryFormat, key_format
-from engine.cache.v41 import V41Cache, V41LayerState
+from engine.models.deepseek_v4.entry_format import EntryFormat, key_format
+from engine.models.deepseek_v41.cache import V41Cache, V41LayerState
 from engine.models.deepseek_v41.config import V41Config
 
 ENTRIES, KEYS, CHOSEN, CANDIDATES = "entries", "keys", "chosen", "candidates"

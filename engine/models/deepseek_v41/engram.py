@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.v41 import DEAD
+from engine.models.deepseek_v41.cache import DEAD
 from engine.layers.linear import LinearSlot
 from engine.layers.slots import slot
 from kconvert.distributed import Group

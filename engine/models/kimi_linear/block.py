@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.recurrent import HybridCache
+from engine.models.kimi_linear.cache import HybridCache
 from engine.config import TextConfig
 from engine.layers.linear import RMSNorm
 from engine.models.deepseek_v3.mla import MLA

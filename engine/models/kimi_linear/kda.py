@@ -1,5 +1,5 @@
 """Kimi Delta Attention (a KDA layer of Kimi Linear / Kimi K3): the gated delta rule with a per-channel decay,
-over a fixed-size recurrent state per sequence instead of a KV cache (engine/cache/recurrent.py).
+over a fixed-size recurrent state per sequence instead of a KV cache (engine/models/kimi_linear/cache.py).
 
 q, k and v each go through a width-K causal depthwise conv + SiLU (the conv keeps the last K-1 inputs per
 sequence), q and k are L2-normalised (q scaled by head_dim^-0.5), the decay g comes from `f_a_proj`, `f_b_proj`,

@@ -29,6 +29,7 @@ from kconvert.converted.units import unit_layer
 from kconvert.convert.layout import Layout
 from kconvert.convert.output_dir import check_paths, remove_stale_temporaries
 from kconvert.convert.quant_policy import QuantPolicy, source_fp8_block
+from kconvert.convert.v4_layout import source_disagreement
 from kconvert.convert.shard_pipeline import Pipeline, plan_pipeline
 from kconvert.convert.shard_outputs import WorkItem
 from kconvert.convert.shard_catalog import write_catalog
@@ -101,6 +102,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
         freeze()  # every output's specs included (plan_items makes them): 100k+ tuples the collector skips
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
+    result.warnings += filter(None, [source_disagreement(ck)])
     calibration = None
     dist = distributed.Group.from_env()
     if calibrate is not None:

@@ -41,6 +41,8 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
         ck = Checkpoint.open(src, revision=revision, headers_only=True)
         s = summarize(ck)
         keep_to_exit(ck)  # not freed object by object when this returns (500k+ entries at a release's size)
+    for w in s.warnings:
+        click.echo(f"kconvert: warning: {w}", err=True)
     if as_json:
         click.echo(json.dumps(s.to_json(), indent=2))
         return

@@ -14,7 +14,10 @@ from .units import fmt_bytes
 
 def print_run(r, out: str, as_json: bool, did: str, facts: list[str], *, how: str = "", table: Table | None = None,
               nothing: str = "already complete for these arguments") -> None:
-    """`r` is a kconvert.convert.run.RunResult; `out` the directory as the user named it."""
+    """`r` is a kconvert.convert.run.RunResult; `out` the directory as the user named it. Its warnings go to stderr,
+    one line each, whatever the output."""
+    for w in r.warnings:
+        click.echo(f"kconvert: warning: {w}", err=True)
     if as_json:
         click.echo(json.dumps(r.to_json(), indent=2))
         return

@@ -25,6 +25,7 @@ def build(checkpoint, preset: str) -> Path:
 def test_presets_listed():
     assert set(PRESETS) == {"tiny-k25-dsv32", "tiny-dsv32", "tiny-k25-dsv32-fp8", "tiny-k25-dsv32-int4", "small-k25-dsv32", "scale",
                             "tiny-k25-dsv32-4l", "tiny-dsv32-4l", "tiny-dsv32-mtp", "tiny-dsv4", "tiny-dsv4-flash",
+                            "tiny-dsv4-flash-base",
                             "tiny-k25-dsv32-trained", "tiny-dsv32-trained", "tiny-k25-dsv32-trained-wide", "topo-k25", "topo-k25-bf16",
                             "topo-dsv4-pro", "tiny-dsv4-trained", "tiny-k25-dsv4", "tiny-k25-dsv4-trained",
                             "tiny-kimi-k3", "tiny-kimi-k3-bf16", "tiny-kimi-linear", "tiny-kimi-k3-trained", "topo-kimi-k3",

@@ -1,6 +1,6 @@
 """`python -m engine.chat SRC` where SRC is not a converted directory (a source release, a `kconvert export`,
 a Hub id): SRC is converted first, through `shard`, into a temporary tp 1 directory removed at exit, as
-`kconvert shard SRC OUT --tp 1 --quant Q` would (Q from its quantization_config, export_table.runs_as: a
+`kconvert shard SRC OUT --tp 1 --quant Q` would (Q from its quantization_config, export/table.runs_as: a
 block-FP8 or int8 checkpoint keeps its format, others run in bf16). Chosen over converting in memory: the
 engine then loads exactly what `shard` writes, through the one loader. What it cost (seconds, bytes
 written) is said before the chat starts, with the command that makes the conversion once.

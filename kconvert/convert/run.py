@@ -84,10 +84,14 @@ class RunResult:
     peak_rss_bytes: int = 0
     already_complete: bool = False  # nothing was left to do
     details: ShardFigures | ExportFigures | PackFigures | None = None
+    # what the source holds that a consumer would misread though this run read it right (one line each)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         doc = asdict(self)
         details = doc.pop("details") or {}
+        if not doc["warnings"]:
+            del doc["warnings"]
         return {**doc, **{k: v for k, v in details.items() if v is not None}}
 
 

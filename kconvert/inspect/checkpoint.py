@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
+from kconvert.convert.export.expert_dtype import source_disagreement
 from kconvert.plan.rank_bytes import COMPONENTS
 from kconvert.source.checkpoint import Checkpoint
 
@@ -27,6 +28,7 @@ class Summary:
     tensors: int = 0
     quantization: dict | None = None  # {"format": fp8-block | w4a16 | ..., "scheme": ...} of a quantized checkpoint
     kind: str = "checkpoint"
+    warnings: list[str] = field(default_factory=list)  # what a serving engine would misread though kconvert reads it
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -82,6 +84,7 @@ def summarize(ck: Checkpoint) -> Summary:
         params={c: params[c] for c in COMPONENTS if params.get(c)}, total_params=sum(params.values()),
         active_params=active, formats=sorted(formats.values(), key=lambda r: -r["bytes"]),
         files=len(ck.files), bytes_on_disk=bytes_on_disk, tensors=ck.tensor_count, quantization=_quantization(ck),
+        warnings=list(filter(None, [source_disagreement(ck)])),
     )
 
 

@@ -3,14 +3,15 @@ square blocks, DeepSeek-V4.1's 32 x 32, keeps its own), DeepSeek's naming (`X.we
 [ceil(R/b), ceil(C/b)], dequant = q * scale). With `ue8m0` the
 scale is rounded up to a power of two (2^ceil(log2(amax/448))), as DeepSeek-V3.1/V3.2 store it.
 Export's `fp8-block` is this scheme. A block-FP8 source with 128x128 blocks is copied, not requantized;
-DeepSeek-V4's FP4 experts are re-encoded exactly (fp4_to_fp8.py), never rounded twice."""
+DeepSeek-V4's FP4 experts are re-encoded exactly (fp4_to_fp8.py), never rounded twice. In DeepSeek-V4's layout
+(`deepseek-v4` / `deepseek-v4-f32` encodings) the scale is a `X.scale` sidecar, e8m0 or float32."""
 
 from __future__ import annotations
 
 from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.quant import fp4_to_fp8
 from kconvert.quant.chunks import FP8_MAX, TINY, check_scales, fold_max, row_chunks
-from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, SourceQuant, Spec, sidecar
+from kconvert.quant.scheme import DEEPSEEK_V4, DEEPSEEK_V4_F32, LosslessCopy, Options, Scheme, SourceQuant, Spec, sidecar
 
 
 def divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tensor) -> None:
@@ -76,6 +77,8 @@ class Fp8Block(Scheme):
         blocks = (-(-r // b), -(-c // b))
         if opts.encoding == DEEPSEEK_V4:  # V4's own: power-of-two scales as e8m0 bytes in a `.scale` sidecar
             return [(src, "F8_E4M3", tuple(shape)), (sidecar(src), "F8_E8M0", blocks)]
+        if opts.encoding == DEEPSEEK_V4_F32:  # V4-Flash-Base's: float32 scales in the `.scale` sidecar
+            return [(src, "F8_E4M3", tuple(shape)), (sidecar(src), "F32", blocks)]
         return [(src, "F8_E4M3", tuple(shape)), (src + "_scale_inv", "F32", blocks)]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ fixtures write the release's tables with; `dequantize` is what the engine comput
 
 from __future__ import annotations
 
-from kconvert.quant.scheme import DEEPSEEK_V4, LosslessCopy, Options, Scheme, SourceQuant, sidecar
+from kconvert.quant.scheme import V4_ENCODINGS, LosslessCopy, Options, Scheme, SourceQuant, sidecar
 
 ROW_GROUP = 32  # values of a row per scale
 E4M3_MAX = 448.0
@@ -26,7 +26,7 @@ class Fp8Rows(Scheme):
 
     def specs(self, src: str, shape: tuple[int, ...], opts: Options) -> list:
         r, c = shape
-        scale = sidecar(src) if opts.encoding == DEEPSEEK_V4 else src + "_scale"  # the release's `.scale` in exports
+        scale = sidecar(src) if opts.encoding in V4_ENCODINGS else src + "_scale"  # the release's `.scale` in exports
         return [(src, "F8_E4M3", (r, c)), (scale, "F8_E8M0", (r, c // ROW_GROUP))]
 
     def quantize(self, w, opts: Options, name: str = ""):

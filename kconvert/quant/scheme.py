@@ -11,8 +11,9 @@ A Scheme answers, for one 2-D weight:
 - `stored_bytes(shape, opts)`: the bytes of `specs` (scales included).
 - `lossless_copy(source, opts)`: the stored parts of a source it may copy unchanged (or re-encode exactly) instead.
 `opts.encoding` picks how the values are laid out on disk: `kconvert` (the converted format, shard),
-`compressed-tensors` (export's w4a16 and friends) or `deepseek-v4` (V4's own `.scale` sidecars in e8m0,
-export's fp8-block of a V4 text model); most schemes store the same either way.
+`compressed-tensors` (export's w4a16 and friends), `deepseek-v4` (V4's own `.scale` sidecars in e8m0: V4-Flash and
+V4-Pro, FP4 experts) or `deepseek-v4-f32` (the same sidecars in float32: V4-Flash-Base, FP8 experts), for export's
+fp8-block of a V4 text model; most schemes store the same either way.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ Spec = tuple[str, str, tuple[int, ...]]  # (tensor name, safetensors dtype tag, 
 KCONVERT = "kconvert"
 COMPRESSED_TENSORS = "compressed-tensors"
 DEEPSEEK_V4 = "deepseek-v4"  # DeepSeek-V4's release layout: `X.weight` + a `X.scale` e8m0 sidecar (export's fp8-block)
+# the same layout with float32 `X.scale` sidecars: V4-Flash-Base's (`expert_dtype: fp8`), the scale dtype vLLM reads there
+DEEPSEEK_V4_F32 = "deepseek-v4-f32"
+V4_ENCODINGS = (DEEPSEEK_V4, DEEPSEEK_V4_F32)  # `X.weight` + `X.scale` sidecars, whichever the scales' dtype
 SCALE_FORMATS = ("fp32", "ue8m0")
 
 

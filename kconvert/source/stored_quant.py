@@ -28,7 +28,14 @@ def source_quant(ck: Checkpoint, t: LogicalTensor, info: TensorInfo | None = Non
     """How the source stores `t`, as a scheme's `lossless_copy` asks it. `info`: its classification where the caller
     has it (ck.block_of would classify every bucketed name at once to find it: 250k at a release's size)."""
     block = (info.rule.scale_block or ck.quant_block()) if info is not None else ck.block_of(t.name)
-    return SourceQuant(t.format, block, source_scale_fmt(ck), ck.int4_group())
+    return SourceQuant(t.format, block, stored_scale_fmt(ck, t), ck.int4_group())
+
+
+def stored_scale_fmt(ck: Checkpoint, t: LogicalTensor) -> str:
+    """The scale format `t` is stored in: ue8m0 where its scale is e8m0 bytes (powers of two whatever the config says:
+    DeepSeek-V4's `.scale` sidecars), else the source's (source_scale_fmt)."""
+    scale = t.parts.get("scale")
+    return "ue8m0" if scale is not None and scale.dtype == "F8_E8M0" else source_scale_fmt(ck)
 
 
 def rows_copy(ck: Checkpoint, t: LogicalTensor):
@@ -38,8 +45,7 @@ def rows_copy(ck: Checkpoint, t: LogicalTensor):
     from kconvert.errors import UsageError
     from kconvert.quant.fp8_rows import SCHEME
 
-    scale = t.parts.get("scale")
-    fmt = "ue8m0" if scale is not None and scale.dtype == "F8_E8M0" else source_scale_fmt(ck)
+    fmt = stored_scale_fmt(ck, t)
     copy = SCHEME.lossless_copy(SourceQuant(t.format, ck.block_of(t.name), fmt), None)
     if copy is None:
         raise UsageError(f"stored as {t.format} with {fmt} scales: kconvert copies this table only as the release "

@@ -33,9 +33,9 @@ from kconvert.source.checkpoint import INDEX, Checkpoint
 @dataclass(frozen=True)
 class Export:
     path: str
-    format: str  # a name of export_table.FORMATS, or "none" (unquantized)
+    format: str  # a name of export/table.FORMATS, or "none" (unquantized)
     budget: str  # the [cost.*] table it is judged by: its scheme's name
-    runs_as: str  # the `shard --quant` its temporary conversion uses (export_table.ExportFormat.runs_as)
+    runs_as: str  # the `shard --quant` its temporary conversion uses (export/table.ExportFormat.runs_as)
     made_from: str | None  # the source fingerprint the export's index records (None: not made by kconvert)
     source: str | None  # the source path it records
 

@@ -29,8 +29,9 @@ from kconvert.source.stored_parts import read_parts
 from kconvert.quant.policy import selected
 from kconvert.source.stored_quant import rows_copy, source_fp8_block, source_quant
 from kconvert.quant.registry import get_scheme
-from kconvert.quant.scheme import (COMPRESSED_TENSORS, DEEPSEEK_V4, KCONVERT, LosslessCopy, Options, Scheme, input_bytes,
+from kconvert.quant.scheme import (COMPRESSED_TENSORS, KCONVERT, V4_ENCODINGS, LosslessCopy, Options, Scheme, input_bytes,
                                   stored_output)
+from kconvert.convert.export import expert_dtype as v4_layout
 from kconvert.convert.export.table import EXPORT_FORMATS
 
 
@@ -87,17 +88,14 @@ def quantizes(fmt: str, info: TensorInfo, shape: tuple[int, ...], group: int) ->
     return selected(scheme, info, shape) and scheme.fits(shape, Options(group_size=group, encoding=f.encoding))
 
 
-def encoding_of(ck: Checkpoint, fmt: str) -> str:
-    """How `fmt` lays its values out for this model: the format's own encoding, unless the family's text
-    model has its own layout for it (DeepSeek-V4's fp8-block: `.scale` e8m0 sidecars)."""
-    return ck.model.family.get("export_encoding", {}).get(fmt, EXPORT_FORMATS[fmt].encoding)
-
-
-def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: int, scale_fmt: str) -> Exported:
+def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: int, scale_fmt: str,
+                experts: str | None = None) -> Exported:
+    """How tensor `name` is exported. `experts`: the `expert_dtype` a DeepSeek-V4-layout export writes (v4_layout.py),
+    which decides its routed experts' format and every FP8 scale's dtype; None for other layouts."""
     info = ck.info(name)
     shape = tuple(t.shape)
-    encoding = encoding_of(ck, fmt)
-    if info.rule.scale_block is not None and t.format != "plain" and encoding == DEEPSEEK_V4:
+    encoding = v4_layout.encoding(ck, fmt, experts)
+    if info.rule.scale_block is not None and t.format != "plain" and encoding in V4_ENCODINGS:
         # the release's FP8 rows (V4.1's Engram tables), copied in its own layout
         return Exported(name, "fp8_rows", shape, t.stored_dtype, group, (), "fp8_rows", encoding, "ue8m0", rows_copy(ck, t))
     if not quantizes(fmt, info, shape, group):
@@ -105,12 +103,15 @@ def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: in
     f = EXPORT_FORMATS[fmt]
     scheme_name, transform = f.scheme, f.transform
     block = source_fp8_block(ck.quantization_config)  # a 32 x 32 source keeps its blocks (copied, not re-blocked)
-    if encoding == DEEPSEEK_V4:
-        scale_fmt = "ue8m0"  # V4 stores every block scale as an e8m0 power of two
-        if t.format == "fp4_packed":  # the release's FP4 experts stay FP4, byte for byte
-            scheme_name, transform = "fp4", "fp4"
     opts = Options(scale_fmt, group, "amax", encoding, fp8_block=block)
-    copy = get_scheme(scheme_name).lossless_copy(source_quant(ck, t), opts, same_scale_format=True)
+    if experts == "fp4" and (info.expert is not None or t.format == "fp4_packed"):
+        # one expert format, as vLLM reads one expert_dtype: the release's FP4 experts byte for byte, others to FP4
+        scheme_name, transform = "fp4", "fp4"
+        why = get_scheme("fp4").misfit(shape, opts)
+        if why and t.format != "fp4_packed":
+            raise UsageError(f"{why}: DeepSeek-V4's layout with FP4 routed experts (expert_dtype fp4) stores every "
+                             "routed expert in FP4", tensor=name)
+    copy = get_scheme(scheme_name).lossless_copy(source_quant(ck, t, info), opts, same_scale_format=True)
     if copy is None:
         return Exported(name, transform, shape, t.stored_dtype, group, (), scheme_name, encoding, scale_fmt, None, block)
     # a copied pack-quantized source keeps the dtypes it stores its scale and weight_shape in

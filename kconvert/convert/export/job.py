@@ -1,5 +1,5 @@
 """`kconvert export`: a Hugging Face-layout checkpoint in a format serving engines load as it is
-(formats: export_formats.py; formulas: docs/EXPORT.md).
+(formats: export/formats.py; formulas: docs/EXPORT.md).
 
 Streaming: tensors are read, quantized and handed to the writer by a pool of workers, a bounded window
 ahead of the one thread that writes them in file order (memory: the window's tensors, never the model).
@@ -24,12 +24,12 @@ from kconvert.io.atomic import write_atomic
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
-from kconvert.quant.scheme import DEEPSEEK_V4
 from kconvert.disk_format.journal import JOURNAL_DIR
 from kconvert.convert.export.formats import (Exported, ignore_list, load, plan_tensor, produce, quantization_config,
                                              quantizes)
 from kconvert.convert.export.table import EXPORT_FORMATS, FORMATS
-from kconvert.source.stored_quant import source_fp8_block, source_scale_fmt
+from kconvert.source.stored_quant import source_fp8_block
+from kconvert.convert.export import expert_dtype as v4_layout
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
 from kconvert.convert.run import ExportFigures, Run, RunResult, default_workers
 
@@ -79,8 +79,9 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
 
     files: list[list[Exported]] = [[]]
     size = 0
+    experts = v4_layout.expert_dtype(ck, job.format)  # DeepSeek-V4's layout: its expert_dtype decides the scales
     for name in sorted(ck.logical, key=order):
-        e = plan_tensor(ck, job.format, name, ck.logical[name], job.group_size, scale_fmt)
+        e = plan_tensor(ck, job.format, name, ck.logical[name], job.group_size, scale_fmt, experts)
         if files[-1] and size + e.bytes_out > job.max_shard_bytes:
             files.append([])
             size = 0
@@ -113,8 +114,9 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     out = run.out
     ck = Checkpoint.open(job.src)
     check_paths(ck, out)
-    scale_fmt = job.scale_format or source_scale_fmt(ck)
+    scale_fmt = v4_layout.scale_format(ck, job.scale_format, v4_layout.expert_dtype(ck, job.format))
     files = plan_export(ck, job, scale_fmt)
+    run.result.warnings += filter(None, [v4_layout.source_disagreement(ck)])
     names = [hf_file_name(k + 1, len(files)) for k in range(len(files))]
     identity = job.identity(ck.fingerprint(), scale_fmt)
     calibration = None
@@ -224,17 +226,22 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
     kept = [ck.info(e.src) for f in files for e in f
             if e.transform in ("copy", "bf16") and len(e.shape) == 2 and ck.info(e.src).component not in ("embed", "norm")]
     quantized = [ck.info(e.src) for f in files for e in f if e.transform not in ("copy", "bf16")]
-    qc = quantization_config(job.format, job.group_size, scale_fmt, ignore_list(kept, quantized),
-                             source_fp8_block(ck.quantization_config))
+    experts = v4_layout.expert_dtype(ck, job.format)  # None unless the export is in DeepSeek-V4's layout
+    qc = quantization_config(job.format, job.group_size,
+                             v4_layout.config_scale_fmt(v4_layout.encoding(ck, job.format, experts), scale_fmt),
+                             ignore_list(kept, quantized), source_fp8_block(ck.quantization_config))
+    if experts and "expert_dtype" in ck.quantization_config:  # where the source spells it (V4.1's release)
+        qc["expert_dtype"] = experts
     config = json.loads(json.dumps(ck.config))
     config["quantization_config"] = qc
     if isinstance(config.get("text_config"), dict):  # multimodal: the text model reads its own copy
         config["text_config"]["quantization_config"] = json.loads(json.dumps(qc))
-    v4 = [e for f in files for e in f if e.encoding == DEEPSEEK_V4]
-    if v4:  # DeepSeek-V4 readers take the routed experts' storage from `expert_dtype`
+    if experts:  # DeepSeek-V4 readers take the routed experts' storage, and vLLM every FP8 scale's dtype, from it
         key = ck.model.family.get("text_config", ".")
         text = config if key == "." else config[key]
-        text["expert_dtype"] = "fp4" if any(e.scheme_name == "fp4" for e in v4) else "fp8"
+        text["expert_dtype"] = experts
+        if "expert_dtype" in config:  # a top-level copy too (vLLM's V4.1 config takes it over the text config's)
+            config["expert_dtype"] = experts
     write_atomic(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
     weight_map, total = {}, 0
     for name, f in zip(names, files):

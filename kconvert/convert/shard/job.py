@@ -34,6 +34,7 @@ from kconvert.convert.shard.pipeline import Pipeline, plan_pipeline
 from kconvert.convert.shard.outputs import WorkItem
 from kconvert.convert.shard.catalog import write_catalog
 from kconvert.convert.shard.plan import plan_items
+from kconvert.convert.export.expert_dtype import source_disagreement
 from kconvert.convert.run import Run, RunResult, ShardFigures, default_workers
 from kconvert.convert.shard.unit import run_unit, write_unit
 from kconvert.io.gc_pause import frozen_gc, keep_to_exit, paused_gc
@@ -97,6 +98,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
         freeze()  # every output's specs included (plan_items makes them): 100k+ tuples the collector skips
     identity = job.identity(ck.fingerprint(), layout, pipe)
     result = run.result
+    result.warnings += filter(None, [source_disagreement(ck)])
     calibration = None
     dist = distributed.Group.from_env()
     if calibrate is not None:

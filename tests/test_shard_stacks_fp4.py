@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from kconvert.convert import shard_plan, shard_unit
+from kconvert.convert.shard import plan as shard_plan, unit as shard_unit
 from helpers import shard_job
 from kconvert.convert.shard.job import shard
 from kconvert.errors import KConvertError

@@ -50,14 +50,16 @@ def chat(out: Path, *args) -> tuple[str, str, float]:
 
 def current_training(src: Path) -> bool:
     """Whether a fixture built earlier in the work folder was trained with today's recipe (its training record vs
-    kconvert/fixtures/trained.py and trained_mtp.py): a head trained otherwise is rebuilt, not measured again."""
-    from kconvert.fixtures import trained, trained_dspark, trained_mtp
+    kconvert/fixtures/training/text.py and training/mtp.py): a head trained otherwise is rebuilt, not measured again."""
+    from kconvert.fixtures.training import text as trained
+    from kconvert.fixtures.training import dspark as trained_dspark
+    from kconvert.fixtures.training import mtp as trained_mtp
 
     rec_file = src / "kconvert_training.json"
     if not rec_file.exists():
         return False
     rec = json.loads(rec_file.read_text())
-    if "dspark_steps" in rec:  # a DSpark drafter's training (kconvert/fixtures/trained_dspark.py)
+    if "dspark_steps" in rec:  # a DSpark drafter's training (kconvert/fixtures/training/dspark.py)
         return (rec["steps"], rec["dspark_steps"], rec["dspark_lr"], rec["dspark_batch"], rec["dspark_seq_len"]) == \
             (trained.STEPS, trained_dspark.STEPS, trained_dspark.LR, trained_dspark.BATCH, trained_dspark.SEQ_LEN)
     return (rec.get("steps"), rec.get("mtp_steps"), rec.get("mtp_lr"), rec.get("mtp_batch")) == \

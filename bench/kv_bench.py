@@ -52,7 +52,7 @@ def load(preset: str, work: Path, indexer_steps: int | None = None):
     src, conv = work / name, work / f"{name}-conv"
     if not conv.exists():
         if indexer_steps is not None:  # the recipe a build of `src` below follows
-            from kconvert.fixtures import trained
+            from kconvert.fixtures.training import text as trained
             from kconvert.fixtures.presets import TRAINED_PRESETS, TRAINED_TEXT
 
             text = TRAINED_TEXT[TRAINED_PRESETS[preset]]
@@ -115,7 +115,7 @@ def bench_context(model, ctx: int, steps: int, rounds: int) -> list[dict]:
 
 
 # More held-out text than verify's three prompt files (none of these is in the trained fixtures' corpus,
-# kconvert/fixtures/trained.py CORPUS_FILES): per-position KLD is heavy-tailed (one fragile position can be
+# kconvert/fixtures/training/text.py CORPUS_FILES): per-position KLD is heavy-tailed (one fragile position can be
 # most of a window's mean), so the text mean is taken over --text-windows windows spread across all of it.
 def _row(name: str, vals: dict) -> str:
     text = [vals[w] for w in vals if w.startswith("text")]

@@ -25,7 +25,7 @@ def windows(model, conv: Path, tokens: int, count: int = 3) -> dict[str, torch.T
     """`count` held-out stdlib text windows (never trained on): the three of verify's prompt files (offsets
     0, 3000, 6000, as always), then `count - 3` non-overlapping ones spread evenly over MORE_HELD_OUT; and
     one window of random ids."""
-    from kconvert.fixtures.trained import CORPUS_FILES
+    from kconvert.fixtures.training.text import CORPUS_FILES
     from kconvert.source.tokenizer import load_kimi_tokenizer
     from kconvert.verify.prompts import HELD_OUT_FILES, stdlib_text
 

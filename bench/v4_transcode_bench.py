@@ -27,8 +27,8 @@ WIDTHS = {"hidden_size": 512, "moe_intermediate_size": 512, "n_routed_experts": 
 def build(work: Path) -> tuple[Path, Path]:
     import torch
 
-    from kconvert.fixtures.dsv4 import build_v4_model, write_v4_model
-    from kconvert.fixtures.shards import write_tensors
+    from kconvert.fixtures.models.dsv4 import build_v4_model, write_v4_model
+    from kconvert.fixtures.storage.shards import write_tensors
     from kconvert.source.checkpoint import Checkpoint
 
     flash, twin = work / "v4-flash", work / "v4-bf16"

@@ -17,7 +17,7 @@ def checkpoint(tmp_path_factory):
     """checkpoint("tiny-k25-dsv32") -> Path of a freshly generated checkpoint (cached for the session).
 
     checkpoint("tiny-k25-dsv32-trained") / checkpoint("tiny-dsv32-trained") train their shared text model
-    once per session (about 2 minutes on 2 cores; kconvert/fixtures/trained.py caches it in-process).
+    once per session (about 2 minutes on 2 cores; kconvert/fixtures/training/text.py caches it in-process).
 
     Tests that damage a checkpoint must copy it first (see `copy_checkpoint`)."""
     from kconvert.fixtures import build_fixture

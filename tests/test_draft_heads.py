@@ -39,12 +39,12 @@ def write_v3_with_mtp(out: Path, own_copies: bool, seed: int = 3) -> Path:
     """A DeepSeek-V3.2 checkpoint of V3_TEXT plus one MTP layer (with or without its copies of embed / head)."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    from kconvert.fixtures import hf_build
-    from kconvert.fixtures.checkpoint import write_json
-    from kconvert.fixtures.mtp import V3MTP
-    from kconvert.fixtures.published_names import order_key
-    from kconvert.fixtures.shards import write_tensors
-    from kconvert.fixtures.tokenizer import write_kimi_tokenizer
+    from kconvert.fixtures.models import hf_build
+    from kconvert.fixtures.models.k25_dsv32 import write_json
+    from kconvert.fixtures.models.mtp import V3MTP
+    from kconvert.fixtures.storage.published_names import order_key
+    from kconvert.fixtures.storage.shards import write_tensors
+    from kconvert.fixtures.tokenizers.kimi import write_kimi_tokenizer
 
     config = DeepseekV32Config(**V3_TEXT)
     config.architectures, config.dtype = ["DeepseekV32ForCausalLM"], torch.bfloat16
@@ -89,7 +89,7 @@ def test_v3_mtp_head_matches_transformers_layers(v3, own_copies):
     """The engine's MTP layer (eh_proj, an MLA + DSA + MoE block with its own KV cache, shared_head) on random
     target outputs and tokens equals one assembled from transformers' DeepseekV32 classes, the embeddings and
     head its own copies or the target's."""
-    from kconvert.fixtures.mtp import V3MTP
+    from kconvert.fixtures.models.mtp import V3MTP
     from kconvert.verify.reference import EarliestTies
 
     src, conv = v3[own_copies]
@@ -116,7 +116,7 @@ def test_v4_mtp_head_matches_mlx_vlm_drafter(tmp_path):
     streams and tokens, on a config that is no preset (hc_mult 3, window 6, tp 1)."""
     mx = pytest.importorskip("mlx.core")
     from mlx_vlm.speculative.drafters.deepseek_v4_mtp import DeepseekV4MTPDraftModel, ModelConfig
-    from kconvert.fixtures.dsv4 import build_v4_model, write_v4_model
+    from kconvert.fixtures.models.dsv4 import build_v4_model, write_v4_model
     from v4_reference import CONFIGS
 
     src = tmp_path / "src"

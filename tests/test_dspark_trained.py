@@ -1,5 +1,5 @@
 """tiny-dsv4-dspark-trained (issue 41): DeepSeek-V4 in the V4-Flash-0731 layout whose DSpark drafter is trained on
-the trained target's own hidden states (kconvert/fixtures/trained_dspark.py), so verify's acceptance check means
+the trained target's own hidden states (kconvert/fixtures/training/dspark.py), so verify's acceptance check means
 something there: a clean tp 1 --quant none conversion PASSes the draft check with the source drafter's acceptance,
 far above a seeded drafter's ~1 %, and a conversion whose drafter lost its Markov head FAILs it on acceptance, naming
 the head, while every token the target decodes stays right (docs/BENCHMARKS.md "Draft heads")."""

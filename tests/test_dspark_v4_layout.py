@@ -37,7 +37,7 @@ def trained(checkpoint):
 
 @pytest.fixture(scope="module")
 def other(tmp_path_factory):
-    from kconvert.fixtures.dsv4_dspark import write_dspark_v4
+    from kconvert.fixtures.models.dsv4_dspark import write_dspark_v4
 
     out = tmp_path_factory.mktemp("dspark_other") / "src"
     write_dspark_v4(out, seed=5, storage=None, overrides=OTHER, dspark=OTHER_DSPARK)
@@ -170,7 +170,7 @@ def test_the_engines_drafter_is_mlx_vlms(request, tmp_path, which):
     """The engine's DSpark drafter over V4 stages (engine/models/deepseek_v4/dspark.py) gives mlx-vlm's deepseek_v4_dspark
     drafter's first-draft log-probs at every position (mean KLD < 1e-5, float32; the context read past its window
     of 8), on the preset (FP8 / FP4), on the non-preset config (targets out of order, blocks of 3) and on the trained
-    preset (trained through the engine's drafter: kconvert/fixtures/trained_dspark.py); greedy decoding drafted by it
+    preset (trained through the engine's drafter: kconvert/fixtures/training/dspark.py); greedy decoding drafted by it
     is plain greedy decoding."""
     from engine.draft.drafter import new_drafter
     from engine.model import Model

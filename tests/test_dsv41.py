@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import ROOT, cli_here, one_thread, verify_json
-from kconvert.fixtures.dsv41 import v41_config, write_v41_checkpoint
+from kconvert.fixtures.models.dsv41 import v41_config, write_v41_checkpoint
 from kconvert.verify import damage
 
 # not the preset: 7 layers; ratios 1 and 2; KV sources 1 and 3 (layer 2 reads 1's entries, 4-5 read 3's); indexers

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import assert_one_line_error, cli_here, one_thread
-from kconvert.fixtures.dsv41 import v41_config, write_v41_checkpoint
+from kconvert.fixtures.models.dsv41 import v41_config, write_v41_checkpoint
 
 OTHER_VISION = {"num_hidden_layers": 3, "hidden_size": 96, "num_attention_heads": 2, "intermediate_size": 80,
                 "patch_size": 8, "rope_theta": 5000.0, "downsample_ratio": 3, "min_pixels": 6000,

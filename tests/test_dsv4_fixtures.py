@@ -14,7 +14,7 @@ import torch
 from helpers import cli_here
 from kconvert.family.manifest import bind
 from kconvert.fixtures import PRESETS, build_fixture
-from kconvert.fixtures.dsv4 import build_v4_model, reference_of, released_tensors
+from kconvert.fixtures.models.dsv4 import build_v4_model, reference_of, released_tensors
 from kconvert.source.checkpoint import Checkpoint
 
 
@@ -142,9 +142,9 @@ def test_trained_v4_learns_and_distils_its_indexers(monkeypatch, checkpoint, tmp
     measures on it): the language model's loss falls, the CSA indexers' distillation KL falls (their
     top-k is trained from the main attention, which language-model training cannot reach), and the
     checkpoint holds the trained weights under the released names with its training record."""
-    from kconvert.fixtures import trained
+    from kconvert.fixtures.training import text as trained
 
-    from kconvert.fixtures import trained_mtp
+    from kconvert.fixtures.training import mtp as trained_mtp
 
     monkeypatch.setattr(trained, "STEPS", 12)
     monkeypatch.setitem(trained.RECIPE_OVERRIDES, "tiny-dsv4", {"indexer_steps": 6})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kconvert.errors import CheckpointError, NonFiniteError
-from kconvert.fixtures.shards import write_tensors
+from kconvert.fixtures.storage.shards import write_tensors
 from kconvert.io.safetensors_read import read_header
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.formats import read_logical

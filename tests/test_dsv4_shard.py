@@ -223,7 +223,7 @@ def test_v4_pro_shared_experts_at_tp16(tmp_path):
     """V4-Pro at tp 16 (FACTS.md: 'impossible' elsewhere): the FP8 copy is refused in one line naming the
     degrees that keep blocks whole; --requantize re-quantizes exactly those slices (each rank's own 128x128
     grid), and --quant none slices the exact dequantization."""
-    from kconvert.fixtures.dsv4 import build_v4_model, write_v4_model
+    from kconvert.fixtures.models.dsv4 import build_v4_model, write_v4_model
     from kconvert.quant.fp8_block import dequantize_fp8_block
 
     src = tmp_path / "pro"

@@ -52,7 +52,7 @@ def test_bad_arguments(tmp_path):
 
 
 def test_crash_leaves_nothing(tmp_path, monkeypatch):
-    import kconvert.fixtures.checkpoint as ck
+    import kconvert.fixtures.models.k25_dsv32 as ck
 
     def boom(*a, **k):
         raise RuntimeError("disk full")
@@ -152,7 +152,7 @@ def test_kimi_published_names(checkpoint):
     [("tiny-k25-dsv32", "Kimi_K25ForConditionalGeneration"), ("tiny-dsv32", "DeepseekV32ForCausalLM")],
 )
 def test_transformers_round_trip(checkpoint, preset, cls_name):
-    from kconvert.fixtures.hf_build import build_model
+    from kconvert.fixtures.models.hf_build import build_model
 
     model, info = _load(cls_name, checkpoint(preset))
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -166,7 +166,7 @@ def test_transformers_round_trip(checkpoint, preset, cls_name):
 def test_vision_wqkv_is_interleaved_rope_layout(checkpoint):
     """Published wqkv = [q; k; v] with q and k rows in MoonViT's interleaved (x0, y0, x1, y1...) order;
     transformers' q_proj/k_proj hold them half-split (x0..x_{h-1}, y0..y_{h-1}) per head."""
-    from kconvert.fixtures.hf_build import build_model
+    from kconvert.fixtures.models.hf_build import build_model
 
     tensors = read_all(checkpoint("tiny-k25-dsv32"))
     model = build_model("tiny-k25-dsv32")
@@ -194,7 +194,7 @@ def test_scale_names_and_shapes_are_what_transformers_expects(checkpoint):
 
 
 def test_scale_uses_real_widths_when_size_allows():
-    from kconvert.fixtures.scale import plan, text_config
+    from kconvert.fixtures.models.scale import plan, text_config
 
     d, layers = plan(8_000_000_000)
     cfg = text_config(d, layers)

@@ -114,7 +114,7 @@ def test_chat_template(checkpoint):
 @pytest.mark.skipif(bool(os.environ.get("KCONVERT_FAST")), reason="KCONVERT_FAST set: small-k25-dsv32 not built")
 def test_small_k25_dsv32(checkpoint):
     """Same architecture as tiny-k25-dsv32 (whose transformers round trip is tested above), ~200M parameters."""
-    from kconvert.fixtures.published_names import KIMI_PATTERN
+    from kconvert.fixtures.storage.published_names import KIMI_PATTERN
 
     ck = checkpoint("small-k25-dsv32")
     index = json.loads((ck / "model.safetensors.index.json").read_text())

@@ -90,7 +90,7 @@ def test_int4_layout_and_values(checkpoint):
 
 def test_int4_loads_in_transformers(checkpoint):
     """transformers (+ compressed-tensors) loads the INT4 experts on CPU, dequantized into its fused experts."""
-    from kconvert.fixtures.hf_build import build_model
+    from kconvert.fixtures.models.hf_build import build_model
 
     model, info = _load("Kimi_K25ForConditionalGeneration", checkpoint("tiny-k25-dsv32-int4"))
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from helpers import assert_one_line_error, cli_here, verify_json
-from kconvert.fixtures.hf_tokenizer import ASSISTANT, EOS, USER, write_deepseek_tokenizer
+from kconvert.fixtures.tokenizers.deepseek import ASSISTANT, EOS, USER, write_deepseek_tokenizer
 
 TEXTS = ["def main(argv):\n    return 0\n", "héllo wörld 世界 🙂\t\tx", "", "   leading and trailing   ",
          f"{USER}hi{ASSISTANT}there{EOS}", "<｜User｜ not a special", "\n\n\r\n"]

@@ -14,7 +14,7 @@ import torch
 
 from helpers import ROOT, cli_here, one_thread
 from kconvert.family.engine_names import engine_name
-from kconvert.fixtures.k25_dsv4 import build_k25_dsv4_model, write_k25_dsv4_model
+from kconvert.fixtures.models.k25_dsv4 import build_k25_dsv4_model, write_k25_dsv4_model
 from kconvert.source.checkpoint import Checkpoint
 
 # not the preset's text: other attention kinds per layer, rates, window, streams and top-k

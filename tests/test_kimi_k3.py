@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import cli_here, verify_json
-from kconvert.fixtures.kimi_linear import k3_config, write_kimi_checkpoint
+from kconvert.fixtures.models.kimi_k3 import k3_config, write_kimi_checkpoint
 from kconvert.verify import damage
 
 # not the preset: 6 layers, MLA on (1-based) 2 and 6, blocks of 2, a latent of 160, 8 experts (top 3), 2 KDA heads
@@ -192,9 +192,9 @@ def test_the_trained_fixture_is_written_back_under_the_released_names(tmp_path):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
-    from kconvert.fixtures.kimi_linear import released_tensors
-    from kconvert.fixtures.shards import write_tensors
-    from kconvert.fixtures.trained_k3 import released_from_mlx, train_k3
+    from kconvert.fixtures.models.kimi_k3 import released_tensors
+    from kconvert.fixtures.storage.shards import write_tensors
+    from kconvert.fixtures.training.kimi_k3 import released_from_mlx, train_k3
 
     start = tmp_path / "start"
     start.mkdir()

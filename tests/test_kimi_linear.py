@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import cli_here, one_thread
-from kconvert.fixtures.kimi_linear import kimi_linear_config, write_kimi_checkpoint
+from kconvert.fixtures.models.kimi_k3 import kimi_linear_config, write_kimi_checkpoint
 
 OTHER = {"num_hidden_layers": 4, "hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 2,
          "num_key_value_heads": 2, "q_lora_rank": 64, "kv_lora_rank": 96, "qk_nope_head_dim": 48,

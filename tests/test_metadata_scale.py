@@ -1,6 +1,6 @@
 """Released checkpoints hold 70k-210k tensors: nothing per tensor may grow with the tensor count.
 
-The topology presets (kconvert/fixtures/topology.py) give a release's tensor layout at tiny widths; here a
+The topology presets (kconvert/fixtures/models/topology.py) give a release's tensor layout at tiny widths; here a
 few hundred to a few thousand tensors, in process. Doubling the decoder layers doubles the tensors and the
 files; inspect + shard + verify-files + loading a rank must then cost about twice as much CPU, not four
 times (a loose bound, < 3x, that a loaded machine does not trip: CPU time of this process, not wall time).

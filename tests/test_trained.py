@@ -8,7 +8,7 @@ import json
 import torch
 
 from helpers import cli_here, load_source
-from kconvert.fixtures import trained
+from kconvert.fixtures.training import text as trained
 from kconvert.verify.prompts import HELD_OUT_FILES, heldout_prompts, stdlib_text
 
 

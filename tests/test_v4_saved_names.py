@@ -32,8 +32,8 @@ def saved(tmp_path_factory):
     """(released-layout checkpoint, what transformers saves after loading it: the user's fine-tune path)."""
     from transformers import DeepseekV4ForCausalLM
 
-    from kconvert.fixtures.dsv4 import build_v4_model, write_v4_model
-    from kconvert.fixtures.tokenizer import write_kimi_tokenizer
+    from kconvert.fixtures.models.dsv4 import build_v4_model, write_v4_model
+    from kconvert.fixtures.tokenizers.kimi import write_kimi_tokenizer
 
     root = tmp_path_factory.mktemp("v4saved")
     released, out = root / "released", root / "saved"

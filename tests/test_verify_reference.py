@@ -82,7 +82,7 @@ def test_lossless_conversion_with_three_indexer_heads_passes(monkeypatch, tmp_pa
     import dataclasses
 
     from kconvert.fixtures import presets
-    from kconvert.fixtures.checkpoint import write_model_preset
+    from kconvert.fixtures.models.k25_dsv32 import write_model_preset
 
     spec = presets.MODEL_SPECS["tiny-dsv32"]
     monkeypatch.setitem(presets.MODEL_SPECS, "tiny-dsv32-3h",

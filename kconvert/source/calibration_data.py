@@ -2,7 +2,7 @@
 directory of text files or JSONL (`{"text": ...}` or `{"messages": [{"role", "content"}, ...]}`, chat turns
 in Kimi's markers), tokenized by the checkpoint's own tokenizer. `stdlib` is the bundled set, for tests and
 benchmarks: Python standard-library sources that neither the trained fixtures' corpus
-(kconvert/fixtures/trained.py) nor verify's held-out prompts (kconvert/verify/prompts.py) use.
+(kconvert/fixtures/training/text.py) nor verify's held-out prompts (kconvert/verify/prompts.py) use.
 
 The record (what kconvert.json keeps) names the data by a digest of its text, so a conversion says what
 calibrated it and a re-run with other data is not taken for a resume."""

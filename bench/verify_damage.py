@@ -1,7 +1,7 @@
 """Damaged fp8 conversions of the trained tiny-k25-dsv32 must FAIL verify's faithfulness check; clean
 conversions of every scheme must not, for any seed of the trained fixture.
 
-Damage (consistent checksums, wrong numbers): kconvert/verify/damage.py's CASES, the ones tests/test_verify.py
+Damage (consistent checksums, wrong numbers): kconvert/verify/damage.py's CASES, the ones tests/verify/test_verify.py
 runs on three prompts (here on the full held-out set, at tp 2): one expert's up_proj scales x30 (expert 0
 of layer 2: the trained fixture's layer 2 routes every token to 4 experts), one layer's o_proj scales x8,
 rank 0's and rank 1's experts of layer 1 swapped, one output row of one q_b_proj slice with its sign flipped.

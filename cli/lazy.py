@@ -1,5 +1,5 @@
 """What keeps `kconvert --help`, `--version` and a mistyped command fast: nothing under cli/ imports torch,
-transformers or the engine when the module loads (tests/test_cli_startup.py). A command imports the library
+transformers or the engine when the module loads (tests/cli/test_cli_startup.py). A command imports the library
 it calls inside its function; an option whose choices come from a registry that needs torch (quantization
 schemes, export formats) reads them only when that option is shown or parsed (`RegistryChoice`)."""
 

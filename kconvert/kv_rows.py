@@ -1,7 +1,7 @@
 """The KV cache's row codes: how one cached row (an MLA latent, an indexer key, a DeepSeek-V4 K=V entry) is encoded
 under each `--kv-dtype`, and the bytes it takes. The one definition the engine's caches (engine/cache/row_format.py,
 engine/models/deepseek_v4/entry_format.py) and plan's byte counts (kconvert/plan/kv_bytes.py) share: the caches'
-bytes equal the plan's because both read them here (tests/test_kv_cache.py, tests/test_v4_cache.py)."""
+bytes equal the plan's because both read them here (tests/engine/test_kv_cache.py, tests/families/dsv4/test_dsv4_cache.py)."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def read_meta(out: Path) -> dict:
 def rewrite_catalog(out: Path, meta: dict) -> None:
     """Write `meta` as OUT/kconvert.json with a fresh digest: a consistent-looking document, as a tool
     that knows the format (or a careful attacker) would leave it. Checks then have to catch the damage
-    elsewhere; a plain edit without the digest is refused on open (tests/test_catalog.py). A `tensors` list
+    elsewhere; a plain edit without the digest is refused on open (tests/disk_format/test_catalog.py). A `tensors` list
     (from read_meta) goes back into the per-rank lists, with fresh sha256s."""
     from kconvert.disk_format.catalog import SPLIT_VERSION, digest_of
     from kconvert.disk_format.rank_tensors import write_lists

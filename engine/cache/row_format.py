@@ -8,7 +8,7 @@ A row is [values | scales | tail], its values in one *code*:
 - int8: int8 values, one float32 scale per `group` values (amax / 127 per tile, round to nearest).
 The tail (the latent row's rope part) is bf16 in every 8-bit code: its rotation carries the position and
 it is only 1/9 of the row. Which code the latent and the indexer key get under each --kv-dtype is
-kconvert.kv_rows.LATENT_CODE and INDEX_CODE; the byte counts equal plan's (tests/test_kv_cache.py)."""
+kconvert.kv_rows.LATENT_CODE and INDEX_CODE; the byte counts equal plan's (tests/engine/test_kv_cache.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ in-place buffers, 386 MiB (1.48x the uncalibrated shard plus the activations), t
 - the engine's prefill chunks: the DSA indexer scores [queries, heads, keys] and the attention gathers latent
   rows, each in blocks of up to 2^25 / 2^26 elements (sized for a GPU); calibration's micro-batches of 8
   sequences made those blocks 32 MiB each plus copies. Smaller blocks split the same work along the
-  queries only: every output is the same dot product, bit for bit (tests/test_calibrate.py checks it)."""
+  queries only: every output is the same dot product, bit for bit (tests/convert/test_calibrate.py checks it)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every reader (safetensors headers and data, compressed shards, rank lists, side files, journals, resume
 state, calibration data, images) opens through `open_regular` or `regular_fd`, and a test
-(tests/test_architecture.py) fails on any other read-only open below cli/. Why: a FIFO opened for reading
+(tests/tree/test_architecture.py) fails on any other read-only open below cli/. Why: a FIFO opened for reading
 blocks until a writer comes (forever), so the file is opened with O_NONBLOCK and its type is checked with
 fstat on that same descriptor before anything reads it (no race with a rename in between); a character
 device that reads like /dev/zero never ends; a directory or a socket is not data. Each refusal is the

@@ -18,7 +18,7 @@ def divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tenso
     """out = e4m3(x / s[..., r // block, c // block]), the scale broadcast over each block of the last two dims
     (leading dims: a stack of weights, quant/stacked.py). No clamp to ±448 is needed: s >= amax / 448 up to one
     rounding, so |x / s| <= 448 (1 + 2^-22), which e4m3's round-to-nearest-even maps to ±448 exactly as the
-    clamped value (tests/test_export.py checks)."""
+    clamped value (tests/convert/test_export.py checks)."""
     r, c = x.shape[-2:]
     s_rows = s.repeat_interleave(block, -2)[..., :r, :]  # [..., r, blocks across]: small
     full = c - c % block

@@ -4,7 +4,7 @@ At 100k+ small tensors (a released MoE's routed experts at tiny widths, or a rea
 ones) the per-call cost of torch, not the data, sets shard's pace; one call over N stacked weights pays
 it once. Each weight still gets its own scales (blocks and rows never span two weights), and every
 operation is elementwise or an exact max, so each weight's result is bit-identical to quantizing it
-alone (tests/test_shard_stacks.py checks against the per-tensor schemes). What a stack cannot do in the
+alone (tests/convert/test_shard_stacks.py checks against the per-tensor schemes). What a stack cannot do in the
 same bits is left out: `supports` says which schemes and options are stacked (ue8m0's log2 may round
 differently in torch's vectorised loop than in its scalar tail, so it is not).
 """

@@ -80,7 +80,7 @@ def stored_alike(ts: list[LogicalTensor]) -> bool:
     it of every (rule, layer) group: 70k tensors at a release's size; `bench/open_phases.py` times it, and
     `bench/instructions.py --phases` counts it). Counted with list.count, which takes an object as equal to itself
     before comparing: the header reader shares one tuple per distinct shape and one str per dtype tag, so most
-    members cost an identity test, not a hash. tests/test_tensor_groups.py checks the buckets against a per-tensor
+    members cost an identity test, not a hash. tests/source/test_tensor_groups.py checks the buckets against a per-tensor
     walk."""
     t0, n = ts[0], len(ts)
     if n == 1:

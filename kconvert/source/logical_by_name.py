@@ -5,7 +5,7 @@ Kimi K3's 250k MXFP4 experts cost 0.6-0.8 s to fold into LogicalTensors (logical
 prints it, run on a tree from before this module: 0.00 s on this one), a sixth of shard's work beyond its data,
 while shard reads them as stacks of a layer's experts at a time (source/stacked.py), from their stored entries
 alone. Here a name is looked up in an index of the columnar buckets (source/stored_groups.py), its LogicalTensor
-made on request (as fold makes it: tests/test_stored_groups.py), and a stack's stored parts handed over as columns
+made on request (as fold makes it: tests/source/test_stored_groups.py), and a stack's stored parts handed over as columns
 (`columns`). Walking the whole mapping (items, values, iteration) folds it once, in fold's order, and answers from
 the fold thereafter.
 """

@@ -11,7 +11,7 @@ It takes only what the fold would fold the same way, stored alike: every member 
 MXFP4 pair, an INT4 triple, a block-FP8 pair), and every stored tensor claimed by exactly one member's part.
 Anything else (a missing or orphan companion, a partial group, mixed forms, V4's `.scale` sidecars, FP8 with a
 compressed-tensors scale, a name the manifest reads otherwise) returns None, and the caller takes the fold and
-group_tensors, which name what is wrong exactly as before. tests/test_stored_groups.py checks both give the same
+group_tensors, which name what is wrong exactly as before. tests/source/test_stored_groups.py checks both give the same
 buckets.
 """
 

@@ -1,6 +1,6 @@
 """Damage that the integrity check cannot see: tensors of a converted directory changed and their
 checksums re-recorded, so only verify's numbers can tell. CASES are the faults verify must FAIL as
-"the conversion is wrong" and locate, on an fp8 conversion of tiny-k25-dsv32-trained (tests/test_verify.py,
+"the conversion is wrong" and locate, on an fp8 conversion of tiny-k25-dsv32-trained (tests/verify/test_verify.py,
 bench/verify_damage.py)."""
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ independent implementations verify compares against: mlx-lm's kimi_k3 (MlxRefere
 output_hidden_states=...)` -> `.logits` [1, T, V] and `.hidden_states`: the embeddings, the residual after
 each layer (with block attention residuals: the running partial sum, what the engine reports too), and the
 final norm's output. The layers run under mlx-lm's own classes; only the loop over them is here, so the
-states between layers can be read (tests/test_kimi_k3.py checks the loop gives the model's own logits). Image
+states between layers can be read (tests/families/kimi_k3/test_kimi_k3.py checks the loop gives the model's own logits). Image
 prompts: mlx-vlm's Kimi K3 vision tower and patchmergerv2 projector (its own classes, strictly loaded from the
 checkpoint) on the patches verify's prompt set preprocesses (kconvert/verify/prompts.py): the same pixels reach
 both sides, so the towers, projectors and text models are compared, not the two image processors. DeepSeek-V4.1:
 mlx-vlm's ViT, Aligner (with the exact GELU, `exact_gelu`) and merge_image_embeddings make the whole image span
-from those patches, its token types by mlx-vlm's image_token_types (tests/test_dsv41_vision.py compares mlx-vlm's
+from those patches, its token types by mlx-vlm's image_token_types (tests/families/dsv41/test_dsv41_vision.py compares mlx-vlm's
 own processor with kconvert's separately).""" 
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def exact_gelu():
     """MLX's exact (erf) GELU module. mlx-vlm 0.7.10's deepseek_v41 Aligner asks for `nn.GELU(approx="precise")`,
     which MLX maps to its tanh approximation (nn.gelu_approx), not the erf GELU of DeepSeek's own vision code (torch's
     F.gelu; mlx-vlm's V4 vision Aligner uses the exact one too): the reference runs the Aligner with the exact GELU,
-    as the engine does (tests/test_dsv41_vision.py measures the gap the approximation alone makes)."""
+    as the engine does (tests/families/dsv41/test_dsv41_vision.py measures the gap the approximation alone makes)."""
     import mlx.nn as nn
 
     return nn.GELU()

@@ -9,7 +9,7 @@ flat uint8 row, so the cache's pages and ring never look at dtypes:
 - int8: [no-rope part int8 | rope part bf16 | one float32 scale per 64 values (amax / 127) | pad to 8 B].
 The rope part stays bf16 in every 8-bit code: it carries the position. Indexer keys are engine.cache.row_format
 rows (bf16, or fp8 = e4m3 + one float32 scale per 128: 132 B at 128). Byte counts equal
-kconvert.kv_rows' (tests/test_v4_cache.py)."""
+kconvert.kv_rows' (tests/families/dsv4/test_dsv4_cache.py)."""
 
 from __future__ import annotations
 

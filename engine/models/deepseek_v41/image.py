@@ -1,5 +1,5 @@
 """Image preprocessing for DeepSeek-V4.1's vision tower (Pillow + torch), following mlx-vlm 0.7.10's
-processing_deepseek_v41 rules (tests/test_dsv41_vision.py compares the patches):
+processing_deepseek_v41 rules (tests/families/dsv41/test_dsv41_vision.py compares the patches):
 
 1. size: a width past `max_wh_ratio` x height is clamped to it; an image below `min_pixels` is enlarged (both
    sides by the same factor, truncated); each side rounded up to a multiple of the patch size.

@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's vision tower, aligner and image span, from the released tensor layout (mlx-vlm 0.7.10's
-deepseek_v41 reads the same names: tests/test_dsv41_vision.py checks the spans against it).
+deepseek_v41 reads the same names: tests/families/dsv41/test_dsv41_vision.py checks the spans against it).
 
 Tower (`vision.*`, the engine's `vision_tower.vision.*`): each patch's 3 x p x p values, flattened channel by
 channel, through a Linear with bias; blocks of RMSNorm -> fused qkv attention (biases) with a 2-D rotary ->

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "engine", "safetensors", "numpy")
 
 

@@ -13,8 +13,8 @@ from engine.cache.latent import KVOptions
 from engine.models.deepseek_v4.entry_format import EntryFormat, key_format
 from kconvert.kv_rows import KV_DTYPES
 from kconvert.plan.kv_bytes import kv_bytes
-from test_engine_v4 import engine_model_of, ids_of
-from v4_reference import CONFIGS, engine_state, reference, text_config
+from test_dsv4_layers import engine_model_of, ids_of
+from dsv4_reference import CONFIGS, engine_state, reference, text_config
 
 pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ from kconvert.family.manifest import bind
 from kconvert.plan.memory import make_plan
 from kconvert.source.checkpoint import Checkpoint
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "k25-dsv32-3t" / "config.json"
+EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "k25-dsv32-3t" / "config.json"
 
 # DeepSeek-V3's published config.json (the numbers that shape it), to show real configs stay inside the bounds.
 DEEPSEEK_V3 = {

@@ -17,7 +17,7 @@ from engine.layers.slots import load_unit
 from engine.models.deepseek_v4.cache import V4LayerState
 from kconvert.disk_format.units import GLOBALS, layer_unit
 from kconvert.distributed import Group
-from test_engine_v4 import TOL, engine_layer, engine_model_of, ids_of, ref, rel  # noqa: F401 (ref: the fixture)
+from test_dsv4_layers import TOL, engine_layer, engine_model_of, ids_of, ref, rel  # noqa: F401 (ref: the fixture)
 
 
 class ThreadGroup(Group):

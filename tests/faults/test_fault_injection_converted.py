@@ -140,7 +140,7 @@ def _damage_rank_list(rng: random.Random, out: Path) -> tuple[str, dict[str, byt
 def test_campaign_rank_lists(converted):
     """Every damaged rank list is refused by verify-files (and, one case in CLI_EVERY // 4, by inspect and load
     too) in one line, exit 2, and nothing changes (pack and unpack, which finish the other files by design:
-    tests/test_rank_lists_vs_headers.py)."""
+    tests/disk_format/test_rank_lists_vs_headers.py)."""
     import os
 
     root, outs = converted

@@ -2,7 +2,7 @@
 `X.scale`), its scales in the dtype vLLM reads for the `expert_dtype` written: exporting the release (FP4 experts kept
 as int8 code pairs, e8m0 scales, `expert_dtype: fp4`) reproduces it tensor for tensor, byte for byte; a bf16 source
 becomes FP8 experts with float32 scales holding powers of two (`expert_dtype: fp8`, V4-Flash-Base's layout; never
-e8m0 beside fp8: tests/test_dsv4_vllm_scales.py); w4a16 is compressed-tensors. Every export is read back by
+e8m0 beside fp8: tests/families/dsv4/test_dsv4_vllm_scales.py); w4a16 is compressed-tensors. Every export is read back by
 inspect's reader and converted again by shard."""
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def test_v4_mtp_head_matches_mlx_vlm_drafter(tmp_path):
     mx = pytest.importorskip("mlx.core")
     from mlx_vlm.speculative.drafters.deepseek_v4_mtp import DeepseekV4MTPDraftModel, ModelConfig
     from kconvert.fixtures.models.dsv4 import build_v4_model, write_v4_model
-    from v4_reference import CONFIGS
+    from dsv4_reference import CONFIGS
 
     src = tmp_path / "src"
     src.mkdir()

@@ -14,7 +14,7 @@ import torch
 from helpers import ROOT
 from helpers import shard_job
 from kconvert.convert.shard.job import shard
-from v4_reference import earliest_ties
+from dsv4_reference import earliest_ties
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ for args in (["inspect", {str(src)!r}], ["plan", {str(src)!r}, "--tp", "2", "--q
 seen["heavy"] = [m for m in ("torch", "numpy", "safetensors", "transformers") if m in sys.modules]
 print(json.dumps(seen))
 """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr

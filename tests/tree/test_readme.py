@@ -30,7 +30,7 @@ DOCS = {"tour": ("README.md", "## A five-command tour"), "commands": ("docs/COMM
 # line pattern -> why it cannot run in this test (keep short: each one is a line nobody checks)
 SKIP = {
     r"\bSRC\b|\bOUT\b": "placeholders, not paths (the torchrun lines: --tp 8 needs more heads than any CPU-sized "
-                        "fixture has, and two nodes; multi-process shard is tested in tests/test_shard.py)",
+                        "fixture has, and two nodes; multi-process shard is tested in tests/convert/test_shard.py)",
     r"--device (cuda|musa)": "needs a GPU",
 }  # and any line with a Hub repo id (owner/name) as an argument: needs_hub()
 # flag pattern -> (module it needs, why it is dropped when that module is missing)
@@ -130,7 +130,7 @@ CASES = [pytest.param(doc, line, id=f"{doc}: {line}") for doc, lines in LINES.it
 def workdirs(checkpoint, tmp_path_factory):
     """workdirs(doc) -> the directory a document's lines run in, made once with its PRECONDITIONS and its
     linked fixtures (the session's builds of the same preset and seed: the same bytes;
-    tests/test_fixtures.py runs the command itself)."""
+    tests/fixtures/test_fixtures.py runs the command itself)."""
     made = {}
 
     def get(doc: str):

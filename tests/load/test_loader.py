@@ -158,7 +158,7 @@ def test_load_with_engine_warmup(conversions):
     rep = json.loads(run_cli("load", conversions["fp8", 1], "--warmup", "2", "--json", check=True).stdout)
     s = rep["seconds"]
     assert s["warmup"] > 0 and abs(s["ready"] - (s["start_ranks"] + s["open"] + s["load"] + s["warmup"])) < 1e-6
-    # without --rank a tp-2 conversion starts both ranks (tests/test_launch.py); with one, it cannot warm up alone
+    # without --rank a tp-2 conversion starts both ranks (tests/engine/test_launch.py); with one, it cannot warm up alone
     assert_one_line_error(run_cli("load", conversions["none", 2], "--warmup", "1", "--rank", "1"), "drop --rank")
 
 

@@ -1,6 +1,6 @@
 """Damaged DeepSeek-V4 checkpoints through the CLI: one line naming the file and tensor, exit 2, nothing
-written. (Damaged data, an e8m0 scale of 0xFF or a tid2eid entry out of range: tests/test_dsv4_formats.py
-where it is read, tests/test_dsv4_shard.py through shard.)"""
+written. (Damaged data, an e8m0 scale of 0xFF or a tid2eid entry out of range: tests/families/dsv4/test_dsv4_formats.py
+where it is read, tests/families/dsv4/test_dsv4_shard.py through shard.)"""
 
 from __future__ import annotations
 

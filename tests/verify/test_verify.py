@@ -64,7 +64,7 @@ def verify(out, ref, *extra):
 @pytest.mark.parametrize("quant,tp", [("none", 1), ("int8", 2), ("int4", 2), ("fp4", 1)])
 def test_clean_conversions_are_faithful(src, ref, tmp_path, quant, tp):
     """int8 and int4 at tp 2 (their scales are sliced with the weights; fp8 tp 2 is below); tp 2 of an
-    unquantized conversion is the engine's tp 2 = tp 1 (tests/test_engine_tp.py); fp4 (e8m0 scales per
+    unquantized conversion is the engine's tp 2 = tp 1 (tests/engine/test_engine_tp.py); fp4 (e8m0 scales per
     32 inputs of whole experts) in this process."""
     out = tmp_path / quant
     kconvert("shard", src, out, "--tp", tp, "--quant", quant)

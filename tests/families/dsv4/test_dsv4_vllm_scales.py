@@ -1,4 +1,4 @@
-"""DeepSeek-V4-layout `fp8-block` exports read the way vLLM reads them (tests/vllm_v4_loading.py: an emulation of its
+"""DeepSeek-V4-layout `fp8-block` exports read the way vLLM reads them (tests/dsv4_vllm_loading.py: an emulation of its
 loader, since vLLM is not installed here: the scale parameters' dtype chosen from `expert_dtype`, e8m0 routed-expert
 scale bytes kept raw): every FP8 and FP4 weight vLLM would compute equals kconvert's dequantization of the same export.
 An export with e8m0 `.scale` tensors beside `expert_dtype: fp8` (what kconvert wrote for a BF16 V4 source until
@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import cli_here
 from kconvert.source.checkpoint import Checkpoint
-from vllm_v4_loading import E2M1, ROUTED_EXPERT, vllm_dequantized
+from dsv4_vllm_loading import E2M1, ROUTED_EXPERT, vllm_dequantized
 
 
 def export(src, out):

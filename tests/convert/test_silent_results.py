@@ -2,7 +2,7 @@
 e8m0 scale byte 0xFE (2^127: its codes decode past float32) passed `shard --quant fp4` (the bytes copied), `--quant
 fp8` (re-encoded) and `export --format fp8-block` while `--quant none` refused it; one check of stored scales now
 serves every path. `--calibrate ''` calibrated on the current directory. `sliding_window: null` in a DeepSeek-V4
-config. (A trusted calibration resume state: tests/test_calibrate_resume.py.)"""
+config. (A trusted calibration resume state: tests/convert/test_calibrate_resume.py.)"""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def test_real_checkpoint_uses_headers(checkpoint):
     from_config = make_plan(str(ck / "config.json"), 4, quant="fp8", kv_dtype="fp8")
     assert from_config.rank == p.rank
     # and the same tp table and misaligned-fp8 warnings (that these do not depend on the order the files store the
-    # tensors in is tests/test_tensor_groups.py::test_plan_groups_do_not_depend_on_the_order_tensors_are_stored_in)
+    # tensors in is tests/source/test_tensor_groups.py::test_plan_groups_do_not_depend_on_the_order_tensors_are_stored_in)
     assert from_config.tp_table == p.tp_table and from_config.warnings == p.warnings
     assert any(r["fp8_misaligned"] for r in p.tp_table)
     assert [r["tp"] for r in p.tp_table if r["ok"]] == [1, 2, 4]

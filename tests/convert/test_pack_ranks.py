@@ -17,7 +17,7 @@ from helpers import assert_one_line_error, cli_here
 from kconvert.convert.pack import pack
 
 RANK1 = "rank-001/layer-0001.safetensors"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from engine.models.deepseek_v4.cache import V4LayerState
 from engine.models.deepseek_v4.compressor import Indexer
 from kconvert.disk_format.units import GLOBALS, layer_unit
 from kconvert.distributed import Group
-from v4_reference import CONFIGS, earliest_ties, engine_state, reference, text_config
+from dsv4_reference import CONFIGS, earliest_ties, engine_state, reference, text_config
 
 pytest.importorskip("transformers")
 TOL = 2e-5  # of the reference's largest magnitude, float32

@@ -28,8 +28,11 @@ demo: install
 	$(BIN)/python -m engine.chat $(DEMO)/tiny-k25-dsv32-tp2-fp8 --complete --prompt "def main(" --max-new-tokens 48 \
 	  --kv-dtype fp8
 
+# every core a worker (pytest-xdist), a test file's tests on one worker (its module fixtures built once), the
+# checkpoints, conversions and trainings shared by the workers through the run's folder (tests/conftest.py)
+WORKERS ?= auto
 test: install
-	$(BIN)/pytest -x
+	$(BIN)/pytest -x -n $(WORKERS) --dist loadfile
 
 # One prepared run on a machine with a GPU (< 8 min on H100/H200); CPU dry run: make device-check ARGS="--device cpu --quick"
 device-check: install

@@ -1,7 +1,13 @@
-"""Shared test fixtures: real-format tiny checkpoints, built once per test session."""
+"""Shared test fixtures: real-format tiny checkpoints and their conversions, built once per test run and shared by
+the workers of `pytest -n` (how `make test` runs)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,11 +19,55 @@ kernels.pin()  # before any test imports torch: the trained fixtures' bytes, and
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    """checkpoint("tiny-k25-dsv32") -> Path of a freshly generated checkpoint (cached for the session).
+def run_dir(tmp_path_factory) -> Path:
+    """A folder shared by every process of this test run: pytest-xdist's workers each have their own basetemp under
+    the run's, so the run's is their parent; a run without workers has its own basetemp."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
-    checkpoint("tiny-k25-dsv32-trained") / checkpoint("tiny-dsv32-trained") train their shared text model
-    once per session (about 2 minutes on 2 cores; kconvert/fixtures/training/text.py caches it in-process).
+
+@pytest.fixture(scope="session", autouse=True)
+def fixture_cache(run_dir):
+    """Trainings cached on disk for the whole run (kconvert/fixtures/training/disk_cache.py): the CLI processes tests
+    start and the other workers read what one process trained."""
+    from kconvert.fixtures.training.disk_cache import ENV
+
+    old = os.environ.get(ENV)
+    os.environ[ENV] = str(run_dir / "trainings")
+    yield
+    if old is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = old
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _once(run_dir: Path, kind: str, key: tuple, make) -> Path:
+    """`make(out)`'s directory for `key`, made once per run: the first process to ask builds it under a lock, the
+    others (pytest-xdist's workers) wait and share it."""
+    name = f"{key[0]}-{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
+    out = run_dir / kind / name / key[0]
+    with _locked(run_dir / kind / f"{name}.lock"):
+        if not (out.parent / "done").exists():
+            shutil.rmtree(out.parent, ignore_errors=True)
+            out.parent.mkdir(parents=True)
+            make(out)
+            (out.parent / "done").touch()
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoint(run_dir):
+    """checkpoint("tiny-k25-dsv32") -> Path of a freshly generated checkpoint, built once per test run and shared by
+    every worker process (the trained presets take minutes: tiny-k25-dsv32-trained and tiny-dsv32-trained share one
+    training, cached on disk by kconvert/fixtures/training/disk_cache.py).
 
     Tests that damage a checkpoint must copy it first (see `copy_checkpoint`)."""
     from kconvert.fixtures import build_fixture
@@ -27,18 +77,18 @@ def checkpoint(tmp_path_factory):
     def get(preset: str, **kwargs) -> Path:
         key = (preset, tuple(sorted(kwargs.items())))
         if key not in built:
-            out = tmp_path_factory.mktemp(preset.replace("-", "_")) / preset
-            built[key] = build_fixture(preset, out, **kwargs)
+            built[key] = _once(run_dir, "checkpoints", key, lambda out: build_fixture(preset, out, **kwargs))
         return built[key]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def conversion(checkpoint, tmp_path_factory):
+def conversion(checkpoint, run_dir):
     """conversion("tiny-k25-dsv32", tp=2, quant="fp8") -> Path of `shard` of that preset with those ShardJob
-    options, converted once per session and shared by every test module that asks for the same one (a family's
-    tests pay for each conversion once). Read-only: a test that damages one copies it first (copy_checkpoint)."""
+    options, converted once per test run and shared by every test module (and worker) that asks for the same one
+    (a family's tests pay for each conversion once). Read-only: a test that damages one copies it first
+    (copy_checkpoint)."""
     from helpers import shard_job
     from kconvert.convert.shard.job import shard
 
@@ -47,9 +97,8 @@ def conversion(checkpoint, tmp_path_factory):
     def get(preset: str, **job) -> Path:
         key = (preset, tuple(sorted(job.items())))
         if key not in built:
-            name = "-".join([preset] + [f"{k}{v}" for k, v in sorted(job.items())])
-            out = tmp_path_factory.mktemp("conversion") / name
-            built[key] = Path(shard(shard_job(checkpoint(preset), out, **job)).out)
+            src = checkpoint(preset)
+            built[key] = _once(run_dir, "conversions", key, lambda out: shard(shard_job(src, out, **job)))
         return built[key]
 
     return get

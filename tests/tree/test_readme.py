@@ -1,7 +1,9 @@
-"""The README's tour and docs/COMMANDS.md's examples, run as written, so neither can drift from the CLI.
+"""The tour and docs/COMMANDS.md's examples, run as written, so neither can drift from the CLI.
 
-Two documents (DOCS): the README's "## A five-command tour" section and the whole of docs/COMMANDS.md. Every
-command line of their ```bash blocks (a line ending in a backslash goes on with the next) is its own test case.
+Two documents (DOCS): docs/TOUR.md's "## A five-command tour" section (the README lists the same five command
+lines without their output: test_readme_tour_is_the_tour compares the text, nothing runs twice) and the whole
+of docs/COMMANDS.md. Every command line of their ```bash blocks (a line ending in a backslash goes on with the
+next) is its own test case.
 A document's lines run in order, in one temporary directory of its own (each line may use what an earlier one
 of the same document made, as a reader following along would), with `kconvert` = this checkout's CLI (its entry
 point, in this process: run_line), `torchrun` = torch.distributed.run and `python` = this interpreter.
@@ -25,7 +27,9 @@ import pytest
 from helpers import ROOT, cli_here, one_thread
 
 # document -> (file, the section whose bash blocks run: a "## " heading, or None for the whole file)
-DOCS = {"tour": ("README.md", "## A five-command tour"), "commands": ("docs/COMMANDS.md", None)}
+DOCS = {"tour": ("docs/TOUR.md", "## A five-command tour"), "commands": ("docs/COMMANDS.md", None)}
+README_TOUR = "## A five-command tour"  # the README's section that lists the tour's command lines
+README_MAX_LINES = 100  # the README is one screen; everything else lives in docs/ (docs/README.md is the index)
 
 # line pattern -> why it cannot run in this test (keep short: each one is a line nobody checks)
 SKIP = {
@@ -50,8 +54,8 @@ def needs_hub(argv: list[str]) -> bool:
                and not a.endswith((".png", ".safetensors")) for a in argv[1:])
 
 
-def section(doc: str) -> str:
-    path, heading = DOCS[doc]
+def section_of(path: str, heading: str | None) -> str:
+    """The text of `path` under the "## " heading `heading` (to the next "## "), or the whole file for None."""
     text = (ROOT / path).read_text()
     if heading is None:
         return text
@@ -60,9 +64,18 @@ def section(doc: str) -> str:
     return text[start:end if end >= 0 else len(text)]
 
 
+def section(doc: str) -> str:
+    return section_of(*DOCS[doc])
+
+
 def command_lines(doc: str) -> list[str]:
+    return bash_lines(section(doc))
+
+
+def bash_lines(text: str) -> list[str]:
+    """The command lines of the ```bash blocks in `text`, comment lines left out."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", section(doc), re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         block = re.sub(r"\\\n\s*", " ", block)  # a continued line is one command
         lines += [l.strip() for l in block.splitlines() if l.strip() and not l.strip().startswith("#")]
     return lines
@@ -151,6 +164,16 @@ def workdirs(checkpoint, tmp_path_factory):
 def test_the_documents_have_commands():
     assert len(LINES["commands"]) >= 8, LINES["commands"]
     assert len(LINES["tour"]) == 5, LINES["tour"]  # the README promises a five-command tour
+
+
+def test_readme_tour_is_the_tour():
+    """The README's tour lists exactly docs/TOUR.md's command lines, in order (TOUR's are the ones that run)."""
+    assert bash_lines(section_of("README.md", README_TOUR)) == LINES["tour"]
+
+
+def test_readme_is_one_screen():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move the detail into docs/"
 
 
 @pytest.mark.parametrize("doc,line", CASES)

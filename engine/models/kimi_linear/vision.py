@@ -1,5 +1,5 @@
 """MoonViT-V2 vision tower + the patchmergerv2 projector (Kimi K3), from the released tensor layout (mlx-vlm 0.7.10's
-kimi_k3 reads the same names: tests/test_kimi_k3_vision.py checks the features against it).
+kimi_k3 reads the same names: tests/families/kimi_k3/test_kimi_k3.py checks the features against it).
 
 Differences from Kimi-K2.5's MoonViT (engine/models/kimi_k25/vision.py): no biases anywhere; RMSNorm (eps 2^-7) instead
 of LayerNorm; attention `qkv_hidden_size` wide, not the tower's width; the position grid interpolated bilinearly

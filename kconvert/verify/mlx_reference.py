@@ -145,8 +145,8 @@ class MlxDeepseekV41(MlxReference):
     strictly loaded from the release's FP8 / FP4 storage (its sanitize dequantizes them exactly, as kconvert does).
 
     Convention: the reference's QAT fake-quantization (it rounds linear inputs and the window KV to FP8 and the
-    compressed KV and indexer queries / keys to FP4, as DeepSeek's kernels do; mlx-lm and transformers round none of
-    the inputs) is switched off (`fakequant.DISABLE`): verify measures what a conversion changes in the weights, and
+    compressed KV and indexer queries / keys to FP4, as DeepSeek's kernels do; mlx-lm rounds no linear input but
+    the same KV, queries and keys: MlxLmDeepseekV41 below) is switched off (`fakequant.DISABLE`): verify measures what a conversion changes in the weights, and
     the activation rounding (mean KLD ~1e-2 between the two MLX models until it is off in both) would bury that
     below its own noise. kconvert's engine does not round activations either (its KV formats are opt-in)."""
 
@@ -235,3 +235,34 @@ class MlxDeepseekV41(MlxReference):
         mx.eval(logits, *states)
         hidden = tuple(self._to_torch(s) for s in states) if output_hidden_states else None
         return Output(self._to_torch(logits), hidden)
+
+
+class MlxLmDeepseekV41:
+    """mlx-lm 0.32.2's deepseek_v41 (text only: it refuses Engram layers), strictly loaded from the release's storage,
+    as a second reference for V4.1 (tests/families/dsv41/test_dsv41_forward.py, bench/v41_references.py). It rounds the window KV
+    to FP8 and the compressed KV and the indexer's queries / keys to FP4 on every forward, with no switch; with
+    `rounding=False` those module functions are identity while it runs, which is what mlx-vlm's `fakequant.DISABLE`
+    gives the other reference: then both equal unrounded math. `self(ids [1, T])` -> float32 logits [1, T, V]."""
+
+    def __init__(self, root: Path, dtype: torch.dtype = torch.float32, rounding: bool = False):
+        mx, load_model = _mlx()
+        self.mx, self.rounding = mx, rounding
+        self.model, _ = load_model(Path(root), strict=True)
+        self.model.set_dtype({torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}[dtype])
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import mlx_lm.models.deepseek_v41 as lm_v41
+        import numpy as np
+
+        names = ("_fake_quant_fp8", "_fake_quant_fp4")
+        kept = {n: getattr(lm_v41, n) for n in names}
+        if not self.rounding:
+            for n in names:
+                setattr(lm_v41, n, lambda x, *args, **kwargs: x)
+        try:
+            logits = self.model(self.mx.array(input_ids.numpy())).astype(self.mx.float32)
+            self.mx.eval(logits)
+        finally:
+            for n, f in kept.items():
+                setattr(lm_v41, n, f)
+        return torch.from_numpy(np.array(logits))

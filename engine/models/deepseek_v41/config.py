@@ -142,6 +142,8 @@ def v41_config(cfg: TextConfig) -> V41Config:
             engram_compressed_vocab=int(c.get("engram_compressed_vocab_size", 0)),
             engram_pad_token=int(c.get("engram_pad_token_id", 0)),
         )
+    except CheckpointError:
+        raise  # already one line naming what cannot run (_roles, _ids)
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
     except (TypeError, ValueError) as e:

@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's MoE (stored as `layers.N.ffn.*`): sqrt(softplus) router scores in float32, experts chosen by
 top-k on score + bias, where image tokens take `bias_vl` instead of `bias`; weights = the chosen scores
 renormalised (norm_topk_prob) and scaled by routed_scaling_factor; V4's clamped SwiGLU (`w1` gate, `w3` up, `w2`
-down) in the routed and the shared expert. Routed experts whole per tp rank (engine/models/deepseek_v3/moe.py
+down) in the routed and the shared expert, where a `swiglu_limit` of 0 (or below) means no clamp, as both MLX
+references read it (mlx-vlm's and mlx-lm's deepseek_v41 clamp only when the limit is positive). Routed experts whole per tp rank (engine/models/deepseek_v3/moe.py
 dispatch); the shared expert column / row split."""
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ class ClampedSwiGLU(nn.Module):
         self.w1, self.w2, self.w3 = LinearSlot(), LinearSlot(), LinearSlot()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=self.limit)
-        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        gate, up = self.w1(x), self.w3(x)
+        if self.limit > 0:  # 0: unclamped (clamping at 0 would zero every gate's positive half)
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return self.w2(F.silu(gate) * up)
 
 

@@ -134,7 +134,7 @@ def test_roles_that_do_not_line_up_are_one_line(tmp_path):
     from kconvert.errors import CheckpointError
 
     bad = v41_config({**OTHER, "index_source_layer_ids": [1, 5]})  # layer 3 reuses 1's choice over 3's entries
-    with pytest.raises(CheckpointError, match="layer 3 would attend to layer 3's entries through indexer 1"):
+    with pytest.raises(CheckpointError, match="^layer 3 would attend to layer 3's entries through indexer 1"):
         engine_config(model_config(bad, "deepseek_v41").text)
 
 

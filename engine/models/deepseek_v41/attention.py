@@ -69,7 +69,7 @@ class V41Attention(nn.Module):
         values = [keys]
         if self.ratio:
             chosen, valid = self._choice(x, q_lora, pos, cos, sin, st, hand, fmt)
-            if chosen.shape[-1]:
+            if chosen is not None and chosen.shape[-1]:
                 entries = hand.state(c.entries_from[self.layer]).entries
                 picked = entries.gather(chosen, q.dtype)  # [B, S, k, D]
                 logits.append(torch.einsum("bshd,bskd->bhsk", q, picked).masked_fill(~valid[:, None], float("-inf")))
@@ -78,12 +78,15 @@ class V41Attention(nn.Module):
         return self._output(self._attend(logits, values), cos, sin)
 
     def _choice(self, x, q_lora, pos, cos, sin, st, hand, fmt):
-        """The entries each query attends to: this layer's compressor and indexer run first where it has them."""
+        """The entries each query attends to (None: the window alone): this layer's compressor and indexer run first
+        where it has them."""
         c, L = self.c, self.layer
         if hasattr(self, "compressor"):
             latent, first = self.compressor(x, st.entries, fmt, host=st.host_entries)
             if hasattr(self, "indexer") and self.indexer.owns_keys:
                 self.indexer.publish(x, latent, first, st.keys, st.key_format(c.index_head_dim, x.dtype))
+        if not c.attends(L):  # nothing to read yet (no indexer, or one without keys): the window alone
+            return None, None
         if hasattr(self, "indexer"):
             chosen, valid, picked = self.indexer.choose(x, q_lora, pos, hand.state(c.keys_from[L]).keys, cos, sin,
                                                         hand.candidates)

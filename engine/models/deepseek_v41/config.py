@@ -5,9 +5,12 @@ layer L; only `kv_source_layer_ids` compute entries, every other compressed laye
 or before it. Only `index_source_layer_ids` run an indexer; an indexer scores the keys of the last layer at or before
 it that is both a KV source and an indexer (a source that indexes projects its own keys), and a compressed layer
 without an indexer attends to the entries the last indexer at or before it chose. Indexers after
-`candidate_source_layer_id` score only inside the blocks of entries that layer's indexer found best. The reference
-(mlx-vlm's deepseek_v41) reads the state this way; a config whose roles do not line up (a reader's entries from
-one source and its choice from another's keys, a ratio unlike its source's) is refused here, in one line."""
+`candidate_source_layer_id` score only inside the blocks of entries that layer's indexer found best. Both references
+(mlx-vlm's and mlx-lm's deepseek_v41) keep this state as "the last one written", and a choice or a candidate mask is
+a set of entry positions, so a layer may attend to one source's entries through a choice scored on another's keys
+(a later owner's keys under the candidate source's blocks, say): that runs as they run it. What they cannot run, or
+would run as no causal model (entries, keys and choices of different rates, read by each other's positions), is
+refused here in one line (`_roles`)."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ class V41Config:
     keys_from: tuple[int | None, ...]  # per indexer layer: the layer whose index keys it scores
     kv_sources: frozenset
     indexers: frozenset
-    candidate_source: int  # -1: none
+    candidate_source: int  # -1: none (or no indexer there that scores anything)
     candidate_blocks: int
     candidate_block_size: int
     index_heads: int
@@ -62,6 +65,11 @@ class V41Config:
     engram_compressed_vocab: int
     engram_pad_token: int
 
+    def attends(self, layer: int) -> bool:
+        """Whether a layer attends to compressed entries (else to its window alone)."""
+        T = self.choice_from[layer]
+        return T is not None and self.keys_from[T] is not None
+
     def uses_candidates(self, layer: int) -> bool:
         return self.candidate_blocks > 0 and 0 <= self.candidate_source < layer and layer in self.indexers
 
@@ -74,34 +82,45 @@ def _last(layers, upto: int) -> int | None:
 
 
 def _roles(ratios: list[int], sources: set, indexers: set, candidate: int):
-    """(entries_from, choice_from, keys_from) per layer, or CheckpointError naming the layer that cannot be run."""
+    """(entries_from, choice_from, keys_from, the candidate source in effect) per layer, as both references read their
+    shared state: a compressed layer attends to the entries of the last KV source at or before it, through the choice
+    of the last indexer at or before it, which scored the keys of the last source at or before it that also indexes;
+    a choice is a set of entry positions, so the entries and the keys need not come from one layer, only from one
+    rate. Where nothing is there to read (no source, no indexer, an indexer with no keys) the layer attends to its
+    window alone, as the references do. CheckpointError, in one line, where the references cannot run a config or
+    would not compute a causal model from it (docs/BAD_INPUT.md)."""
     n = len(ratios)
+    for role, layers in (("kv_source_layer_ids", sources), ("index_source_layer_ids", indexers)):
+        idle = sorted(j for j in layers if not ratios[j])
+        if idle:
+            raise CheckpointError(f"{role} names layer {idle[0]}, which compresses nothing (compress_ratios[{idle[0]}] "
+                                  "= 0): the references build a compressor / indexer there that never runs",
+                                  file="config.json")
     owners = {j for j in indexers if j in sources}  # indexers that project their own keys
     entries, choice, keys = [None] * n, [None] * n, [None] * n
     for L in range(n):
         if L in indexers:
             keys[L] = _last(owners, L)
-            if ratios[L] and keys[L] is None:
-                raise CheckpointError(f"layer {L} runs an indexer but no KV source at or before it projects index "
-                                      "keys (kv_source_layer_ids and index_source_layer_ids)", file="config.json")
-        if not ratios[L]:
-            continue
-        entries[L], choice[L] = _last(sources, L), _last(indexers, L)
-        if entries[L] is None or choice[L] is None:
-            raise CheckpointError(f"layer {L} compresses (compress_ratios[{L}] = {ratios[L]}) but no KV source / indexer "
-                                  "is at or before it", file="config.json")
-        if keys[choice[L]] != entries[L] or ratios[entries[L]] != ratios[L]:
-            raise CheckpointError(f"layer {L} would attend to layer {entries[L]}'s entries through indexer "
-                                  f"{choice[L]}, which scores layer {keys[choice[L]]}'s keys: the roles do not line up",
-                                  file="config.json")
-    if candidate >= 0:
-        if candidate not in indexers:
-            raise CheckpointError(f"candidate_source_layer_id {candidate} runs no indexer", file="config.json")
-        for L in indexers:
-            if L > candidate and keys[L] != keys[candidate]:
-                raise CheckpointError(f"indexer {L} scores other keys than the candidate source {candidate}",
+            if keys[L] is None and _last(sources, L) is not None:
+                raise CheckpointError(f"indexer {L} has entries to score but no KV source at or before it projects "
+                                      "index keys (a layer in both kv_source_layer_ids and index_source_layer_ids)",
                                       file="config.json")
-    return tuple(entries), tuple(choice), tuple(keys)
+        if ratios[L]:
+            entries[L], choice[L] = _last(sources, L), _last(indexers, L)
+    candidate = candidate if candidate in indexers and keys[candidate] is not None else -1
+    for L in range(n):
+        T = choice[L]
+        if T is None or keys[T] is None:
+            continue  # the window alone
+        used = {"its own": L, f"KV source {entries[L]}'s": entries[L], f"indexer {T}'s": T, f"key owner {keys[T]}'s": keys[T]}
+        if 0 <= candidate < L and L in indexers:
+            used[f"candidate source {candidate}'s keys'"] = keys[candidate]
+        rates = {what: ratios[j] for what, j in used.items()}
+        if len(set(rates.values())) > 1:
+            said = ", ".join(f"{what} {r}" for what, r in rates.items())
+            raise CheckpointError(f"layer {L} reads compressed state made at other rates ({said}): the references "
+                                  "would index one rate's entries by another's positions", file="config.json")
+    return tuple(entries), tuple(choice), tuple(keys), candidate
 
 
 def _ids(c: dict, key: str, n: int) -> list[int]:
@@ -119,7 +138,7 @@ def v41_config(cfg: TextConfig) -> V41Config:
         ratios = [int(r) for r in list(c["compress_ratios"])[:n]]
         sources, indexers = set(_ids(c, "kv_source_layer_ids", n)), set(_ids(c, "index_source_layer_ids", n))
         candidate = int(c.get("candidate_source_layer_id", -1))
-        entries, choice, keys = _roles(ratios, sources, indexers, candidate)
+        entries, choice, keys, candidate = _roles(ratios, sources, indexers, candidate)
         main, comp = _ropes(c, rope_dim, head_dim)
         engram = _ids(c, "engram_layer_ids", n)
         return V41Config(

@@ -22,8 +22,8 @@ def crossing(c: V41Config, boundary: int) -> list[tuple[str, int]]:
     """(what, its source layer) that layers at or after `boundary` read from layers before it, in a fixed order."""
     need: set[tuple[str, int]] = set()
     for L in range(boundary, len(c.ratios)):
-        if not c.ratios[L]:
-            continue
+        if not c.attends(L):
+            continue  # the window alone: it reads nothing from before (a source's own entries are its own)
         for what, src in ((ENTRIES, c.entries_from[L]), (CHOSEN, c.choice_from[L])):
             if src < boundary:
                 need.add((what, src))

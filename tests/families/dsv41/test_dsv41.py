@@ -127,14 +127,15 @@ def test_damage_fails_verify_with_the_layer_named(v41, tmp_path, what, name, lay
     assert rep["fault_at"] == f"layer {layer}", (what, rep["fault_at"])
 
 
-def test_roles_that_do_not_line_up_are_one_line(tmp_path):
-    """A compressed layer whose entries come from one source and its choice from another's keys cannot run."""
+def test_roles_of_other_rates_are_one_line(tmp_path):
+    """A compressed layer reading entries of one rate through a choice made at another cannot run as a model: the
+    references would index one rate's entries by the other's positions (engine/models/deepseek_v41/config.py)."""
     from engine.config import model_config
     from engine.models.deepseek_v41.config import v41_config as engine_config
     from kconvert.errors import CheckpointError
 
-    bad = v41_config({**OTHER, "index_source_layer_ids": [1, 5]})  # layer 3 reuses 1's choice over 3's entries
-    with pytest.raises(CheckpointError, match="^layer 3 would attend to layer 3's entries through indexer 1"):
+    bad = v41_config({**OTHER, "index_source_layer_ids": [1, 5]})  # layer 3 (rate 2) reuses 1's choice (rate 1)
+    with pytest.raises(CheckpointError, match="^layer 3 reads compressed state made at other rates .*indexer 1's 1"):
         engine_config(model_config(bad, "deepseek_v41").text)
 
 

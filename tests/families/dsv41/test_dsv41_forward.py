@@ -61,3 +61,30 @@ def test_mlx_lms_own_rounding_is_what_stands_between_it_and_the_engine(tmp_path)
     assert lm_v41._fake_quant_fp8 is shipped
     on = MlxLmDeepseekV41(tmp_path / "src", rounding=True)(text)
     assert mean_kld(off, on) > 1e-4
+
+
+# Roles across layers, as both references keep their state ("the last one written", read by position): layer 3 is a
+# second key owner indexing inside the candidate source 2's blocks (the keys it scores are 3's, the blocks 2's),
+# layer 4 an indexer scoring 3's keys under 2's blocks, layer 5 a KV source attending to its own entries through 4's
+# choice (scored on 3's keys). The engine refused all three before ("indexer 3 scores other keys than the candidate
+# source 2", 34 of 70 random draws); the references run them, so it runs them as they do.
+CROSSED_ROLES = {**RELEASE_LIKE_V41_TEXT, "num_hidden_layers": 6, "compress_ratios": [0, 0, 1, 1, 1, 1],
+                 "kv_source_layer_ids": [2, 3, 5], "index_source_layer_ids": [2, 3, 4], "candidate_source_layer_id": 2,
+                 "candidate_topk_blocks": 2, "candidate_block_size": 4, "index_topk": 4}
+
+
+def test_roles_read_across_layers_as_both_mlx_references_read_them(tmp_path):
+    from engine.model import Model
+    from kconvert.verify.mlx_reference import MlxDeepseekV41, MlxLmDeepseekV41
+
+    config = v41_config(CROSSED_ROLES)
+    write_v41_checkpoint(tmp_path / "src", config, seed=5)
+    r = cli_here("shard", tmp_path / "src", tmp_path / "tp1", "--tp", 1, "--quant", "none")
+    assert r.returncode == 0, r.stderr
+    text = torch.randint(2, 700, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    with one_thread():
+        engine = Model.from_converted(tmp_path / "tp1", dtype=torch.float32).forward(text).float()
+    vlm = MlxDeepseekV41(tmp_path / "src", torch.float32)(text).logits
+    lm = MlxLmDeepseekV41(tmp_path / "src")(text)
+    assert mean_kld(vlm, lm) < 1e-8, "the two MLX references disagree: not the engine's difference to judge"
+    assert mean_kld(vlm, engine) < 1e-5 and mean_kld(lm, engine) < 1e-5, (mean_kld(vlm, engine), mean_kld(lm, engine))

@@ -51,7 +51,7 @@ def load_unit(unit: str, parts: dict[str, nn.Module], tensors: dict[str, torch.T
               ignore=lambda name: False) -> None:
     """Fill `parts` ({checkpoint prefix: module}) from one loader unit. Every tensor must fill a slot and
     every slot must be filled (optional ones may be absent); otherwise a CheckpointError names the first
-    tensor. `ignore(name)` drops a stored tensor the engine does not use on purpose (MTP extras)."""
+    tensor (a zero-size tensor no slot takes is no error). `ignore(name)` drops a stored tensor the engine does not use on purpose (MTP extras)."""
     where: dict[str, tuple[str, nn.Module, str]] = {}
     for prefix, module in parts.items():
         optional = {f"{path}.{n}" if path else n for path, m in module.named_modules()
@@ -62,7 +62,9 @@ def load_unit(unit: str, parts: dict[str, nn.Module], tensors: dict[str, torch.T
                 owner, _, attr = name.rpartition(".")
                 module.get_submodule(owner).register_buffer(attr, None)  # absent in this checkpoint
                 del where[prefix + name]
-    extra = [n for n in tensors if n not in where and not ignore(n)]
+    # a zero-size tensor holds nothing to use: a module the config sizes at 0 (a shared expert of
+    # n_shared_experts 0, which transformers still builds 0 wide and saves) is no module here
+    extra = [n for n in tensors if n not in where and not ignore(n) and tensors[n].numel()]
     if extra:
         raise CheckpointError(f"unit {unit}: {len(extra)} tensor(s) the engine does not use", tensor=extra[0])
     missing = [n for n in where if n not in tensors]

@@ -48,6 +48,8 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
         return
     con = Console()
     con.print(f"[bold]{s.source}[/]  family [cyan]{s.family}[/] ({', '.join(s.architectures)})")
+    if s.variant:
+        con.print(f"release: [cyan]{s.variant['name']}[/] ({s.variant['release']}): {s.variant['differs']}")
     if s.quantization:
         con.print(f"quantized: format [cyan]{s.quantization['format']}[/] (scheme {s.quantization['scheme']})")
     m = s.model

@@ -6,6 +6,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 from kconvert.convert.export.expert_dtype import source_disagreement
+from kconvert.family.variants import recognise
+from kconvert.inspect.disagreements import disagreements
 from kconvert.plan.rank_bytes import COMPONENTS
 from kconvert.source.checkpoint import Checkpoint
 
@@ -29,6 +31,7 @@ class Summary:
     quantization: dict | None = None  # {"format": fp8-block | w4a16 | ..., "scheme": ...} of a quantized checkpoint
     kind: str = "checkpoint"
     warnings: list[str] = field(default_factory=list)  # what a serving engine would misread though kconvert reads it
+    variant: dict | None = None  # the release it is (the family manifest's [[family.variants]]), None: none matches
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,8 +87,28 @@ def summarize(ck: Checkpoint) -> Summary:
         params={c: params[c] for c in COMPONENTS if params.get(c)}, total_params=sum(params.values()),
         active_params=active, formats=sorted(formats.values(), key=lambda r: -r["bytes"]),
         files=len(ck.files), bytes_on_disk=bytes_on_disk, tensors=ck.tensor_count, quantization=_quantization(ck),
-        warnings=list(filter(None, [source_disagreement(ck)])),
+        warnings=list(filter(None, [source_disagreement(ck), *disagreements(ck)])),
+        variant=_variant(ck),
     )
+
+
+class _StoredDtypes:
+    """A checkpoint's stored name -> dtype, read off its header entries as asked (200k+ of them in a release)."""
+
+    def __init__(self, stored):
+        self.stored = stored
+
+    def get(self, name: str):
+        e = self.stored.get(name)
+        return None if e is None else e.dtype
+
+    def items(self):
+        return ((name, e.dtype) for name, e in self.stored.items())
+
+
+def _variant(ck: Checkpoint) -> dict | None:
+    v = recognise(ck.model.family, ck.config, _StoredDtypes(ck.stored))
+    return None if v is None else v.to_json()
 
 
 def _quantization(ck: Checkpoint) -> dict | None:

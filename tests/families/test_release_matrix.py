@@ -47,9 +47,16 @@ def test_each_release_inspects_shards_and_verifies(preset, checkpoint, prompts, 
     r = cli_here("reference", src, "--out", tmp_path / "ref.safetensors", "--prompts",
                  prompts / ("image.json" if vision else "text.json"))
     assert r.returncode == 0, r.stderr
-    r, rep = verify_json(tmp_path / "tp1", tmp_path / "ref.safetensors", "--threshold", "draft.new_tokens=4")
+    # a row whose conversion rounds its values (row.rounds) is judged as random weights are: the none budget is
+    # calibrated on a trained model, and one of random weights moves more for the same rounding
+    loose = ("--threshold", "mean_kld=1e-3", "--threshold", "p99_kld=1e-2") if row.rounds else ()
+    r, rep = verify_json(tmp_path / "tp1", tmp_path / "ref.safetensors", "--threshold", "draft.new_tokens=4", *loose)
     assert r.returncode == 0 and rep["verdict"] == "PASS", (r.stderr, rep and rep["failures"])
-    assert rep["cost"]["overall"]["mean_kld"] < 1e-5, rep["cost"]["overall"]
+    assert rep["faithfulness"]["overall"]["mean_kld"] < 1e-5, rep["faithfulness"]["overall"]  # the release, read exactly
+    if not row.rounds:
+        assert rep["cost"]["overall"]["mean_kld"] < 1e-5, rep["cost"]["overall"]
+    print(f"\n{preset}: variant {summary['variant']['name']}, --quant {row.scheme}, faithful "
+          f"{rep['faithfulness']['overall']['mean_kld']:.2e}, against the reference {rep['cost']['overall']['mean_kld']:.2e}")
 
 
 @pytest.mark.parametrize("preset", sorted(set(BY_PRESET) - set(BUILDS)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import cli_here, one_thread
+from helpers import cli_here, one_thread, verify_json
 from kconvert.fixtures.models.dsv41 import RELEASE_LIKE_V41_TEXT, v41_config, write_v41_checkpoint
 
 PROMPT = 24  # past the window of 8: the compressed entries, the indexers' top-4 and the candidate blocks all matter
@@ -88,3 +88,10 @@ def test_roles_read_across_layers_as_both_mlx_references_read_them(tmp_path):
     lm = MlxLmDeepseekV41(tmp_path / "src")(text)
     assert mean_kld(vlm, lm) < 1e-8, "the two MLX references disagree: not the engine's difference to judge"
     assert mean_kld(vlm, engine) < 1e-5 and mean_kld(lm, engine) < 1e-5, (mean_kld(vlm, engine), mean_kld(lm, engine))
+    # across a pipeline boundary after layer 2: the next stage reads 2's entries, keys and candidate blocks
+    r = cli_here("shard", tmp_path / "src", tmp_path / "pp2", "--tp", 1, "--pp", 2, "--pp-layers", "0-2,3-5")
+    assert r.returncode == 0, r.stderr
+    r = cli_here("reference", tmp_path / "src", "--out", tmp_path / "ref.safetensors", "--prompts", "default")
+    assert r.returncode == 0, r.stderr
+    r, rep = verify_json(tmp_path / "pp2", tmp_path / "ref.safetensors")
+    assert r.returncode == 0 and rep["cost"]["overall"]["mean_kld"] < 1e-5, (r.stderr, rep and rep["cost"]["overall"])

@@ -7,7 +7,8 @@ it that is both a KV source and an indexer (a source that indexes projects its o
 without an indexer attends to the entries the last indexer at or before it chose. Indexers after
 `candidate_source_layer_id` score only inside the blocks of entries that layer's indexer found best. The reference
 (mlx-vlm's deepseek_v41) reads the state this way; a config whose roles do not line up (a reader's entries from
-one source and its choice from another's keys, a ratio unlike its source's) is refused here, in one line."""
+one source and its choice from another's keys, a ratio unlike its source's) is refused in one line, by bind first
+(kconvert/family/v41_rules.py holds the rule, and limits.toml's `checks` run it when a config is bound)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 from engine.config import RopeConfig, TextConfig
 from engine.models.deepseek_v4.config import _ropes
-from kconvert.errors import CheckpointError
+from kconvert.errors import CheckpointError, KConvertError
+from kconvert.family.v41_rules import roles
 
 
 @dataclass(frozen=True)
@@ -69,58 +71,23 @@ class V41Config:
         return self.engram_layers.index(layer) if layer in self.engram_layers else -1
 
 
-def _last(layers, upto: int) -> int | None:
-    return max((j for j in layers if j <= upto), default=None)
-
-
-def _roles(ratios: list[int], sources: set, indexers: set, candidate: int):
-    """(entries_from, choice_from, keys_from) per layer, or CheckpointError naming the layer that cannot be run."""
-    n = len(ratios)
-    owners = {j for j in indexers if j in sources}  # indexers that project their own keys
-    entries, choice, keys = [None] * n, [None] * n, [None] * n
-    for L in range(n):
-        if L in indexers:
-            keys[L] = _last(owners, L)
-            if ratios[L] and keys[L] is None:
-                raise CheckpointError(f"layer {L} runs an indexer but no KV source at or before it projects index "
-                                      "keys (kv_source_layer_ids and index_source_layer_ids)", file="config.json")
-        if not ratios[L]:
-            continue
-        entries[L], choice[L] = _last(sources, L), _last(indexers, L)
-        if entries[L] is None or choice[L] is None:
-            raise CheckpointError(f"layer {L} compresses (compress_ratios[{L}] = {ratios[L]}) but no KV source / indexer "
-                                  "is at or before it", file="config.json")
-        if keys[choice[L]] != entries[L] or ratios[entries[L]] != ratios[L]:
-            raise CheckpointError(f"layer {L} would attend to layer {entries[L]}'s entries through indexer "
-                                  f"{choice[L]}, which scores layer {keys[choice[L]]}'s keys: the roles do not line up",
-                                  file="config.json")
-    if candidate >= 0:
-        if candidate not in indexers:
-            raise CheckpointError(f"candidate_source_layer_id {candidate} runs no indexer", file="config.json")
-        for L in indexers:
-            if L > candidate and keys[L] != keys[candidate]:
-                raise CheckpointError(f"indexer {L} scores other keys than the candidate source {candidate}",
-                                      file="config.json")
-    return tuple(entries), tuple(choice), tuple(keys)
-
-
-def _ids(c: dict, key: str, n: int) -> list[int]:
+def _ids(c, key: str, n: int) -> list[int]:
     v = c.get(key) or []
     if not isinstance(v, list) or not all(isinstance(i, int) and 0 <= i < n for i in v):
-        raise CheckpointError(f"{key} must list decoder layers 0..{n - 1}", file="config.json")
+        raise CheckpointError(f"{c.prefix}{key} must list decoder layers 0..{n - 1}", file=c.file)
     return v
 
 
 def v41_config(cfg: TextConfig) -> V41Config:
-    c, n = cfg.section, cfg.num_layers
+    c, n = cfg.reads(), cfg.num_layers
     try:
         head_dim = int(c.get("head_dim", 512))
         rope_dim = int(c["qk_rope_head_dim"])
         ratios = [int(r) for r in list(c["compress_ratios"])[:n]]
         sources, indexers = set(_ids(c, "kv_source_layer_ids", n)), set(_ids(c, "index_source_layer_ids", n))
         candidate = int(c.get("candidate_source_layer_id", -1))
-        entries, choice, keys = _roles(ratios, sources, indexers, candidate)
-        main, comp = _ropes(c, rope_dim, head_dim)
+        entries, choice, keys = roles(ratios, sources, indexers, candidate, prefix=c.prefix, file=c.file)
+        main, comp = _ropes(c, rope_dim, head_dim, c.prefix, c.file)
         engram = _ids(c, "engram_layer_ids", n)
         return V41Config(
             hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=head_dim, rope_dim=rope_dim,
@@ -142,7 +109,5 @@ def v41_config(cfg: TextConfig) -> V41Config:
             engram_compressed_vocab=int(c.get("engram_compressed_vocab_size", 0)),
             engram_pad_token=int(c.get("engram_pad_token_id", 0)),
         )
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"a DeepSeek-V4.1 config value has the wrong type ({e})", file="config.json") from None
+    except (KConvertError, KeyError, TypeError, ValueError) as e:
+        raise c.error(e) from None

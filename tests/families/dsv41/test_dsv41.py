@@ -128,14 +128,17 @@ def test_damage_fails_verify_with_the_layer_named(v41, tmp_path, what, name, lay
 
 
 def test_roles_that_do_not_line_up_are_one_line(tmp_path):
-    """A compressed layer whose entries come from one source and its choice from another's keys cannot run."""
+    """A compressed layer whose entries come from one source and its choice from another's keys cannot run: refused
+    when the config is bound (inspect, shard, and the engine's own reading, which binds first), naming the key."""
     from engine.config import model_config
-    from engine.models.deepseek_v41.config import v41_config as engine_config
-    from kconvert.errors import CheckpointError
+    from kconvert.errors import ManifestError
+    from kconvert.family.manifest import bind
 
     bad = v41_config({**OTHER, "index_source_layer_ids": [1, 5]})  # layer 3 reuses 1's choice over 3's entries
-    with pytest.raises(CheckpointError, match="layer 3 would attend to layer 3's entries through indexer 1"):
-        engine_config(model_config(bad, "deepseek_v41").text)
+    for read in (bind, lambda c: model_config(c, "deepseek_v41")):
+        with pytest.raises(ManifestError, match=r"compress_ratios\[3\] = .*layer 3 would attend to layer 3's "
+                                                "entries .* through indexer 1"):
+            read(bad)
 
 
 def test_a_conversion_without_its_engram_token_map_is_one_line(v41, tmp_path):

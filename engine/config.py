@@ -13,31 +13,39 @@ from kconvert.family.rope import RopeConfig, read_rope
 
 
 class Reads(dict):
-    """A config section that remembers the key read last, so that a value the engine cannot read is named by its key
-    path (bind's bounds refuse such values first: this is the engine's own line if one is ever missed)."""
+    """A config section that remembers the key read last (its whole path, nested sections included), so that a value
+    the engine cannot read is named by its key path (bind's bounds refuse such values first: this is the engine's own
+    line if one is ever missed)."""
 
-    def __init__(self, section: dict, prefix: str = "", file: str = "config.json"):
+    def __init__(self, section: dict, prefix: str = "", file: str = "config.json", _root: "Reads | None" = None):
         super().__init__(section)
-        self.prefix, self.file, self.last = prefix, file, None
+        self.prefix, self.file = prefix, file
+        self._root = self if _root is None else _root
+        self.last, self.last_value = None, None
+
+    def _seen(self, key, value):
+        root = self._root
+        root.last, root.last_value = f"{self.prefix}{key}", value
+        if isinstance(value, dict) and not isinstance(value, Reads):
+            return Reads(value, f"{self.prefix}{key}.", self.file, root)
+        return value
 
     def __getitem__(self, key):
-        self.last = key
-        return super().__getitem__(key)
+        self._root.last, self._root.last_value = f"{self.prefix}{key}", None  # named if absent (KeyError)
+        return self._seen(key, super().__getitem__(key))
 
     def get(self, key, default=None):
-        self.last = key
-        return super().get(key, default)
+        return self._seen(key, super().get(key, default))
 
     def error(self, e: Exception) -> KConvertError:
         """The one line for an exception raised while reading this section (KeyError: a key it lacks)."""
         if isinstance(e, KConvertError):
             return e
+        root = self._root
         if isinstance(e, KeyError):
-            return CheckpointError(f"{self.prefix}{e.args[0]} is absent and needed by the engine", file=self.file)
-        value = dict.get(self, self.last)
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        return CheckpointError(f"{self.prefix}{self.last} = {shown}: not a value the engine can read (docs/LIMITS.md)",
-                               file=self.file)
+            return CheckpointError(f"{root.last or e.args[0]} is absent and needed by the engine", file=self.file)
+        shown = repr(root.last_value) if len(repr(root.last_value)) <= 40 else repr(root.last_value)[:37] + "..."
+        return CheckpointError(f"{root.last} = {shown}: not a value the engine can read (docs/LIMITS.md)", file=self.file)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class DSparkDrafter:
         self.stages = [model.draft_heads[str(L)] for L in sorted(model.draft_layers)]
         if not (self.stages[0].first and self.stages[-1].last):
             raise CheckpointError(f"the DSpark drafter's stages {sorted(model.draft_layers)} are not all of "
-                                  f"num_nextn_predict_layers", file="config.json")
+                                  f"{model.cfg.key_prefix}num_nextn_predict_layers", file=model.cfg.config_file)
         self.block, self.noise = self.block_settings(model.cfg)
         self.k = self.block if k is None else k
         if not 1 <= self.k <= self.block:

@@ -139,7 +139,8 @@ def _rope(c: dict, prefix: str = "", file: str = "config.json") -> RopeConfig:
     return read_rope(c, prefix=prefix, file=file)
 
 
-def _text(c: Reads) -> TextConfig:
+def _text(c: dict) -> TextConfig:
+    c = c if isinstance(c, Reads) else Reads(c)
     try:
         g = c.get
         n_routed = int(g("n_routed_experts") or 0)

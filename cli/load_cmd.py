@@ -13,14 +13,14 @@ from kconvert.kv_rows import KV_DTYPES
 from .lazy import RegistryHelpOption, device_help
 from .progress import byte_progress
 from .units import fmt_bytes
-from .params import COUNT, Whole
+from .params import COUNT, RANK, Whole
 
 
 @click.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
-@click.option("--rank", type=Whole(0), help="Which rank to load: the global rank, stage x tp + tp rank (default 0).")
-@click.option("--stage", type=Whole(0), help="Pipeline stage to load (with --tp-rank; a tp x pp conversion).")
-@click.option("--tp-rank", type=Whole(0), help="Tensor-parallel rank within --stage.")
+@click.option("--rank", type=RANK, help="Which rank to load: the global rank, stage x tp + tp rank (default 0).")
+@click.option("--stage", type=RANK, help="Pipeline stage to load (with --tp-rank; a tp x pp conversion).")
+@click.option("--tp-rank", type=RANK, help="Tensor-parallel rank within --stage.")
 @click.option("--world-size", type=COUNT, help="Check the conversion was made for this many ranks (tp x pp).")
 @click.option("--device", default="auto", show_default=True, cls=RegistryHelpOption, help_from=device_help)
 @click.option("--verify/--no-verify", default=False, show_default=True,

@@ -9,7 +9,7 @@ import click
 from .progress import byte_progress
 from .run_summary import print_run, rate
 from .units import fmt_bytes
-from .params import Whole
+from .params import RANK, Whole
 
 
 def _report(r, out: str, as_json: bool) -> None:
@@ -26,7 +26,7 @@ def _report(r, out: str, as_json: bool) -> None:
 @click.option("--compress", "codec", default="zstd", show_default=True, metavar="zstd[:LEVEL]",
               help="Codec and zstd level (1 is the default: on byte-grouped weights it measured best).")
 @click.option("--threads", type=Whole(1, 1024), help="Chunks compressed in parallel (default: cores, at most 8).")
-@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+@click.option("--rank", "ranks", type=RANK, multiple=True,
               help="Only this rank's files (repeatable), reading only its tensor list: each node packs its own share.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def pack(out, codec, threads, ranks, as_json):
@@ -52,7 +52,7 @@ def pack(out, codec, threads, ranks, as_json):
 @click.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 @click.option("--threads", type=Whole(1, 1024), help="Chunks decompressed in parallel (default: cores, at most 8).")
-@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+@click.option("--rank", "ranks", type=RANK, multiple=True,
               help="Only this rank's files (repeatable), reading only its tensor list.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def unpack(out, threads, ranks, as_json):

@@ -33,5 +33,15 @@ def _option(param) -> str:
     return param.opts[0] if param is not None and param.opts else "value"
 
 
+class Rank(click.ParamType):
+    """A rank number (--rank, --stage, --tp-rank): kconvert.arguments.rank, the one parse of them."""
+
+    name = "rank"
+
+    def convert(self, value, param, ctx):
+        return arguments.rank(value, _option(param))
+
+
+RANK = Rank()
 COUNT = Whole(1)  # ranks, stages, workers, threads, batch: at least one
 SEED = Whole(0, 2**63 - 1)

@@ -13,7 +13,7 @@ from .lazy import RegistryChoice, int4_scale_rules, scale_formats, shard_schemes
 from .progress import byte_progress
 from .run_summary import io_facts, print_run
 from .units import fmt_bytes
-from .params import COUNT, Whole
+from .params import COUNT, RANK, Whole
 
 
 def _rank0() -> bool:
@@ -102,7 +102,7 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
 
 @click.command("verify-files")
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
-@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True,
+@click.option("--rank", "ranks", type=RANK, multiple=True,
               help="Only this rank's files (repeatable), reading only its tensor list: each node checks its own share.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON result.")
 def verify_files(out, ranks, as_json):

@@ -12,7 +12,9 @@ from kconvert.kv_rows import KV_DTYPES
 from .progress import byte_progress
 from kconvert.arguments import number
 
-from .params import COUNT
+from kconvert.verify.prompts import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT
+
+from .params import COUNT, Whole
 
 
 @click.command()
@@ -26,8 +28,10 @@ from .params import COUNT
 @click.option("--hidden-states", is_flag=True, help="Also store every layer's hidden states (for verify --per-layer).")
 @click.option("--like", "like", type=click.Path(exists=True, file_okay=False),
               help="Converted dir: fake-quantize SRC's weights as it did (the faithfulness reference).")
+@click.option("--max-prompt-tokens", type=Whole(1, MAX_TOKENS_LIMIT), default=MAX_PROMPT_TOKENS, show_default=True,
+              help="Refuse a prompt longer than this many tokens before any model is built (the cost grows with it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the reference's metadata as JSON.")
-def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json):
+def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, max_prompt_tokens, as_json):
     """Run the reference implementation (transformers) on checkpoint SRC and store its next-token
     log-probabilities for every prompt position in OUT, for `kconvert verify --reference OUT`.
     DSA index-score ties go to the earliest positions, as in the engine. With --like CONVERTED,
@@ -51,7 +55,7 @@ def reference(src, out, prompts_file, dtype, top_k, hidden_states, like, as_json
     with terminate_as_interrupt(), byte_progress("reference", enabled=not as_json, unit="items") as cb:
         cb("start", total=len(prompts))
         meta = run_reference(src, out, prompts, dtype=dtype, top_k=top_k, hidden_states=hidden_states, like=like,
-                             progress=cb)
+                             progress=cb, max_prompt_tokens=max_prompt_tokens)
     if as_json:
         click.echo(json.dumps(meta, indent=2))
     else:

@@ -7,22 +7,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kconvert.errors import CheckpointError, EngineError
-from kconvert.family.manifest import bind, families
+from kconvert.errors import CheckpointError, EngineError, KConvertError
+from kconvert.family.manifest import ModelMap, bind, families
+from kconvert.family.rope import RopeConfig, read_rope
 
 
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    kind: str  # "default" | "yarn"
-    factor: float = 1.0
-    original_max: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
+class Reads(dict):
+    """A config section that remembers the key read last (its whole path, nested sections included), so that a value
+    the engine cannot read is named by its key path (bind's bounds refuse such values first: this is the engine's own
+    line if one is ever missed)."""
+
+    def __init__(self, section: dict, prefix: str = "", file: str = "config.json", _root: "Reads | None" = None):
+        super().__init__(section)
+        self.prefix, self.file = prefix, file
+        self._root = self if _root is None else _root
+        self.last, self.last_value = None, None
+
+    def _seen(self, key, value):
+        root = self._root
+        root.last, root.last_value = f"{self.prefix}{key}", value
+        if isinstance(value, dict) and not isinstance(value, Reads):
+            return Reads(value, f"{self.prefix}{key}.", self.file, root)
+        return value
+
+    def __getitem__(self, key):
+        self._root.last, self._root.last_value = f"{self.prefix}{key}", None  # named if absent (KeyError)
+        return self._seen(key, super().__getitem__(key))
+
+    def get(self, key, default=None):
+        return self._seen(key, super().get(key, default))
+
+    def error(self, e: Exception) -> KConvertError:
+        """The one line for an exception raised while reading this section (KeyError: a key it lacks)."""
+        if isinstance(e, KConvertError):
+            return e
+        root = self._root
+        if isinstance(e, KeyError):
+            return CheckpointError(f"{root.last or e.args[0]} is absent and needed by the engine", file=self.file)
+        shown = repr(root.last_value) if len(repr(root.last_value)) <= 40 else repr(root.last_value)[:37] + "..."
+        return CheckpointError(f"{root.last} = {shown}: not a value the engine can read (docs/LIMITS.md)", file=self.file)
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,12 @@ class TextConfig:
     # per-layer kinds the family manifest schedules (name -> kind per layer: Kimi Linear's kda / mla ...)
     schedules: dict = field(default_factory=dict, compare=False, repr=False)
     image_token_id: int | None = None  # the image placeholder, for layers that treat image tokens apart (V4.1)
+    config_file: str = "config.json"  # where the config was read, and the section's key prefix: named by errors
+    key_prefix: str = ""
+
+    def reads(self) -> Reads:
+        """The config section, each key read remembered (Reads: errors name the key path)."""
+        return Reads(self.section, self.key_prefix, self.config_file)
 
     @property
     def qk_head_dim(self) -> int:
@@ -105,26 +134,13 @@ class ModelConfig:
     raw: dict
 
 
-def _rope(c: dict) -> RopeConfig:
-    p = dict(c.get("rope_parameters") or {})
-    legacy = c.get("rope_scaling") or {}
-    theta = float(p.get("rope_theta", c.get("rope_theta", 10000.0)))
-    if not p.get("rope_type") and legacy:
-        p = {**legacy, **p}
-    kind = p.get("rope_type") or p.get("type") or "default"
-    if kind == "default":
-        return RopeConfig(theta, "default")
-    if kind != "yarn":
-        raise CheckpointError(f"rope type {kind!r} is not supported (default, yarn)", file="config.json")
-    factor = p.get("factor")
-    orig = int(p.get("original_max_position_embeddings") or c.get("max_position_embeddings", 4096))
-    if factor is None:
-        factor = c["max_position_embeddings"] / orig
-    return RopeConfig(theta, "yarn", float(factor), orig, float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1),
-                      p.get("mscale"), p.get("mscale_all_dim"), p.get("attention_factor"), bool(p.get("truncate", True)))
+def _rope(c: dict, prefix: str = "", file: str = "config.json") -> RopeConfig:
+    """The text model's rotary setting (kconvert/family/rope.py: the one reader, which bind checks with too)."""
+    return read_rope(c, prefix=prefix, file=file)
 
 
 def _text(c: dict) -> TextConfig:
+    c = c if isinstance(c, Reads) else Reads(c)
     try:
         g = c.get
         n_routed = int(g("n_routed_experts") or 0)
@@ -140,16 +156,12 @@ def _text(c: dict) -> TextConfig:
             topk_group=int(g("topk_group") or 1), first_k_dense=int(g("first_k_dense_replace") or 0),
             routed_scaling_factor=float(g("routed_scaling_factor") or 1.0), norm_topk_prob=bool(g("norm_topk_prob", True)),
             rms_norm_eps=float(g("rms_norm_eps") or 1e-6), max_position_embeddings=int(g("max_position_embeddings") or 4096),
-            rope=_rope(c), index_topk=int(c["index_topk"]) if g("index_topk") else None,
+            rope=_rope(c, c.prefix, c.file), index_topk=int(c["index_topk"]) if g("index_topk") else None,
             index_n_heads=int(g("index_n_heads") or 0), index_head_dim=int(g("index_head_dim") or 0),
             hidden_act=g("hidden_act") or "silu",
         )
-    except CheckpointError:
-        raise
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"a text config value has the wrong type ({e})", file="config.json") from None
+    except (KConvertError, KeyError, TypeError, ValueError) as e:
+        raise c.error(e) from None
 
 
 LAYER_KINDS = ("block", "attention", "dense_mlp", "moe", "draft")  # [family.engine] keys naming registry kinds
@@ -161,21 +173,26 @@ def engine_families() -> dict[str, dict]:
     return {spec["family"]["name"]: spec["family"] for _, spec in families() if "engine" in spec["family"]}
 
 
-def _section(config: dict, key: str, family: str) -> dict:
+def _section(config: dict, key: str, family: str, names: ModelMap | None = None, file: str = "config.json") -> dict:
+    """Config section `key`, a null where its manifest parts give a default read as that default (bind accepted the
+    null meaning just that: `q_lora_rank: null`, no q LoRA)."""
     sub = config if key == "." else config.get(key)
     if not isinstance(sub, dict):
-        raise CheckpointError(f"config.json has no {key!r} section (family {family})", file="config.json")
-    return sub
+        raise CheckpointError(f"config.json has no {key!r} section (family {family})", file=file)
+    return names.with_defaults(sub, key) if names is not None else sub
 
 
-def image_token_id(config: dict, engine: dict) -> int:
+def image_token_id(config: dict, engine: dict, file: str = "config.json") -> int:
     """The image placeholder's id: the first config key the family's [family.engine] names, else its default."""
     for key in engine.get("image_token_keys", ()):
         if config.get(key) is not None:
-            return int(config[key])
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"{key} = {value!r:.40}: must be a token id (a non-negative integer)", file=file)
+            return value
     if "image_token_default" not in engine:
         raise CheckpointError(f"config.json names no image token ({', '.join(engine.get('image_token_keys', ()))})",
-                            file="config.json")
+                            file=file)
     return int(engine["image_token_default"])
 
 
@@ -220,28 +237,32 @@ def text_schedules(names) -> dict[str, list[str]]:
     return {k: v for p in names.parts if p.group == "text" for k, v in p.schedules.items()}
 
 
-def model_config(config: dict, family: str) -> ModelConfig:
+def model_config(config: dict, family: str, config_file: str = "config.json") -> ModelConfig:
+    """The engine's reading of `config` (family `family`), bound to its manifest first: every bound, relation and rule
+    of manifests/limits.toml is checked there (as inspect and shard check them), so what is read here is in range.
+    `config_file`: where the config came from (a converted checkpoint's kconvert.json), named by every error."""
     known = engine_families()
     if family not in known:
         raise EngineError(f"the engine does not run family {family!r} (known: {', '.join(sorted(known))})",
                           file="kconvert.json")
-    names = bind(config)
+    names = bind(config, config_file=config_file)
     fam = names.family  # with its text model's traits: Kimi over DeepSeek-V4 runs V4's layer kinds
     engine = fam["engine"]
-    section = _section(config, fam.get("text_config", "."), family)
-    text = replace(_text(section), section=section, schedules=text_schedules(names),
+    key = fam.get("text_config", ".")
+    section = _section(config, key, family, names, config_file)
+    prefix = "" if key == "." else f"{key}."
+    text = replace(_text(Reads(section, prefix, config_file)), section=section, schedules=text_schedules(names),
+                   config_file=config_file, key_prefix=prefix,
                    **{f"{k}_kind": engine[k] for k in LAYER_KINDS if k in engine})
     vision = None
     if engine.get("vision_config"):
-        text = replace(text, image_token_id=image_token_id(config, engine))
-        v = _section(config, engine["vision_config"], family)
+        token = image_token_id(config, engine, config_file)
+        text = replace(text, image_token_id=token)
+        vkey = engine["vision_config"]
+        v = Reads(_section(config, vkey, family, names, config_file), f"{vkey}.", config_file)
         try:
-            vision = _vision(config, v, text, image_token_id(config, engine), engine.get("vision", "moonvit"))
+            vision = _vision(config, v, text, token, engine.get("vision", "moonvit"))
             vision = replace(vision, processor=engine.get("image_processor", "kimi"))
-        except KeyError as e:
-            raise CheckpointError(f"{engine['vision_config']} lacks {e.args[0]!r} needed by the engine",
-                                  file="config.json") from None
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"a {engine['vision_config']} value has the wrong type ({e})",
-                                  file="config.json") from None
+        except (KConvertError, KeyError, TypeError, ValueError) as e:
+            raise v.error(e) from None
     return ModelConfig(family, text, vision, config)

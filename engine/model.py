@@ -46,13 +46,15 @@ def stored_formats(conv: ConvertedCheckpoint) -> dict[str, str]:
 class Model(nn.Module):
     def __init__(self, config: dict, family: str, par: Group | None = None, device="cpu",
                  dtype: torch.dtype = torch.bfloat16, stages: list[list[int]] | None = None,
-                 formats: dict[str, str] | None = None, quant_options: Options | None = None):
+                 formats: dict[str, str] | None = None, quant_options: Options | None = None,
+                 config_file: str = "config.json"):
         """`stages`: the decoder layers of every pipeline stage (default: all layers, one stage); `par` must be
         laid out as (tp, len(stages)). MTP layers (index >= num_layers) in them are the draft heads. `formats`:
         stored_formats() of this rank's catalog (without it, each linear's format is read off its tensors);
-        `quant_options`: the scheme options the conversion recorded (int4's group size ...)."""
+        `quant_options`: the scheme options the conversion recorded (int4's group size ...); `config_file`: where
+        `config` was read (a conversion's kconvert.json), named by errors."""
         super().__init__()
-        self.mc = model_config(config, family)
+        self.mc = model_config(config, family, config_file)
         self.cfg = self.mc.text
         self.par = par or Group()
         self.device, self.dtype = torch.device(device), dtype
@@ -60,7 +62,7 @@ class Model(nn.Module):
         stages = stages or [range(self.cfg.num_layers)]
         self.stages = [[L for L in s if L < self.cfg.num_layers] for s in stages]
         drafts = sorted({L for s in stages for L in s if L >= self.cfg.num_layers})
-        self.names = bind(config, draft_stages=len(drafts))  # V4-0731 counts its DSpark stages from its names
+        self.names = bind(config, config_file=config_file, draft_stages=len(drafts))  # V4-0731 counts its DSpark stages from its names
         self.formats = engine_keys(self.names, formats or {})
         self.prefix = self.names.text.module_prefix
         self.draft_layers = drafts  # built: last stage
@@ -145,7 +147,7 @@ class Model(nn.Module):
             stages = [list(s) for s in stages[:-1]] + [list(stages[-1]) + extra]
         par = par.layout(cat.tp, len(stages), where)
         model = cls(conv.config, conv.family, par, device, dtype, stages, stored_formats(conv),
-                    options_of(cat.doc.get("quantization")))
+                    options_of(cat.doc.get("quantization")), config_file=where)
         if hasattr(model.stack, "attach"):  # a stack that reads side files of the checkpoint (V4.1's Engram token map)
             model.stack.attach(conv.root)
         return model

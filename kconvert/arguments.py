@@ -36,6 +36,15 @@ def integer(value, option: str, lo: int | None = None, hi: int | None = None) ->
     return _within(value, option, lo, hi)
 
 
+MAX_RANK = (1 << 20) - 1  # a global rank (stage x tp + tp rank): far past any cluster
+
+
+def rank(value, option: str = "--rank") -> int:
+    """A rank as a user types it (`--rank`, `--stage`, `--tp-rank`), the one parse every command shares: ASCII digits
+    (`١` is not rank 1), 0 to MAX_RANK. Whether the conversion has that rank is its reader's check."""
+    return integer(value, option, 0, MAX_RANK)
+
+
 def number(value, option: str, lo: float | None = None, hi: float | None = None, *,
            lo_open: bool = False) -> float:
     """A finite decimal number (ASCII; no nan, inf or hex), within [lo, hi] (or (lo, hi] with lo_open)."""

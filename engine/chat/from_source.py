@@ -47,4 +47,8 @@ def converted_dir(path: str, say: Callable[[str], object], nproc: int | None = N
         say(f"{path} is not a converted directory: converted to a temporary tp 1 directory (--quant {quant}) in "
             f"{time.perf_counter() - t0:.1f} s, {r.bytes_out / 1e9:.2f} GB written, removed at exit; "
             f"`kconvert shard {path} OUT --tp 1 --quant {quant}` once saves this at every start")
-        yield r.out
+        try:  # what chat then says of the temporary conversion names the source's files instead
+            yield r.out
+        except KConvertError as e:
+            raise scrub(e, tmp, f"chat on {path} (converted to a temporary directory, removed)",
+                        stands_for=(Path(r.out), path), only_if_named=True) from None

@@ -28,17 +28,12 @@ class DSparkDrafter:
     """engine/draft/drafter.Drafter's calls (start, extend, score, resume, draft) for a DSpark drafter."""
 
     def __init__(self, model, k: int | None = None):
-        sec = model.cfg.section
         self.model, self.ctx = model, Context(model)
         self.stages = [model.draft_heads[str(L)] for L in sorted(model.draft_layers)]
         if not (self.stages[0].first and self.stages[-1].last):
             raise CheckpointError(f"the DSpark drafter's stages {sorted(model.draft_layers)} are not all of "
-                                  f"num_nextn_predict_layers", file="config.json")
-        self.block = int(sec.get("dspark_block_size") or 0)
-        self.noise = int(sec.get("dspark_noise_token_id", -1))
-        if self.block < 1 or not 0 <= self.noise < model.cfg.vocab_size:
-            raise CheckpointError("a DSpark drafter needs dspark_block_size >= 1 and a dspark_noise_token_id in the "
-                                  "vocabulary", file="config.json")
+                                  f"{model.cfg.key_prefix}num_nextn_predict_layers", file=model.cfg.config_file)
+        self.block, self.noise = self.block_settings(model.cfg)
         self.k = self.block if k is None else k
         if not 1 <= self.k <= self.block:
             raise UsageError(f"a DSpark drafter proposes 1..{self.block} tokens a round (one block), not {self.k}")
@@ -47,13 +42,27 @@ class DSparkDrafter:
         self.length, self.seen, self.anchor, self.tail = 0, 0, None, None
 
     @staticmethod
+    def block_settings(cfg) -> tuple[int, int]:
+        """(dspark_block_size, dspark_noise_token_id) of a config with a drafter: bind refuses a config that has a
+        drafter without them, or with them outside their bounds (manifests/limits.toml), before any work."""
+        c = cfg.reads()
+        block, noise = c.get("dspark_block_size"), c.get("dspark_noise_token_id", 0)  # absent noise: 0, as mlx-vlm
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise CheckpointError(f"{c.prefix}dspark_block_size = {block!r:.40}: a DSpark drafter needs a block of at "
+                                  "least 1 token", file=c.file)
+        if isinstance(noise, bool) or not isinstance(noise, int) or not 0 <= noise < cfg.vocab_size:
+            raise CheckpointError(f"{c.prefix}dspark_noise_token_id = {noise!r:.40}: not a token of the vocabulary "
+                                  f"({cfg.vocab_size})", file=c.file)
+        return block, noise
+
+    @staticmethod
     def tap_layers(model) -> list[int]:
         """The target layers whose residual the drafter reads (their taps travel with the residual to the last
         pipeline stage: engine/pipeline.py)."""
         taps = [int(L) for L in model.cfg.section.get("dspark_target_layer_ids") or []]
         if not taps:  # (each names a decoder layer: the manifest's limits checked that when the config was bound)
-            raise CheckpointError("dspark_target_layer_ids is empty: the DSpark drafter reads no target layer",
-                                  file="config.json")
+            raise CheckpointError(f"{model.cfg.key_prefix}dspark_target_layer_ids is empty: the DSpark drafter reads no "
+                                  "target layer", file=model.cfg.config_file)
         return taps
 
     def start(self, max_len: int) -> None:

@@ -74,7 +74,11 @@ def _convert_held(out: Path, op: str, level: int | None, threads: int | None, pr
         shutil.rmtree(journal, ignore_errors=True)
         result.already_complete = True
         return _pack_names(run.done())
-    journal.mkdir(exist_ok=True)
+    _writable(out, op)
+    try:
+        journal.mkdir(exist_ok=True)
+    except OSError as e:
+        raise _read_only(out, op, e) from None
     if not state.exists() and not _claim(state, {"op": op, "level": level, **({"ranks": ranks} if ranks else {})}):
         level = _resumed(out, state, op, ranks, level)  # another process started one at the same moment
     done = run.journalled(_journalled_size)
@@ -129,6 +133,19 @@ def _resumed(out: Path, state: Path, op: str, ranks: list[int] | None, level: in
         raise UsageError(f"an unfinished `kconvert {prev_op}{rank_flags(prev_ranks)}` is converting this "
                          f"directory; re-run `{_command(prev_op, out, prev_ranks)}` first", file=str(out))
     return prev.get("level", level)
+
+
+def _writable(out: Path, op: str) -> None:
+    """Refuse, before any file is touched, a directory this process cannot write: a read-only mount or permissions
+    (pack and unpack rewrite the shards in place and keep their journal in OUT/.kconvert/)."""
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise _read_only(out, op, None)
+
+
+def _read_only(out: Path, op: str, e: OSError | None) -> UsageError:
+    why = f" ({e.strerror})" if e is not None and e.strerror else ""
+    return UsageError(f"the directory is not writable{why}: `kconvert {op}` rewrites its shards in place; run it where "
+                      "the directory can be written (or copy it there)", file=str(out))
 
 
 def _claim(state: Path, record: dict) -> bool:

@@ -2,8 +2,11 @@
 
 config.json is untrusted input: without bounds, num_hidden_layers = 10**9 makes inspect/plan run
 for minutes, a string where a number belongs reaches the shape evaluator, and weight_block_size = 0
-divides by zero deep inside a reader. `check_bounds`, `check_relations` and `check_quantization` refuse such values
-with one line naming config.json and the field (ManifestError, exit 2).
+divides by zero deep inside a reader. `check_bounds`, `check_relations`, `run_checks` and `check_quantization`
+refuse such values with one line naming config.json and the field (ManifestError, exit 2). Every key the engine
+reads is bounded here, and every rule the engine applies to a config (DeepSeek-V4.1's layer roles, the rotary
+settings) runs here too (`run_checks`: kconvert/family/config_checks.py), so a config inspect and shard accept is
+one the engine runs: no finished conversion is refused at load time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ LIMITS_FILE = "limits.toml"
 # what the config claims would silently disagree with what engines and transformers do with it.
 QUANT_METHODS = ("fp8", "compressed-tensors")
 WEIGHT_BITS = {"int": (4, 8), "float": (4, 8)}  # compressed-tensors weights: INT4 / INT8, FP4 (MXFP4) / FP8
+_ABSENT = object()
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,45 +47,148 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_value(field: str, value, bound, *, file: str) -> None:
-    """One value against one bound of limits.toml (see its header for the forms)."""
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def bound_form(bound) -> dict:
+    """A bound of limits.toml in one shape: {"range": [lo, hi]} (endpoints numbers or expressions of other keys),
+    {"bool"}, {"object"}, {"one_of": [...]}, {"list": [lo, hi], "max_length", "min_length", "distinct"},
+    {"length", "min", "max"} (a list of exactly `length` integers); "null": true where null is accepted."""
+    if bound == "bool" or bound == "object":
+        return {bound: True}
+    if isinstance(bound, list):
+        return {"range": bound}
+    if isinstance(bound, Mapping):
+        return dict(bound)
+    raise ManifestError(f"bad bound {bound!r}", file=f"manifests/{LIMITS_FILE}")
+
+
+def is_integer_range(lo, hi) -> bool:
+    """Whether a range bounds integers: either numeric endpoint is an integer (the other may be an expression)."""
+    return any(_is_int(e) for e in (lo, hi)) or not any(_is_number(e) for e in (lo, hi))
+
+
+def check_value(field: str, value, bound, *, file: str, env: Mapping | None = None) -> None:
+    """One value against one bound of limits.toml (see its header for the forms). An endpoint that is an expression
+    of other keys is checked only with `env` (the part's keys, themselves checked first); a key it names that the
+    config lacks leaves that endpoint unchecked."""
+    form = bound_form(bound)
+
     def bad(why: str) -> ManifestError:
         return ManifestError(f"{field} = {_show(value)}: {why} (bounds: manifests/limits.toml, docs/LIMITS.md)",
                              file=file)
 
-    if bound == "bool":
+    if value is None and form.get("null"):
+        return
+    if form.get("bool"):
         if not isinstance(value, bool):
             raise bad("must be true or false")
-        return
-    if isinstance(bound, Mapping):  # a list of integers
-        n, lo, hi = bound["length"], bound["min"], bound["max"]
+    elif form.get("object"):
+        if not isinstance(value, Mapping):
+            raise bad("must be an object")
+    elif "one_of" in form:
+        if isinstance(value, (list, dict)) or value not in form["one_of"] or isinstance(value, bool) != any(
+                isinstance(v, bool) for v in form["one_of"]):
+            raise bad(f"must be one of {', '.join(map(repr, form['one_of']))}")
+    elif "length" in form:  # a list of exactly `length` integers
+        n, lo, hi = form["length"], form["min"], form["max"]
         if not (isinstance(value, list) and len(value) == n and all(_is_int(v) and lo <= v <= hi for v in value)):
             raise bad(f"must be a list of {n} integers in [{lo}, {hi}]")
-        return
-    lo, hi = bound
-    if _is_int(lo):
+    elif "list" in form:
+        _check_list(value, form, bad, env)
+    else:
+        _check_number(value, form["range"], bad, env)
+
+
+def _endpoints(lo_hi, env: Mapping | None) -> tuple:
+    """(lo, hi) with expressions evaluated in `env` (None where there is no env or a key is absent)."""
+    out = []
+    for e in lo_hi:
+        if isinstance(e, str):
+            try:
+                e = evaluate(e, env) if env is not None else None
+            except MissingKey:
+                e = None
+        out.append(e)
+    return tuple(out)
+
+
+def _check_number(value, lo_hi, bad, env) -> None:
+    if is_integer_range(*lo_hi):
         if not _is_int(value):
             raise bad("must be an integer")
-    elif not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+    elif not _is_number(value):
         raise bad("must be a finite number")
-    if not lo <= value <= hi:
-        raise bad(f"outside [{lo}, {hi}]")
+    lo, hi = _endpoints(lo_hi, env)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise bad(f"outside [{_shown(lo_hi[0], lo)}, {_shown(lo_hi[1], hi)}]")
 
 
-def check_bounds(part: str, config: Mapping, defaults: Mapping, *, prefix: str, file: str, limits_path: Path) -> None:
-    """A part's config keys against their bounds in limits.toml."""
-    spec = limits(limits_path).get("part", {}).get(part, {})
-    for key, bound in spec.get("bounds", {}).items():
-        head, _, tail = key.partition(".")  # "section.key": a key inside a nested config section
-        where = config.get(head) if tail else config
-        name = tail or key
-        if not isinstance(where, Mapping) or name not in where or (where[name] is None and key in defaults):
+def _shown(text, value) -> str:
+    return f"{text} = {value}" if isinstance(text, str) and value is not None else str(value if value is not None else text)
+
+
+def _check_list(value, form: Mapping, bad, env) -> None:
+    lo_hi = form["list"]
+    longest, shortest = form.get("max_length", 4096), form.get("min_length", 0)
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise bad("must be a list of integers")
+    if not shortest <= len(value) <= longest:
+        raise bad(f"must hold {shortest} to {longest} entries")
+    lo, hi = _endpoints(lo_hi, env)
+    for i, v in enumerate(value):
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise bad(f"entry {i} ({v}) is outside [{_shown(lo_hi[0], lo)}, {_shown(lo_hi[1], hi)}]")
+    if form.get("distinct") and len(set(value)) != len(value):
+        raise bad(f"lists {next(v for v in value if value.count(v) > 1)} twice")
+
+
+def _lookup(config: Mapping, key: str):
+    """config[a][b]... for "a.b..." (a key inside nested config sections), _ABSENT where a level is absent."""
+    where = config
+    for name in key.split("."):
+        if not isinstance(where, Mapping) or name not in where:
+            return _ABSENT
+        where = where[name]
+    return where
+
+
+def part_bounds(part: str, limits_path: Path) -> dict:
+    """A part's bounds: those of the shared tables it includes (`include = [...]`: `[shared.NAME.bounds]`, the keys
+    every text model's engine reads), then its own, which win."""
+    doc = limits(limits_path)
+    spec = doc.get("part", {}).get(part, {})
+    out: dict = {}
+    for name in spec.get("include", []):
+        if name not in doc.get("shared", {}):
+            raise ManifestError(f"part {part} includes unknown bounds {name!r}", file=f"manifests/{LIMITS_FILE}")
+        out.update(doc["shared"][name].get("bounds", {}))
+    out.update(spec.get("bounds", {}))
+    return out
+
+
+def _has_expression(bound) -> bool:
+    form = bound_form(bound)
+    return any(isinstance(e, str) for e in form.get("range", form.get("list", ())))
+
+
+def check_bounds(part: str, config: Mapping, defaults: Mapping, *, prefix: str, file: str, limits_path: Path,
+                 env: Mapping | None = None) -> None:
+    """A part's config keys against their bounds in limits.toml. Without `env`: every key's type and its fixed
+    range; with it (the part's keys, each checked): the ranges that are expressions of other keys."""
+    for key, bound in part_bounds(part, limits_path).items():
+        if env is not None and not _has_expression(bound):
             continue
-        check_value(prefix + key, where[name], bound, file=file)
+        value = _lookup(config, key)
+        if value is _ABSENT or (value is None and key in defaults):
+            continue
+        check_value(prefix + key, value, bound, file=file, env=env)
 
 
 def check_relations(part: str, env: Mapping, *, prefix: str, file: str, limits_path: Path) -> None:
-    """A part's relations in limits.toml, on `env` (config + defaults, with any keys the family rebinds)."""
+    """A part's relations in limits.toml, on `env` (config + defaults, with any keys the family rebinds, the
+    part's schedules and `extra_layer_count`, the draft stages counted)."""
     spec = limits(limits_path).get("part", {}).get(part, {})
     for name, expr in spec.get("relations", {}).items():
         try:
@@ -92,6 +199,17 @@ def check_relations(part: str, env: Mapping, *, prefix: str, file: str, limits_p
             raise ManifestError(f"{prefix}{name}: {e.message}", file=file) from None
         if not ok:
             raise ManifestError(f"values break {expr!r} ({prefix or 'config'}: {name}; docs/LIMITS.md)", file=file)
+
+
+def run_checks(part: str, config: Mapping, env: Mapping, *, prefix: str, file: str, limits_path: Path) -> None:
+    """A part's named checks (`checks = [...]` in limits.toml; kconvert/family/config_checks.py): the rules the engine
+    applies to a config, run here with the same code."""
+    from kconvert.family.config_checks import CHECKS
+
+    for name in limits(limits_path).get("part", {}).get(part, {}).get("checks", []):
+        if name not in CHECKS:
+            raise ManifestError(f"unknown check {name!r} for part {part}", file=f"manifests/{LIMITS_FILE}")
+        CHECKS[name](config, env, prefix=prefix, file=file)
 
 
 def check_quantization(qc, *, field: str, file: str, limits_path: Path) -> None:

@@ -23,7 +23,7 @@ from kconvert.errors import ManifestError
 from kconvert.family.compose import part_applies, stage_count, stage_names, with_traits
 from kconvert.family.families import any_alias, family_aliases, literal_ends, families, find_family, manifests_dir, read_toml  # noqa: F401 (API)
 from kconvert.family.expr import evaluate
-from kconvert.family.limits import LIMITS_FILE, check_bounds, check_quantization, check_relations
+from kconvert.family.limits import LIMITS_FILE, check_bounds, check_quantization, check_relations, run_checks
 from kconvert.family.rule_names import name_key, placeholders, rule_regex, scale_block, tensor_key  # noqa: F401 (API)
 from kconvert.family.schedule import list_length, padded, read_schedules
 
@@ -99,6 +99,7 @@ class BoundPart:
         self.kinds: dict[str, str] = spec.get("layer_kinds", {})
         # a family may fix a shared part's defaults for its own models (`defaults` in its [[parts]] entry)
         defaults = {**spec.get("defaults", {}), **(family_defaults or {})}
+        self.section, self.defaults = section, defaults
         # (expression, layer) -> value: 384 experts x 61 layers share each layer's few shape expressions
         self._values: dict[tuple, object] = {}
         # null for a key with a default means "not set" (DeepSeek configs write q_lora_rank: null)
@@ -115,7 +116,6 @@ class BoundPart:
         # bank: n_routed_experts is dspark_n_routed_experts there when set), before the relations and shapes read them
         self._env.update({key: self._eval(text) for key, text in (rebind or {}).items()})
         self._values.clear()
-        check_relations(name, self._env, prefix=where, file=config_file, limits_path=limits_path)
         for key, path in head.get("lengths", {}).items():  # a config list's length, for shape expressions
             self._env[key] = list_length(self._env, path, prefix=where, file=config_file)
         schedules = read_schedules(spec.get("schedules", {}), self._env, prefix=where, file=config_file)
@@ -137,6 +137,12 @@ class BoundPart:
             self._env.update(padded(spec.get("schedules", {}), schedules, self.layer_count + stored_stages))
             self.extra_layers = stored_stages
         self._env["extra_layer_count"] = self.extra_layers  # what the last stage's layer kind compares with
+        self._env["stored_stages"] = self.required_extra  # draft stages the checkpoint holds (0: none, or not known)
+        # what relates keys to each other (ranges that are expressions of other keys, relations, the engine's own rules
+        # of kconvert/family/config_checks.py), once every key, schedule and the draft stages are known
+        check_bounds(name, config, defaults, prefix=where, file=config_file, limits_path=limits_path, env=self._env)
+        check_relations(name, self._env, prefix=where, file=config_file, limits_path=limits_path)
+        run_checks(name, config, self._env, prefix=where, file=config_file, limits_path=limits_path)
         self.rules: list[Rule] = []
         for t in spec.get("tensor", []):
             if not self._eval(t.get("when", "True")):
@@ -228,6 +234,21 @@ class ModelMap:
             for rule in part.rules:
                 fields = placeholders(rule.pattern)
                 self.by_key.setdefault(name_key(rule.pattern), []).append((rule, fields))
+
+    def with_defaults(self, sub: dict, section: str) -> dict:
+        """Config section `section` (`sub`) with each null that a part bound to it gives a default for read as that
+        default, as bind read it (a null with a default means "not set"; limits.toml refuses other nulls)."""
+        out = dict(sub)
+        for part in self.parts:
+            if part.section != section:
+                continue
+            for key, value in part.defaults.items():
+                head, _, tail = key.partition(".")
+                if not tail and head in out and out[head] is None:
+                    out[head] = value
+                elif tail and isinstance(out.get(head), dict) and tail in out[head] and out[head][tail] is None:
+                    out[head] = {**out[head], tail: value}
+        return out
 
     def canonical(self, name: str) -> str:
         """A stored name as the manifest names it: the family's [family.aliases] rules, each once at the start."""

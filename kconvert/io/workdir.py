@@ -41,6 +41,31 @@ def work_dir(prefix: str):
         shutil.rmtree(path, ignore_errors=True)
 
 
+# The compilers' caches a run makes (MLX's CPU kernels in $TMPDIR/mlx/, torch inductor's in
+# $TMPDIR/torchinductor_USER/, triton's): kept inside a command's own work directory by `compiler_caches`
+CACHE_VARS = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@contextlib.contextmanager
+def compiler_caches(work: Path):
+    """While the block runs, the compilers MLX and torch bring write their caches inside `work` (a work_dir, removed
+    with it) instead of leaving mlx/ and torchinductor_root/ in $TMPDIR; spawned ranks inherit the setting. MLX reads
+    TMPDIR at each compile, torch the variables when it first compiles. tempfile's own directory (where work_dir makes
+    its directories) was fixed before and stays."""
+    tempfile.gettempdir()  # fixed now, before TMPDIR moves
+    saved = {k: os.environ.get(k) for k in CACHE_VARS}
+    os.environ.update({"TMPDIR": str(work), "TORCHINDUCTOR_CACHE_DIR": str(work / "torchinductor"),
+                       "TRITON_CACHE_DIR": str(work / "triton")})
+    try:
+        yield work
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def reclaim(base: Path) -> list[Path]:
     """Remove the work directories of processes that no longer exist (this user's; others are left)."""
     gone = []
@@ -80,11 +105,32 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def scrub(e: KConvertError, work: Path, what: str) -> KConvertError:
+def scrub(e: KConvertError, work: Path, what: str, *, stands_for: tuple[Path, str] | None = None,
+          only_if_named: bool = False) -> KConvertError:
     """`e` raised inside `work`, told without the temporary path (nobody can act on it: it is removed) and
-    without 'resume' advice (nothing is left to resume)."""
-    text = re.sub(r"[;,]?\s*(free space and )?re-?run[^;.]*", "", e.message.replace(str(work), "")).strip(" ;,")
-    file = None if e.file and str(work) in str(e.file) else e.file
+    without 'resume' advice (nothing is left to resume). `stands_for` (a directory under `work`, the path it copies):
+    a file of the temporary conversion of a source is named as the source's own (its config, its token map).
+    `only_if_named`: `e` as it is when it names no temporary path."""
+    named = str(work) in e.message or bool(e.file and str(work) in str(e.file))
+    if only_if_named and not named:
+        return e
+    message, file = e.message, e.file
+    if stands_for is not None:
+        inner, outer = str(stands_for[0]), str(stands_for[1])
+        message = message.replace(inner, outer)
+        file = str(file).replace(inner, outer) if file else file
+    text = re.sub(r"[;,]?\s*(free space and )?re-?run[^;.]*", "", message.replace(str(work), "")).strip(" ;,")
+    file = None if file and str(work) in str(file) else file
     out = type(e).__new__(type(e))
     KConvertError.__init__(out, f"{what}: {text}" if text else what, file=file, tensor=e.tensor)
     return out
+
+
+@contextlib.contextmanager
+def unnamed(work: Path, what: str):
+    """An error raised in the block that names the temporary `work` (a file verify made there, a reference it ran) is
+    told without that path (`scrub`); other errors pass as they are."""
+    try:
+        yield
+    except KConvertError as e:
+        raise scrub(e, work, what, only_if_named=True) from None

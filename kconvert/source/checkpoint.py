@@ -33,6 +33,7 @@ from kconvert.source.logical import LogicalTensor, fold
 from kconvert.source.logical_by_name import LogicalByName
 from kconvert.source.stored_groups import group_stored
 from kconvert.source.stored_parts import check_table
+from kconvert.source.quant_claims import check_claims
 from kconvert.source.tensor_groups import Grouped, check_tensor, group_tensors, stored_positions
 from kconvert.source.stored_files import INDEX, SINGLE, index_map_of, merged, read_headers, shard_files
 from kconvert.io.dtypes import FP8_BLOCK
@@ -49,6 +50,8 @@ class Checkpoint:
         self.model: ModelMap = bind(config, config_file=str(root / "config.json"), names=stored)
         if self.model.aliases:  # the family's other spellings (transformers' save-side names) read as published
             self.stored = _canonical(self.model, stored)
+        # a quantization_config contradicting the stored bytes (it is copied into what a conversion writes)
+        check_claims(config, self.model.family.get("text_config", "."), self.stored, file=str(root / "config.json"))
         self._logical: Mapping[str, LogicalTensor] | None = None  # on first use: inspect and plan never need it
         self._columnar = False  # validated from the stored columns (source/stored_groups.py)
         self._info: dict[str, TensorInfo] = {}

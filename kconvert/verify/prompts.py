@@ -17,6 +17,12 @@ from kconvert.errors import MissingFileError, UsageError
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 
 KINDS = ("short", "long", "chat", "image")
+ROLES = ("system", "user", "assistant")
+MAX_PROMPTS = 10000
+MAX_PROMPT_CHARS = 4 << 20  # characters of one prompt's text and turns (far past --max-prompt-tokens' default)
+MAX_PROMPT_TOKENS = 8192  # --max-prompt-tokens' default: the built-in long prompts of a real model (3 x index_topk)
+MAX_TOKENS_LIMIT = 1 << 20  # the most --max-prompt-tokens takes
+MAX_IMAGE_SIDE = 2048  # a generated picture's side (made pixel by pixel in Python)
 
 _PARAGRAPH = (
     "The converter streams each layer of the checkpoint, slices it for every tensor-parallel rank, quantizes "
@@ -113,11 +119,56 @@ def load_prompts(path: str | Path | None, config: dict) -> list[dict]:
         raise UsageError("prompt file not found", file=str(path)) from None
     if not isinstance(prompts, list) or not prompts:
         raise UsageError("prompt file must hold a non-empty JSON list", file=str(path))
+    if len(prompts) > MAX_PROMPTS:
+        raise UsageError(f"{len(prompts)} prompts: at most {MAX_PROMPTS} a file", file=str(path))
     for i, p in enumerate(prompts):
-        if not isinstance(p, dict) or p.get("kind") not in KINDS or not (p.get("text") or p.get("chat")):
-            raise UsageError(f"prompt {i} needs a kind in {KINDS} and a text (or chat)", file=str(path))
+        check_prompt(p, i, str(path))
         p.setdefault("id", f"p{i}")
     return prompts
+
+
+def check_prompt(p, i: int, file: str) -> None:
+    """One prompt of a --prompts file, every field of the type the runs read (a `content: 5` or an image path used to
+    end in a traceback deep inside the tokenizer or the picture maker)."""
+    def bad(why: str) -> UsageError:
+        return UsageError(f"prompt {i}: {why}", file=file)
+
+    if not isinstance(p, dict) or p.get("kind") not in KINDS:
+        raise bad(f"needs a kind in {KINDS}")
+    if "id" in p and not (isinstance(p["id"], str) and 0 < len(p["id"]) <= 200):
+        raise bad("`id` must be a short string")
+    text, chat = p.get("text"), p.get("chat")
+    if text is not None and not isinstance(text, str):
+        raise bad(f"`text` must be a string, not {type(text).__name__}")
+    if chat is not None:
+        if not isinstance(chat, list) or not chat:
+            raise bad("`chat` must be a non-empty list of {role, content} turns")
+        for j, m in enumerate(chat):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise bad(f"chat turn {j} must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}")
+    if not (text or chat):
+        raise bad("needs a text (or chat)")
+    if sum(len(t) for t in [text or ""] + [m["content"] for m in chat or []]) > MAX_PROMPT_CHARS:
+        raise bad(f"over {MAX_PROMPT_CHARS} characters (--max-prompt-tokens bounds its tokens)")
+    image = p.get("image")
+    if image is not None:
+        if not isinstance(image, dict):
+            raise bad(f"`image` must be {{seed, width, height}} (a generated picture; no image file is read), not "
+                      f"{type(image).__name__}")
+        for key, lo, hi in (("seed", 0, 2**31 - 1), ("width", 1, MAX_IMAGE_SIDE), ("height", 1, MAX_IMAGE_SIDE)):
+            v = image.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise bad(f"image.{key} = {v!r:.40}: must be an integer in [{lo}, {hi}]")
+
+
+def check_lengths(inputs, limit: int, file: str | None = None) -> None:
+    """Every encoded prompt (reference.encode_prompts) at most `limit` tokens: refused before any model is built (the
+    MLX reference took 51 s and 0.9 GB for 2.7k tokens and crashed at 27k; the engine's cache grows with them)."""
+    for i, pi in enumerate(inputs):
+        n = int(pi.input_ids.numel())
+        if n > limit:
+            raise UsageError(f"prompt {pi.spec.get('id', i)} is {n} tokens: over --max-prompt-tokens {limit} (raise it "
+                             "for longer prompts; docs/LIMITS.md)", file=file)
 
 
 def synthetic_image(seed: int, width: int, height: int):

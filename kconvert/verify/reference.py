@@ -22,11 +22,11 @@ from torch.overrides import TorchFunctionMode
 
 from kconvert.errors import KConvertError, NonFiniteError, UsageError
 from kconvert.io.atomic import write_atomic
-from kconvert.io.workdir import work_dir
+from kconvert.io.workdir import compiler_caches, work_dir
 from kconvert.io.side_files import check_regular, parse_json
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.verify.kld import RefLogprobs, topk_reference
-from kconvert.verify.prompts import prompt_patches
+from kconvert.verify.prompts import MAX_PROMPT_TOKENS, check_lengths, prompt_patches
 
 FORMAT = 1
 
@@ -138,15 +138,22 @@ def reference_model(ck: Checkpoint, dtype: torch.dtype):
 
 def run_reference(src: str, out: str | Path, prompts: list[dict], *, dtype: str = "float32", top_k: int | None = None,
                   hidden_states: bool = False, like: str | None = None, like_export: str | None = None,
-                  progress=None) -> dict:
+                  progress=None, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> dict:
     """Reference log-probs of SRC over `prompts` into `out`. With `like` (a converted directory): of SRC
     with every weight that conversion quantized fake-quantized the same way (verify/fake_quant.py),
     the reference for the faithfulness check. With `like_export` too (`like` is then the temporary
-    conversion of that export): SRC fake-quantized by the export's rule and stored scales first."""
+    conversion of that export): SRC fake-quantized by the export's rule and stored scales first. The compilers' caches
+    (MLX's kernels, torch inductor's) live in a work directory of its own, removed with it."""
+    with work_dir("reference") as tmp, compiler_caches(tmp):
+        return _reference(src, out, prompts, dtype, top_k, hidden_states, like, like_export, progress, max_prompt_tokens)
+
+
+def _reference(src, out, prompts, dtype, top_k, hidden_states, like, like_export, progress, max_prompt_tokens) -> dict:
     ck = Checkpoint.open(src)
-    ck.validate()
     if dtype not in ("float32", "bfloat16"):
         raise UsageError(f"unknown --dtype {dtype!r} (float32 or bfloat16)")
+    check_lengths(encode_prompts(prompts, ck.root, ck.config, _image_token(ck)), max_prompt_tokens)  # before any model
+    ck.validate()
     meta = {"format": FORMAT, "source": str(src), "source_fingerprint": ck.fingerprint(), "family": ck.family,
             "dtype": dtype, "top_k": top_k, "hidden_states": hidden_states, "tie_rule": "earliest", "fake_quant": None}
     if like is None and ck.model.family.get("reference_from_dequantized") and ck.quantization_config:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from kconvert.io.workdir import work_dir
+from kconvert.io.workdir import compiler_caches, unnamed, work_dir
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -133,7 +133,8 @@ def run_verify(out: str, *, reference: str | None = None, faithful_reference: st
         verify_files(out)
     except KConvertError as e:
         raise VerifyFailed(f"integrity: {e.message}", file=e.file, tensor=e.tensor) from None
-    with work_dir("verify") as tmp:  # removed on every way out (kconvert/io/workdir.py)
+    # removed on every way out, the compilers' caches inside it, never named by a message (kconvert/io/workdir.py)
+    with work_dir("verify") as tmp, compiler_caches(Path(tmp)), unnamed(Path(tmp), "verify (in its temporary work)"):
         if reference is None:
             if against is None:
                 raise UsageError("give --reference REF.safetensors or --against SRC")

@@ -33,7 +33,8 @@ class MLA(nn.Module):
         super().__init__()
         for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             if not getattr(cfg, key):
-                raise CheckpointError(f"config.json lacks {key!r} needed by the engine", file="config.json")
+                raise CheckpointError(f"{cfg.key_prefix}{key} is 0 or absent: the engine's MLA needs it",
+                                      file=cfg.config_file)
         if cfg.num_heads % par.tp:
             raise EngineError(f"{cfg.num_heads} heads do not split over tp={par.tp}")
         self.cfg, self.heads = cfg, cfg.num_heads // par.tp

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import RopeConfig, TextConfig, _rope
-from kconvert.errors import CheckpointError
+from engine.config import RopeConfig, TextConfig
+from kconvert.errors import KConvertError
+from kconvert.family.rope import read_v4_ropes
 from kconvert.family.v4_schedule import CSA, HCA, SLIDING, attention_kinds, compress_rates, hash_layers  # noqa: F401 (CSA, HCA, SLIDING: engine API)
 
 
@@ -45,35 +46,20 @@ class V4Config:
         return self.rates.get(self.layer_kinds[layer], 0)
 
 
-def _ropes(c: dict, rope_dim: int, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
-    """(main, compress): transformers' nested `rope_parameters` {main, compress}, or the flat form (YaRN
-    keys from rope_parameters / rope_scaling apply to the compressed layers only, with attention_factor 1)."""
-    rp = c.get("rope_parameters") or {}
-    maxpos = c.get("max_position_embeddings", 4096)
-    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
-        main, comp = rp["main"], rp["compress"]
-    else:
-        flat = {k: v for k, v in {**(c.get("rope_scaling") or {}), **rp}.items() if k not in ("main", "compress")}
-        main = {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}
-        comp = {**flat, "rope_theta": c.get("compress_rope_theta", 160000.0)}
-        comp.setdefault("rope_type", comp.get("type", "default"))
-        if comp["rope_type"] == "yarn":
-            comp.setdefault("attention_factor", 1.0)
-    for p in (main, comp):
-        if int(head_dim * float(p.get("partial_rotary_factor", rope_dim / head_dim))) != rope_dim:
-            raise CheckpointError("partial_rotary_factor disagrees with qk_rope_head_dim", file="config.json")
-    return _rope({"rope_parameters": main, "max_position_embeddings": maxpos}), \
-        _rope({"rope_parameters": comp, "max_position_embeddings": maxpos})
+def _ropes(c: dict, rope_dim: int, head_dim: int, prefix: str = "", file: str = "config.json"
+           ) -> tuple[RopeConfig, RopeConfig]:
+    """(main, compress): kconvert/family/rope.py's reading (bind checks configs with the same code)."""
+    return read_v4_ropes(c, rope_dim, head_dim, prefix=prefix, file=file)
 
 
 def v4_config(cfg: TextConfig) -> V4Config:
-    c, n = cfg.section, cfg.num_layers
+    c, n = cfg.reads(), cfg.num_layers
     try:
         head_dim = int(c.get("head_dim", 512))
         rope_dim = int(c.get("qk_rope_head_dim") or head_dim * float(c.get("partial_rotary_factor") or 64 / 512))
         rates = compress_rates(c)
         hashed = hash_layers(c, n)
-        main, comp = _ropes(c, rope_dim, head_dim)
+        main, comp = _ropes(c, rope_dim, head_dim, c.prefix, c.file)
         return V4Config(
             hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=head_dim, rope_dim=rope_dim,
             q_lora_rank=int(c["q_lora_rank"]), o_groups=int(c.get("o_groups", 8)),
@@ -86,7 +72,5 @@ def v4_config(cfg: TextConfig) -> V4Config:
             scoring=c.get("scoring_func", "sqrtsoftplus"), moe_inter=cfg.moe_intermediate_size,
             swiglu_limit=float(c.get("swiglu_limit", 10.0)),
         )
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"a DeepSeek-V4 config value has the wrong type ({e})", file="config.json") from None
+    except (KConvertError, KeyError, TypeError, ValueError) as e:
+        raise c.error(e) from None

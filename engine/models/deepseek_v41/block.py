@@ -96,6 +96,7 @@ class V41Stack:
 
     def __init__(self, cfg: TextConfig):
         self.c = v41_config(cfg)
+        self.section, self.key_prefix = cfg.section, cfg.key_prefix  # the token map is checked against them
         self.residual_shape = (self.c.hc_mult, cfg.hidden_size + 1)
         self.hashes: EngramHashes | None = None
         self.token_map_file = None
@@ -105,7 +106,7 @@ class V41Stack:
         from engine.models.deepseek_v41.engram_tokens import read_token_map
 
         if self.c.engram_layers:
-            self.hashes = EngramHashes(self.c, read_token_map(root))
+            self.hashes = EngramHashes(self.c, read_token_map(root, self.section, self.key_prefix))
 
     def crossing(self, model, cache: V41Cache, start: int, S: int) -> torch.Tensor | None:
         """What this stage sends the next beside the residual (engine/models/deepseek_v41/crossing.py)."""

@@ -6,11 +6,10 @@ or before it. Only `index_source_layer_ids` run an indexer; an indexer scores th
 it that is both a KV source and an indexer (a source that indexes projects its own keys), and a compressed layer
 without an indexer attends to the entries the last indexer at or before it chose. Indexers after
 `candidate_source_layer_id` score only inside the blocks of entries that layer's indexer found best. Both references
-(mlx-vlm's and mlx-lm's deepseek_v41) keep this state as "the last one written", and a choice or a candidate mask is
-a set of entry positions, so a layer may attend to one source's entries through a choice scored on another's keys
-(a later owner's keys under the candidate source's blocks, say): that runs as they run it. What they cannot run, or
-would run as no causal model (entries, keys and choices of different rates, read by each other's positions), is
-refused here in one line (`_roles`)."""
+(mlx-vlm's and mlx-lm's deepseek_v41) keep this state as "the last one written", so a layer may attend to one source's
+entries through a choice scored on another's keys: that runs as they run it. What they cannot run, or would run as no
+causal model (state of different rates read by each other's positions), is refused in one line, by bind first
+(kconvert/family/v41_rules.py holds the rule, and limits.toml's `checks` run it when a config is bound)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ from dataclasses import dataclass
 
 from engine.config import RopeConfig, TextConfig
 from engine.models.deepseek_v4.config import _ropes
-from kconvert.errors import CheckpointError
+from kconvert.errors import CheckpointError, KConvertError
+from kconvert.family.v41_rules import roles
 
 
 @dataclass(frozen=True)
@@ -77,69 +77,24 @@ class V41Config:
         return self.engram_layers.index(layer) if layer in self.engram_layers else -1
 
 
-def _last(layers, upto: int) -> int | None:
-    return max((j for j in layers if j <= upto), default=None)
-
-
-def _roles(ratios: list[int], sources: set, indexers: set, candidate: int):
-    """(entries_from, choice_from, keys_from, the candidate source in effect) per layer, as both references read their
-    shared state: a compressed layer attends to the entries of the last KV source at or before it, through the choice
-    of the last indexer at or before it, which scored the keys of the last source at or before it that also indexes;
-    a choice is a set of entry positions, so the entries and the keys need not come from one layer, only from one
-    rate. Where nothing is there to read (no source, no indexer, an indexer with no keys) the layer attends to its
-    window alone, as the references do. CheckpointError, in one line, where the references cannot run a config or
-    would not compute a causal model from it (docs/BAD_INPUT.md)."""
-    n = len(ratios)
-    for role, layers in (("kv_source_layer_ids", sources), ("index_source_layer_ids", indexers)):
-        idle = sorted(j for j in layers if not ratios[j])
-        if idle:
-            raise CheckpointError(f"{role} names layer {idle[0]}, which compresses nothing (compress_ratios[{idle[0]}] "
-                                  "= 0): the references build a compressor / indexer there that never runs",
-                                  file="config.json")
-    owners = {j for j in indexers if j in sources}  # indexers that project their own keys
-    entries, choice, keys = [None] * n, [None] * n, [None] * n
-    for L in range(n):
-        if L in indexers:
-            keys[L] = _last(owners, L)
-            if keys[L] is None and _last(sources, L) is not None:
-                raise CheckpointError(f"indexer {L} has entries to score but no KV source at or before it projects "
-                                      "index keys (a layer in both kv_source_layer_ids and index_source_layer_ids)",
-                                      file="config.json")
-        if ratios[L]:
-            entries[L], choice[L] = _last(sources, L), _last(indexers, L)
-    candidate = candidate if candidate in indexers and keys[candidate] is not None else -1
-    for L in range(n):
-        T = choice[L]
-        if T is None or keys[T] is None:
-            continue  # the window alone
-        used = {"its own": L, f"KV source {entries[L]}'s": entries[L], f"indexer {T}'s": T, f"key owner {keys[T]}'s": keys[T]}
-        if 0 <= candidate < L and L in indexers:
-            used[f"candidate source {candidate}'s keys'"] = keys[candidate]
-        rates = {what: ratios[j] for what, j in used.items()}
-        if len(set(rates.values())) > 1:
-            said = ", ".join(f"{what} {r}" for what, r in rates.items())
-            raise CheckpointError(f"layer {L} reads compressed state made at other rates ({said}): the references "
-                                  "would index one rate's entries by another's positions", file="config.json")
-    return tuple(entries), tuple(choice), tuple(keys), candidate
-
-
-def _ids(c: dict, key: str, n: int) -> list[int]:
+def _ids(c, key: str, n: int) -> list[int]:
     v = c.get(key) or []
     if not isinstance(v, list) or not all(isinstance(i, int) and 0 <= i < n for i in v):
-        raise CheckpointError(f"{key} must list decoder layers 0..{n - 1}", file="config.json")
+        raise CheckpointError(f"{c.prefix}{key} must list decoder layers 0..{n - 1}", file=c.file)
     return v
 
 
 def v41_config(cfg: TextConfig) -> V41Config:
-    c, n = cfg.section, cfg.num_layers
+    c, n = cfg.reads(), cfg.num_layers
     try:
         head_dim = int(c.get("head_dim", 512))
         rope_dim = int(c["qk_rope_head_dim"])
         ratios = [int(r) for r in list(c["compress_ratios"])[:n]]
         sources, indexers = set(_ids(c, "kv_source_layer_ids", n)), set(_ids(c, "index_source_layer_ids", n))
         candidate = int(c.get("candidate_source_layer_id", -1))
-        entries, choice, keys, candidate = _roles(ratios, sources, indexers, candidate)
-        main, comp = _ropes(c, rope_dim, head_dim)
+        entries, choice, keys, candidate = roles(ratios, sources, indexers, candidate, prefix=c.prefix,
+                                                   file=c.file)
+        main, comp = _ropes(c, rope_dim, head_dim, c.prefix, c.file)
         engram = _ids(c, "engram_layer_ids", n)
         return V41Config(
             hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=head_dim, rope_dim=rope_dim,
@@ -161,9 +116,5 @@ def v41_config(cfg: TextConfig) -> V41Config:
             engram_compressed_vocab=int(c.get("engram_compressed_vocab_size", 0)),
             engram_pad_token=int(c.get("engram_pad_token_id", 0)),
         )
-    except CheckpointError:
-        raise  # already one line naming what cannot run (_roles, _ids)
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"a DeepSeek-V4.1 config value has the wrong type ({e})", file="config.json") from None
+    except (KConvertError, KeyError, TypeError, ValueError) as e:
+        raise c.error(e) from None

@@ -22,40 +22,9 @@ from engine.layers.linear import LinearSlot
 from engine.layers.slots import slot
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError
+from kconvert.family.v41_rules import table_primes  # noqa: F401 (also the fixtures' API)
 
 GATE_FLOOR = 1e-6  # |score| is floored here before its square root (the reference's clamp)
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    f = 3
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 2
-    return True
-
-
-def table_primes(vocab: int, layers: int, ngrams: int, heads: int) -> list[list[int]]:
-    """Per Engram layer, its (n-gram, head) range sizes, n-gram major: every n-gram length searches up from
-    vocab - 1 for the next prime not handed out before."""
-    seen: set[int] = set()
-    out = []
-    for _ in range(layers):
-        sizes = []
-        for _ in range(ngrams):
-            p = vocab - 1
-            for _ in range(heads):
-                p += 1
-                while not _is_prime(p) or p in seen:
-                    p += 1
-                seen.add(p)
-                sizes.append(p)
-        out.append(sizes)
-    return out
 
 
 def hash_multipliers(layer_ids: list[int], max_ngram: int, compressed_vocab: int) -> torch.Tensor:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from pathlib import Path
 
-from kconvert.errors import CheckpointError
-from kconvert.io.side_files import MAX_TEXT, read_json
+from kconvert.family import v41_rules
 
-TOKEN_MAP = "engram_token_map.json"
+TOKEN_MAP = v41_rules.TOKEN_MAP
 
 _SPACES = re.compile(r"[ \t\r\n]+")
 
@@ -46,14 +44,7 @@ def compressed_ids(encoding, vocab: int) -> list[int]:
     return out
 
 
-def read_token_map(root) -> list[int]:
-    """The checkpoint's engram_token_map.json: one compressed id (a non-negative integer) per token."""
-    path = Path(root) / TOKEN_MAP
-    if not path.is_file():
-        raise CheckpointError(f"{TOKEN_MAP} is absent: the Engram layers cannot hash their n-grams without it (the "
-                              "release ships it beside config.json; shard copies it)", file=str(path))
-    ids = read_json(path, limit=MAX_TEXT)
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(ids)
-                                                       for i in ids):
-        raise CheckpointError("must be a JSON list of compressed ids, each in [0, its length)", file=str(path))
-    return ids
+def read_token_map(root, text: dict | None = None, prefix: str = "") -> list[int]:
+    """The checkpoint's engram_token_map.json, opened through the containment rule and checked against the text config
+    `text` as shard checks a source's (kconvert/family/v41_rules.py: one reader for both)."""
+    return v41_rules.read_token_map(root, text or {}, prefix=prefix)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import TextConfig
-from kconvert.errors import CheckpointError
+from kconvert.errors import CheckpointError, KConvertError
 
 # The MLA layernorms' eps: mlx-lm's kimi_k3 and transformers' kimi_linear both use 1e-6 for q_a_layernorm and
 # kv_a_layernorm, whatever `rms_norm_eps` (1e-5 in Kimi K3's config, which the hidden-size norms use) says.
@@ -47,10 +47,11 @@ class KimiConfig:
 
 
 def kimi_config(cfg: TextConfig) -> KimiConfig:
-    c, kinds = cfg.section, cfg.schedules.get("attn_kind")
+    c, kinds = cfg.reads(), cfg.schedules.get("attn_kind")
     lin = c.get("linear_attn_config") or {}
     if kinds is None or not lin:
-        raise CheckpointError("config.json lacks linear_attn_config (the KDA layers and their shape)", file="config.json")
+        raise CheckpointError(f"{c.prefix}linear_attn_config is absent: the KDA layers and their shape are unknown",
+                              file=c.file)
     try:
         lower = lin.get("gate_lower_bound")
         return KimiConfig(
@@ -67,7 +68,5 @@ def kimi_config(cfg: TextConfig) -> KimiConfig:
             first_dense=int(c.get("first_k_dense_replace") or 0), moe_layer_freq=int(c.get("moe_layer_freq") or 1),
             mla_gate=bool(c.get("mla_use_output_gate", False)), mla_nope=bool(c.get("mla_use_nope", False)),
             eps=float(c.get("rms_norm_eps") or 1e-6))
-    except KeyError as e:
-        raise CheckpointError(f"config.json lacks {e.args[0]!r} needed by the engine", file="config.json") from None
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"a Kimi Linear config value has the wrong type ({e})", file="config.json") from None
+    except (KConvertError, KeyError, TypeError, ValueError) as e:
+        raise c.error(e) from None

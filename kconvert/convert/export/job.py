@@ -24,6 +24,7 @@ from kconvert.io.atomic import write_atomic
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
+from kconvert.source.side_checks import check_side_files
 from kconvert.disk_format.journal import JOURNAL_DIR
 from kconvert.convert.export.formats import (Exported, ignore_list, load, plan_tensor, produce, quantization_config,
                                              quantizes)
@@ -114,6 +115,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     out = run.out
     ck = Checkpoint.open(job.src)
     check_paths(ck, out)
+    check_side_files(ck)  # what the engine reads at run time (tokenizer, chat template, Engram map), before any work
     scale_fmt = v4_layout.scale_format(ck, job.scale_format, v4_layout.expert_dtype(ck, job.format))
     files = plan_export(ck, job, scale_fmt)
     run.result.warnings += filter(None, [v4_layout.source_disagreement(ck)])

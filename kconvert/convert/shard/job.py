@@ -23,6 +23,7 @@ from pathlib import Path
 from kconvert import distributed
 from kconvert.errors import UsageError
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.side_checks import check_side_files
 from kconvert.disk_format.catalog import FORMAT_VERSION, Catalog
 from kconvert.disk_format.journal import JOURNAL_DIR
 from kconvert.disk_format.units import unit_layer
@@ -87,6 +88,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
         raise UsageError(f"--quant {job.quant.scheme} is not supported for {ck.family} yet (supported: "
                          f"{', '.join(supported)})", file=str(ck.root / "config.json"))
     check_paths(ck, out)
+    check_side_files(ck)  # what the engine reads at run time (tokenizer, chat template, Engram map), before any work
     layout, topo = job.topology.layout, job.topology
     policy = replace(job.quant, fp8_block=source_fp8_block(ck.quantization_config))
     with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes

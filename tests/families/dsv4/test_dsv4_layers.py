@@ -41,7 +41,7 @@ def engine_layer(ref, L: int, par: Group = Group()):
 
 def engine_model_of(ref, monkeypatch, dtype=torch.float32) -> engine_model.Model:
     """engine.model.Model over the reference's tensors (its family manifest stood in for: no name mapping)."""
-    monkeypatch.setattr(engine_model, "model_config", lambda c, f: ModelConfig(f, ref.cfg, None, c))
+    monkeypatch.setattr(engine_model, "model_config", lambda c, f, *_: ModelConfig(f, ref.cfg, None, c))
     monkeypatch.setattr(engine_model, "bind", lambda c, **_: SimpleNamespace(text=SimpleNamespace(prefix="", module_prefix=""),
                                                                         classify=lambda n: None, renames=False))
     model = engine_model.Model(ref.section, "deepseek_v4", dtype=dtype)

@@ -129,14 +129,18 @@ def test_damage_fails_verify_with_the_layer_named(v41, tmp_path, what, name, lay
 
 def test_roles_of_other_rates_are_one_line(tmp_path):
     """A compressed layer reading entries of one rate through a choice made at another cannot run as a model: the
-    references would index one rate's entries by the other's positions (engine/models/deepseek_v41/config.py)."""
+    references would index one rate's entries by the other's positions. Refused when the config is bound (inspect,
+    shard, and the engine's own reading, which binds first), naming the key."""
     from engine.config import model_config
-    from engine.models.deepseek_v41.config import v41_config as engine_config
-    from kconvert.errors import CheckpointError
+    from kconvert.errors import ManifestError
+    from kconvert.family.manifest import bind
 
-    bad = v41_config({**OTHER, "index_source_layer_ids": [1, 5]})  # layer 3 (rate 2) reuses 1's choice (rate 1)
-    with pytest.raises(CheckpointError, match="^layer 3 reads compressed state made at other rates .*indexer 1's 1"):
-        engine_config(model_config(bad, "deepseek_v41").text)
+    bad = v41_config({**OTHER, "index_source_layer_ids": [1, 5], "candidate_source_layer_id": 5})  # layer 3 (rate 2)
+    # reuses 1's choice (rate 1)
+    for read in (bind, lambda c: model_config(c, "deepseek_v41")):
+        with pytest.raises(ManifestError, match=r"compress_ratios: layer 3 reads compressed state made at other "
+                                                r"rates .*indexer 1's 1"):
+            read(bad)
 
 
 def test_a_conversion_without_its_engram_token_map_is_one_line(v41, tmp_path):

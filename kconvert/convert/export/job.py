@@ -30,7 +30,8 @@ from kconvert.convert.export.formats import (Exported, ignore_list, load, plan_t
 from kconvert.convert.export.table import EXPORT_FORMATS, FORMATS
 from kconvert.source.stored_quant import source_fp8_block
 from kconvert.convert.export import expert_dtype as v4_layout
-from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
+from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, config_json, copy_side_files
+from kconvert.family.release_config import release_config
 from kconvert.convert.run import ExportFigures, Run, RunResult, default_workers
 
 EXPORT_VERSION = 1
@@ -232,7 +233,7 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
                              ignore_list(kept, quantized), source_fp8_block(ck.quantization_config))
     if experts and "expert_dtype" in ck.quantization_config:  # where the source spells it (V4.1's release)
         qc["expert_dtype"] = experts
-    config = json.loads(json.dumps(ck.config))
+    config = release_config(ck.config, ck.model.family)  # the keys serving engines read, as the release spells them
     config["quantization_config"] = qc
     if isinstance(config.get("text_config"), dict):  # multimodal: the text model reads its own copy
         config["text_config"]["quantization_config"] = json.loads(json.dumps(qc))
@@ -242,7 +243,7 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
         text["expert_dtype"] = experts
         if "expert_dtype" in config:  # a top-level copy too (vLLM's V4.1 config takes it over the text config's)
             config["expert_dtype"] = experts
-    write_atomic(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    write_atomic(out / "config.json", config_json(config))
     weight_map, total = {}, 0
     for name, f in zip(names, files):
         for e in f:

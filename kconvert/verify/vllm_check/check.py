@@ -135,31 +135,42 @@ class RunCheck:
                 **(self.summary.to_json() if self.summary else {})}
 
 
-def run_check(export: str | Path, reference: str | Path, *, dtype: str = "float32", timeout: int = 1800) -> RunCheck:
+def run_check(export: str | Path, reference: str | Path, *, dtype: str | None = None, timeout: int = 1800) -> RunCheck:
     """vLLM's next-token log-probs on every prompt of `reference` (a `kconvert reference` file with full log-probs),
-    compared position by position (mean KL, top-1, ...)."""
+    compared position by position (mean KL, top-1, ...). `dtype`: as `load_check`'s."""
     return run_checks([(export, reference)], dtype=dtype, timeout=timeout)[0]
 
 
-def run_checks(pairs: list, *, dtype: str = "float32", timeout: int = 1800) -> list[RunCheck]:
+def run_checks(pairs: list, *, dtype: str | None = None, timeout: int = 1800) -> list[RunCheck]:
     """`run_check` of several (export, reference) pairs in one vLLM process."""
     from safetensors.torch import load_file, save_file
 
     refs = [load_reference(ref)[1] for _, ref in pairs]
+    dtypes = [dtype or default_dtype(Checkpoint.open(export, headers_only=True)) for export, _ in pairs]
     with work_dir("kconvert-vllm") as tmp:
         items = []
         for i, ((export, _), ref) in enumerate(zip(pairs, refs)):
             save_file({f"prompt.{j}.tokens": r.tokens.contiguous() for j, r in enumerate(ref)},
                       str(tmp / f"tokens{i}.safetensors"))
             items.append({"export": str(Path(export).resolve()), "tokens": str(tmp / f"tokens{i}.safetensors"),
-                          "out": str(tmp / f"logprobs{i}.safetensors"), "dtype": dtype})
+                          "out": str(tmp / f"logprobs{i}.safetensors"), "dtype": dtypes[i]})
         results, version = run_job("logprobs", items, tmp, timeout=timeout)
         got = [load_file(it["out"]) if "error" not in r else None for it, r in zip(items, results)]
     out = []
-    for (export, _), ref, r, lp in zip(pairs, refs, results, got):
+    for (export, _), ref, r, lp, d in zip(pairs, refs, results, got, dtypes):
         if lp is None:
-            out.append(RunCheck(str(export), version, dtype, refused=r["error"]))
+            out.append(RunCheck(str(export), version, d, refused=r["error"]))
             continue
         stats = concat([compare(p, lp[f"prompt.{j}.logprobs"]) for j, p in enumerate(ref)])
-        out.append(RunCheck(str(export), version, dtype, summarize(stats)))
+        out.append(RunCheck(str(export), version, d, summarize(stats)))
     return out
+
+
+def vllm_configs(items: list[tuple[str | Path, list[str]]], *, timeout: int = 600) -> list[dict]:
+    """vLLM's own config object for each (checkpoint directory, attribute names): {"class", "text_class",
+    "architectures", "attributes": {name: {"value": V} | {"absent": True}}}, or {"error": LINE} where vLLM refuses
+    the config.json."""
+    with work_dir("kconvert-vllm") as tmp:
+        results, _ = run_job("config", [{"export": str(Path(d).resolve()), "attributes": list(a)} for d, a in items],
+                             tmp, timeout=timeout)
+    return results

@@ -31,6 +31,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_claims  # noqa: E402
 import vllm_load  # noqa: E402
 
 # vLLM's compiled rotary-embedding op applied to MLA's 3-D query gives wrong values on the CPU (upstream bug: prompt
@@ -77,7 +78,7 @@ def do_load(job: dict) -> dict:
     from vllm.engine.arg_utils import EngineArgs
 
     t0 = time.time()
-    claimed = vllm_load.claim_kernels()
+    claimed = vllm_claims.claim_kernels()
     before = len(claimed)
     cfg = EngineArgs(**engine_args(job)).create_engine_config()
     model, loader = vllm_load.build(cfg)
@@ -127,7 +128,7 @@ def _release_engine() -> None:
 
 
 def error_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+    return " ".join(f"{type(e).__name__}: {e}".split())[:400]  # every line of the message, on one
 
 
 def main() -> None:

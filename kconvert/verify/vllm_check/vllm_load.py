@@ -1,111 +1,16 @@
 """The `load` job of driver.py (runs in the vLLM environment: vLLM, torch and safetensors only): vLLM's model class
-built and loaded by vLLM's own loader, every stored tensor's parameter region recorded, every weight dequantized from
-the parameters as loaded.
-
-Building a quantized layer makes vLLM choose its kernel, and this CPU may have none (vLLM-CPU's quantized MoE and
-FP8 GEMMs need AMX or AVX-512): `claim_kernels` lets the choice go through (the first candidate, as if supported) and
-names each claim. Parameters are made by the quantization method, not by the kernel, so what loads is what vLLM
-loads on a machine that has the kernel; nothing here runs one.
+built (vllm_claims.py lends what construction lacks on this CPU) and loaded by vLLM's own loader, every stored
+tensor's parameter region recorded, every weight dequantized from the parameters as loaded (vllm_dequant.py).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
 import socket
-import sys
 
 import torch
 
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the FP4 e2m1 magnitudes; bit 3 is the sign
-SCALES = (".weight_scale_inv", ".weight_scale", ".scale")  # a weight's scale beside it, in each layout
-
-
-CLAIMED: list[str] = []  # what construction was lent, in order (driver.py reports each item's share)
-
-
-class _NoEvent:
-    """A stand-in for torch.cuda.Event / Stream on a CPU torch, for construction only (nothing is recorded)."""
-
-    def __init__(self, *a, **k):
-        CLAIMED.append("torch.cuda.Event: a do-nothing stand-in (vLLM-CPU's V4 attention makes CUDA events)")
-
-    def __getattr__(self, name):
-        return lambda *a, **k: None
-
-
-def lend_cuda_events() -> None:
-    """vLLM-CPU 0.32.0 builds DeepSeek-V4's attention with `torch.cuda.Event()` objects (models/deepseek_v4/
-    attention.py, `self.ln_events`), which a CPU build of torch refuses to construct ("Tried to instantiate dummy base
-    class Event"): an upstream bug on the CPU path. Construction gets do-nothing events; no forward runs here."""
-    if not torch.cuda.is_available():
-        torch.cuda.Event = torch.cuda.Stream = _NoEvent
-
-
-def claim_kernels() -> list[str]:
-    """Let vLLM build quantized layers whose kernels this CPU lacks (once per process); returns the list each claim
-    is appended to."""
-    if getattr(claim_kernels, "done", False):
-        return CLAIMED
-    claim_kernels.done = True
-    claimed = CLAIMED
-    lend_cuda_events()
-    torch.cpu._is_amx_tile_supported = lambda: True  # the AMX check of vLLM-CPU's MoE and GEMM kernels
-    import vllm.model_executor.kernels.linear as kl
-
-    check, choose = kl.is_supported_and_can_implement_kernel, kl.choose_scaled_mm_linear_kernel
-
-    def chosen(*a, **k):
-        try:
-            return choose(*a, **k)
-        except ValueError as e:  # no kernel: take the first, as if it were supported
-            claimed.append("linear GEMM: " + str(e).strip().splitlines()[-1].rstrip("."))
-            kl.is_supported_and_can_implement_kernel = lambda *_a, **_k: (True, None)
-            try:
-                return choose(*a, **k)
-            finally:
-                kl.is_supported_and_can_implement_kernel = check
-
-    kl.choose_scaled_mm_linear_kernel = chosen
-    _claim_moe_backends(claimed)
-    return claimed
-
-
-def _claim_moe_backends(claimed: list[str]) -> None:
-    """vLLM's MoE methods ask an oracle (`select_*_moe_backend`) for their kernel; one that finds none raises. Each
-    oracle, wherever a method imported it, is wrapped to answer (None, None) then: the method builds its parameters
-    without a kernel."""
-    import vllm.model_executor.layers.fused_moe.oracle as oracle
-    import vllm.model_executor.layers.quantization as quantization
-
-    for pkg in (oracle, quantization):
-        for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-            try:
-                importlib.import_module(m.name)
-            except Exception:  # a method for other hardware: not what this CPU loads
-                pass
-    oracles = {}
-    for name, mod in list(sys.modules.items()):
-        if name.startswith(oracle.__name__ + "."):
-            oracles.update({id(f): (f, a) for a, f in vars(mod).items()
-                            if a.startswith("select_") and a.endswith("_backend") and callable(f)})
-
-    def claim(fn, attr):
-        def selected(*a, **k):
-            try:
-                return fn(*a, **k)
-            except (NotImplementedError, ValueError) as e:
-                claimed.append(f"{attr}: {str(e).splitlines()[0][:120]}")
-                return None, None
-        return selected
-
-    wrapped = {i: claim(f, a) for i, (f, a) in oracles.items()}
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("vllm."):
-            for attr, val in list(vars(mod).items()):
-                if callable(val) and id(val) in wrapped:
-                    setattr(mod, attr, wrapped[id(val)])
+from vllm_dequant import dequantize, stored_shapes, weights_of  # noqa: E402 (driver.py puts this folder first)
 
 
 _DIST = []
@@ -255,75 +160,6 @@ def _as_loaded(model_params: dict, rec: list, shape) -> torch.Tensor | None:
     t = model_params[pname].data[tuple(slice(a, b) for a, b in box)]
     t = t.t() if flipped and t.dim() == 2 else t
     return t.reshape(shape) if t.numel() == _numel(shape) else None
-
-
-def _scale_values(s: torch.Tensor) -> torch.Tensor:
-    """A scale parameter's values as the kernels take them: raw uint8 exponents (vLLM's MXFP4 layers) as 2^(b-127),
-    float8_e8m0fnu and float parameters by value (a float32 parameter holding a copied e8m0 byte holds its number)."""
-    if s.dtype == torch.uint8:
-        return torch.exp2(s.to(torch.float32) - 127)
-    return s.to(torch.float32)
-
-
-def dequantize(w: torch.Tensor, s: torch.Tensor | None, block: list | None, shape: list | None = None) -> torch.Tensor:
-    """A weight as loaded, dequantized by the layout its parameters have: int32-packed 4-bit groups (compressed-tensors,
-    unpacked by its own helper), FP4 code pairs (uint8 / int8, one scale per 32 values), or a float / FP8 / int8
-    weight with scales per row, per group of a row, or per block (the quantization config's `weight_block_size`)."""
-    if s is None:
-        return w.to(torch.float32)
-    sv = _scale_values(s)
-    if w.dtype == torch.int32:  # compressed-tensors pack-quantized
-        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-        q = unpack_from_int32(w, 4, torch.Size(shape)).to(torch.float32)
-        return q * sv.repeat_interleave(q.shape[-1] // sv.shape[-1], dim=-1)
-    if w.dtype in (torch.uint8, torch.int8) and sv.shape[-1] * 16 == w.shape[-1]:  # FP4 e2m1 pairs, low nibble first
-        codes = w.view(torch.uint8).to(torch.int64)
-        nib = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
-        vals = E2M1[nib & 7] * torch.where(nib >= 8, -1.0, 1.0)
-        return vals * sv.repeat_interleave(32, dim=-1)
-    wf = w.to(torch.float32)
-    rows, cols = wf.shape
-    if sv.dim() == 2 and sv.shape[0] == rows and cols % sv.shape[1] == 0:  # per row, or per group of a row
-        return wf * sv.repeat_interleave(cols // sv.shape[1], 1)
-    b_r, b_c = block or _block_of(wf.shape, sv.shape)
-    return wf * sv.repeat_interleave(b_r, 0)[:rows].repeat_interleave(b_c, 1)[:, :cols]
-
-
-def _block_of(shape, grid) -> list:
-    for b in (128, 64, 32, 256):
-        if -(-shape[0] // b) == grid[0] and -(-shape[1] // b) == grid[1]:
-            return [b, b]
-    raise ValueError(f"no square block maps {tuple(shape)} onto a {tuple(grid)} scale grid")
-
-
-def stored_shapes(root: str) -> dict[str, list]:
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(os.listdir(root)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(root, f), "pt") as h:
-                shapes.update({k: h.get_slice(k).get_shape() for k in h.keys()})
-    return shapes
-
-
-def weights_of(shapes: dict) -> dict[str, tuple[str, str | None]]:
-    """{output name: (stored weight, its stored scale or None)}: `X.weight` (+ `X.weight_scale_inv` | `X.weight_scale` |
-    `X.scale`), `X.weight_packed` (+ `X.weight_scale`) as `X.weight`; every other stored tensor as itself."""
-    out, parts = {}, set()
-    for name in shapes:
-        for stem in (".weight_packed", ".weight"):
-            if name.endswith(stem):
-                base = name[: -len(stem)]
-                scale = next((base + s for s in SCALES if base + s in shapes), None)
-                out[base + ".weight"] = (name, scale)
-                parts.update({scale, base + ".weight_shape"})
-                break
-    for name in shapes:
-        if name not in parts and not any(w == name for w, _ in out.values()):
-            out[name] = (name, None)
-    return out
 
 
 def write_dequantized(report: dict, model, cfg, out: str) -> None:

@@ -242,11 +242,12 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
                              ignore_list(kept, quantized), source_fp8_block(ck.quantization_config))
     if experts and "expert_dtype" in ck.quantization_config:  # where the source spells it (V4.1's release)
         qc["expert_dtype"] = experts
-    if qc and qc.get("quant_method") == "fp8":
-        # every linear kept unquantized, by its exact module name: vLLM's Fp8Config (and transformers') would otherwise
-        # build FP8 layers for the ones its model code does not exempt, Kimi-K2.5's vision tower and projector among
-        # them (its weights then load into FP8 parameters, their scales missing)
-        qc["modules_to_not_convert"] = sorted({i.name[: -len(".weight")] for i in kept if i.name.endswith(".weight")})
+    outside = sorted({i.name[: -len(".weight")] for i in kept if i.group != "text" and i.name.endswith(".weight")})
+    if qc and qc.get("quant_method") == "fp8" and outside:
+        # the linears outside the text model (kept bf16), by exact module name: vLLM's Fp8Config (and transformers')
+        # would build Kimi-K2.5's vision tower and projector in FP8 (their bf16 weights loaded into FP8 parameters,
+        # the scales missing); the text model's own bf16 linears are the release's, which vLLM's model code exempts
+        qc["modules_to_not_convert"] = outside
     config = release_config(ck.config, ck.model.family)  # the keys serving engines read, as the release spells them
     sections = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else [])
     for section in sections:  # multimodal: the text model reads its own copy

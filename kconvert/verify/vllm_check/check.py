@@ -141,8 +141,9 @@ def run_check(export: str | Path, reference: str | Path, *, dtype: str | None = 
     return run_checks([(export, reference)], dtype=dtype, timeout=timeout)[0]
 
 
-def run_checks(pairs: list, *, dtype: str | None = None, timeout: int = 1800) -> list[RunCheck]:
-    """`run_check` of several (export, reference) pairs in one vLLM process."""
+def run_checks(pairs: list, *, dtype: str | None = None, timeout: int = 1800, extra: list | None = None) -> list[RunCheck]:
+    """`run_check` of several (export, reference) pairs in one vLLM process; `extra`: per pair, more of the driver's
+    item keys (`custom_ops`: vLLM's own compiled ops, which the check turns off where they are wrong)."""
     from safetensors.torch import load_file, save_file
 
     refs = [load_reference(ref)[1] for _, ref in pairs]
@@ -153,7 +154,8 @@ def run_checks(pairs: list, *, dtype: str | None = None, timeout: int = 1800) ->
             save_file({f"prompt.{j}.tokens": r.tokens.contiguous() for j, r in enumerate(ref)},
                       str(tmp / f"tokens{i}.safetensors"))
             items.append({"export": str(Path(export).resolve()), "tokens": str(tmp / f"tokens{i}.safetensors"),
-                          "out": str(tmp / f"logprobs{i}.safetensors"), "dtype": dtypes[i]})
+                          "out": str(tmp / f"logprobs{i}.safetensors"), "dtype": dtypes[i], **((extra or {})[i] if
+                                                                                                 extra else {})})
         results, version = run_job("logprobs", items, tmp, timeout=timeout)
         got = [load_file(it["out"]) if "error" not in r else None for it, r in zip(items, results)]
     out = []

@@ -37,7 +37,7 @@ test: install
 vllm-env:
 	@tools/vllm_env.sh $(PY) $(VLLM_VENV)
 
-# exports loaded and run by vLLM itself (tests/vllm/README.md); their own CI step, after `make test`
+# exports loaded and run by vLLM itself (tests/vllm; docs/EXPORT.md "Checked by vLLM itself"); their own CI step
 test-vllm: install vllm-env
 	KCONVERT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest -x tests/vllm
 

@@ -78,12 +78,20 @@ def test_kimi_k25_is_named_as_moonshot_ships_it(checkpoint, tmp_path):
     assert type(AutoConfig.from_pretrained(tmp_path / "bf16")).__name__ == "Kimi_K25Config"
 
 
-def test_hash_layers_deepseek_cannot_spell_are_refused():
+def test_hash_layers_deepseek_cannot_spell_are_refused(checkpoint, copy_checkpoint, tmp_path):
     config = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 3,
               "layer_types": ["sliding_attention"] * 3, "mlp_layer_types": ["moe", "hash_moe", "moe"],
               "head_dim": 512, "qk_rope_head_dim": 64}
     with pytest.raises(CheckpointError, match="num_hash_layers counts the first N"):
         release_config(config, {"release_text_config": {"spelling": "deepseek_v4"}})
+    src = copy_checkpoint(checkpoint("tiny-dsv4"))  # hash routing on layers 0 and 1: moved to 0 and 2
+    config = json.loads((src / "config.json").read_text())
+    config["mlp_layer_types"] = ["hash_moe", "moe", "hash_moe", "moe"]
+    (src / "config.json").write_text(json.dumps(config))
+    for cmd in (["export", src, tmp_path / "e", "--format", "bf16"], ["shard", src, tmp_path / "s", "--tp", "1"]):
+        r = cli_here(*cmd)
+        assert r.returncode == 2 and "num_hash_layers" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert not list(tmp_path.glob(f"{cmd[2].name}/*.safetensors")), cmd  # refused before any work
 
 
 def test_families_released_in_their_own_spelling_are_left_as_they_are(checkpoint):

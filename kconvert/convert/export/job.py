@@ -115,6 +115,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     out = run.out
     ck = Checkpoint.open(job.src)
     check_paths(ck, out)
+    release_config(ck.config, ck.model.family)  # a config with no release spelling: refused before any work
     scale_fmt = v4_layout.scale_format(ck, job.scale_format, v4_layout.expert_dtype(ck, job.format))
     files = plan_export(ck, job, scale_fmt)
     run.result.warnings += filter(None, [v4_layout.source_disagreement(ck)])

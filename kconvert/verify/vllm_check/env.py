@@ -28,7 +28,7 @@ def vllm_python() -> Path:
     if not path.is_file() or not os.access(path, os.X_OK):
         where = f"{ENV_VAR}={named}" if named else str(path)
         raise MissingDependency(f"no vLLM environment ({where} is not an interpreter): {MAKE_IT}")
-    return path
+    return Path(os.path.abspath(path))  # absolute (the driver runs in another directory), links kept: a venv's own
 
 
 def run_job(do: str, items: list[dict], tmp: Path, *, timeout: int = 1800) -> tuple[list[dict], str]:

@@ -75,6 +75,11 @@ def misread_copies(export, root: Path) -> dict[str, Path]:
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         mlp_layer_types=["hash_moe", "moe", "moe"]))
     out["v4-transformers-spelling"] = hf
+    vision = root / "k25-fp8-vision-unnamed"  # fp8-block without modules_to_not_convert, as kconvert wrote it before
+    shutil.copytree(export("tiny-k25-dsv3", "fp8-block"), vision)
+    _edit_config(vision, lambda c: [q.pop("modules_to_not_convert") for q in (c["quantization_config"],
+                                                                             c["text_config"]["quantization_config"])])
+    out["k25-fp8-vision-unnamed"] = vision
     return out
 
 

@@ -29,6 +29,16 @@ def test_v4_config_in_transformers_spelling_is_refused_by_vllm(loads):
     assert not check.passed and "mlp_layer_types" in check.refused, check.refused
 
 
+def test_fp8_block_without_its_unquantized_vision_named_loads_wrong(loads):
+    """Kimi-K2.5's fp8-block export keeps the vision tower bf16; without `modules_to_not_convert` naming it, vLLM builds
+    it in FP8: its weights load into FP8 parameters (rounded) and their scales are missing, with no error."""
+    check = loads["k25-fp8-vision-unnamed"]
+    assert not check.refused and not check.passed
+    assert check.missing and all(n.startswith(("vision_tower.", "mm_projector.")) for n in check.missing), check.missing
+    assert {r.kind for r in check.rows if r.max_error} <= {"vision", "projector"}, [(r.kind, r.max_error) for r in check.rows]
+    assert any(r.max_error for r in check.rows if r.kind == "vision")
+
+
 def test_serve_check_prints_the_table_and_fails_on_the_misread(loads):
     """The CLI on the misread export: the table names the kind, exit 1 (vLLM runs again here: one load)."""
     r = cli_here("serve-check", loads["e8m0-beside-fp8"].export)

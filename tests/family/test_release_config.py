@@ -33,6 +33,17 @@ def test_v3_gets_the_routing_keys_transformers_drops(checkpoint, tmp_path):
     assert type(hf).__name__ == "DeepseekV3Config" and hf.n_routed_experts == 16
 
 
+def test_v32_and_kimi_linear_exports_parse_in_transformers(checkpoint, tmp_path):
+    from transformers import AutoConfig
+
+    for preset, cls in (("tiny-dsv32", "DeepseekV32Config"), ("tiny-kimi-linear", "KimiLinearConfig")):
+        config = exported_config(checkpoint(preset), tmp_path / preset)
+        hf = AutoConfig.from_pretrained(tmp_path / preset)
+        assert type(hf).__name__ == cls and hf.num_hidden_layers == config["num_hidden_layers"]
+        if preset == "tiny-dsv32":
+            assert (config["topk_method"], config["scoring_func"]) == ("noaux_tc", "sigmoid")
+
+
 def test_a_source_routing_key_is_kept_as_the_source_says():
     config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2,
               "scoring_func": "softmax", "n_routed_experts": 8}

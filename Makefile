@@ -2,6 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+VLLM_VENV ?= .venv-vllm
 DEMO := demo-out
 
 $(BIN)/kconvert: pyproject.toml
@@ -10,7 +11,7 @@ $(BIN)/kconvert: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install demo test clean device-check
+.PHONY: install demo test test-vllm vllm-env clean device-check
 install: $(BIN)/kconvert
 
 demo: install
@@ -32,11 +33,20 @@ demo: install
 # checkpoints, conversions and trainings shared by the workers through the run's folder (tests/conftest.py)
 WORKERS ?= auto
 test: install
-	$(BIN)/pytest -x -n $(WORKERS) --dist loadfile
+	$(BIN)/pytest -x -n $(WORKERS) --dist loadfile --ignore=tests/vllm
+
+# vLLM's CPU backend in its own environment (tests/vllm/requirements.txt; ~3.5 GB, minutes); one line and no error
+# where it cannot be made, and tests/vllm then skip
+vllm-env:
+	@tools/vllm_env.sh $(PY) $(VLLM_VENV)
+
+# exports loaded and run by vLLM itself (tests/vllm; docs/EXPORT.md "Checked by vLLM itself"); their own CI step
+test-vllm: install vllm-env
+	KCONVERT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest -x tests/vllm
 
 # One prepared run on a machine with a GPU (< 8 min on H100/H200); CPU dry run: make device-check ARGS="--device cpu --quick"
 device-check: install
 	$(BIN)/python tools/device_check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(DEMO) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log $(DEMO) *.egg-info

@@ -20,7 +20,7 @@ from kconvert.exit_codes import run_reporting_errors
 from kconvert.io.gc_pause import end_without_teardown
 
 from . import export_cmd, fixture_cmd, inspect_cmd, pack_cmd, shard_cmd
-from . import load_cmd, plan_cmd, verify_cmd
+from . import load_cmd, plan_cmd, serve_check_cmd, verify_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -46,6 +46,7 @@ app.add_command(shard_cmd.verify_files)
 app.add_command(pack_cmd.pack)
 app.add_command(pack_cmd.unpack)
 app.add_command(export_cmd.export)
+app.add_command(serve_check_cmd.serve_check)
 # journalled commands (convert/run.Run): interrupted, the same command resumes from the files already written
 RESUMABLE = (shard_cmd.shard, export_cmd.export, pack_cmd.pack, pack_cmd.unpack)
 

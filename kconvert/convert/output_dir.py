@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from kconvert.errors import CheckpointError, KConvertError, UsageError, WriteError
+from kconvert.family.release_config import release_config
 from kconvert.io.atomic import write_atomic, write_error
 from kconvert.io.paths import contained
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, check_regular, read_json
@@ -88,8 +89,12 @@ def prepare_out(out: Path, identity: dict, overwrite: bool, follower: bool = Fal
 
 
 def copy_side_files(ck: Checkpoint, out: Path, patterns: tuple[str, ...] = COPY_PATTERNS) -> None:
-    """Config and tokenizer files, each a regular file inside the source (a symlink leading out is refused)."""
+    """Config and tokenizer files, each a regular file inside the source (a symlink leading out is refused);
+    config.json in the release's own spelling (kconvert/family/release_config.py), whatever the source's."""
     for pattern in patterns:
+        if pattern == "config.json":
+            write_atomic(out / pattern, config_json(release_config(ck.config, ck.model.family)))
+            continue
         for f in sorted(ck.root.glob(pattern)):
             src = contained(ck.root, f.name, named_in=ck.root)
             check_regular(src)  # a FIFO would block the copy; a device would never end
@@ -100,6 +105,10 @@ def copy_side_files(ck: Checkpoint, out: Path, patterns: tuple[str, ...] = COPY_
                 shutil.copyfile(src, out / f.name)
             except OSError as e:
                 raise write_error(e, out / f.name) from None
+
+
+def config_json(config: dict) -> bytes:
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _read_json(path: Path) -> dict:

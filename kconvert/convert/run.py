@@ -54,6 +54,8 @@ class ExportFigures:
     files: int = 0
     tensors: int = 0
     quantized: int = 0  # tensors stored quantized (not copied, not kept in bf16)
+    dequantized: int = 0  # tensors stored quantized in the source, written BF16
+    rounded: int = 0  # of those, tensors whose values BF16 does not hold exactly (rounded to nearest)
     workers: int = 0
     calibration: dict | None = None
 

@@ -79,14 +79,17 @@ def test_fp8_block_through_transformers_equals_kconvert(exported):
 
     out = exported["fp8-block"]
     qc = json.loads((Path(out) / "config.json").read_text())["quantization_config"]
+    kept = qc.pop("modules_to_not_convert")  # the vision tower and projector, by name: vLLM builds them FP8 else
     assert qc == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert "vision_tower.encoder.blocks.0.wqkv" in kept and "mm_projector.proj.0" in kept
+    assert not [m for m in kept if m.startswith("language_model.")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     hf = dict(model.state_dict())
     ours = Checkpoint.open(out)
     fp8 = [n for n, t in ours.logical.items() if t.format == "block_fp8"]
-    assert len(fp8) == 126
+    assert len(fp8) == 126 and not {n[: -len(".weight")] for n in fp8} & set(kept)
     experts: dict[str, dict[int, torch.Tensor]] = {}
     # transformers 5.23 derives the block size from the scale grid (rows // grid rows), which is wrong for
     # partial edge blocks (kv_a_proj_with_mqa: 192 rows -> 96-row blocks); those it cannot judge

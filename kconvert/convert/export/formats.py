@@ -9,6 +9,10 @@ quantizer of its own. Formulas: docs/EXPORT.md.
                min-max rule, bf16 scales; Kimi-K2-Thinking / K2.5): routed experts only.
 - w8a8-int8:   the `int8` scheme (compressed-tensors int-quantized, dynamic per-token activations).
 - fp8-channel: the `fp8_channel` scheme (compressed-tensors float-quantized, the same with e4m3).
+- bf16:        no scheme: every quantized tensor (FP8, MXFP4, INT4, FP8 rows) dequantized and stored BF16, every
+               other tensor as stored, under the release's names; no quantization_config (fine-tuning, and the
+               export vLLM's CPU backend runs). Exact where BF16 holds the values (FP4 and FP8 with power-of-two
+               scales: V4, V4.1, K3), else rounded to nearest (ExportFigures.rounded counts those tensors).
 Transforms of one logical tensor: copy (kept as stored), bf16 (dequantized, kept high precision), the
 format's transform (below), or the scheme's lossless copy (fp8_copy, int4_copy).
 """
@@ -82,6 +86,8 @@ class Exported:
 def quantizes(fmt: str, info: TensorInfo, shape: tuple[int, ...], group: int) -> bool:
     """The scheme's default policy (no --keep / --quantize here), for `.weight` linears the format can store."""
     f = EXPORT_FORMATS[fmt]
+    if not f.scheme:
+        return False
     scheme = get_scheme(f.scheme)
     if len(shape) != 2 or not info.name.endswith(".weight") or (f.text_only and info.group != "text"):
         return False
@@ -133,6 +139,11 @@ def produce(e: Exported, x) -> list[torch.Tensor]:
     return stored_output(x, [tag for _, tag, _ in e.specs()], e.copy, e.scheme, e.options, e.transform == "bf16", e.src)
 
 
+def exact_in_bf16(x: torch.Tensor, written: torch.Tensor) -> bool:
+    """Whether the BF16 tensor written for dequantized values `x` holds them exactly."""
+    return torch.equal(written.to(torch.float32), x.to(torch.float32))
+
+
 # --------------------------------------------------------------------------- config.json
 
 _FUSED = ((re.compile(r"\b(gate|up)_proj$"), "(gate|up|gate_up)_proj"),
@@ -164,7 +175,10 @@ def ignore_list(kept: list[TensorInfo], quantized: list[TensorInfo]) -> list[str
     return pats
 
 
-def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str], fp8_block: int = FP8_BLOCK) -> dict:
+def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str], fp8_block: int = FP8_BLOCK) -> dict | None:
+    """The format's quantization_config; None for an unquantized format (bf16)."""
+    if not EXPORT_FORMATS[fmt].scheme:
+        return None
     if fmt == "fp8-block":
         qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
               "weight_block_size": [fp8_block, fp8_block]}

@@ -26,12 +26,13 @@ from kconvert.io.window import ordered_window
 from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.source.side_checks import check_side_files
 from kconvert.disk_format.journal import JOURNAL_DIR
-from kconvert.convert.export.formats import (Exported, ignore_list, load, plan_tensor, produce, quantization_config,
-                                             quantizes)
+from kconvert.convert.export.formats import (Exported, exact_in_bf16, ignore_list, load, plan_tensor, produce,
+                                             quantization_config, quantizes)
 from kconvert.convert.export.table import EXPORT_FORMATS, FORMATS
 from kconvert.source.stored_quant import source_fp8_block
 from kconvert.convert.export import expert_dtype as v4_layout
-from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, copy_side_files
+from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, config_json, copy_side_files
+from kconvert.family.release_config import release_config
 from kconvert.convert.run import ExportFigures, Run, RunResult, default_workers
 
 EXPORT_VERSION = 1
@@ -88,7 +89,7 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
             size = 0
         files[-1].append(e)
         size += e.bytes_out
-    if not any(e.scheme_name for f in files for e in f):  # e.g. a --group-size no input width divides
+    if EXPORT_FORMATS[job.format].scheme and not any(e.scheme_name for f in files for e in f):  # e.g. a --group-size no input width divides
         group = f" --group-size {job.group_size}" if job.format == "w4a16" else ""
         raise UsageError(f"--format {job.format}{group} would quantize no tensor of this checkpoint (no eligible "
                          "linear's input width fits it): refusing to write an unquantized copy", file=str(ck.root))
@@ -116,6 +117,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     ck = Checkpoint.open(job.src)
     check_paths(ck, out)
     check_side_files(ck)  # what the engine reads at run time (tokenizer, chat template, Engram map), before any work
+    release_config(ck.config, ck.model.family)  # a config with no release spelling: refused before any work
     scale_fmt = v4_layout.scale_format(ck, job.scale_format, v4_layout.expert_dtype(ck, job.format))
     files = plan_export(ck, job, scale_fmt)
     run.result.warnings += filter(None, [v4_layout.source_disagreement(ck)])
@@ -131,6 +133,7 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     figures = result.details
     figures.files, figures.tensors = len(files), sum(map(len, files))
     figures.quantized = sum(e.transform not in ("copy", "bf16") for f in files for e in f)
+    figures.dequantized = sum(e.transform == "bf16" for f in files for e in f)
     if run.prepare(identity, job.overwrite, marker=INDEX,
                    job_of=lambda meta: (meta.get("metadata") or {}).get("kconvert_job")):
         return result
@@ -146,11 +149,13 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     resume_from = _first_layer_after(ck, todo)
     run.start(sum(bytes_of.values()))
     with run.log("done-0000.jsonl", workers) as log:
-        for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress, calibration):
+        rounded: list[str] = []
+        for name, rec in _write_files(ck, out, todo, scale_fmt, workers, progress, calibration, rounded):
             log.add({"file": name, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
             run.wrote(name, bytes_of[name])
             if calibration is not None:
                 calibration.done_before(resume_from[name])
+        figures.rounded = len(rounded)  # of this run's files (a resumed run counts what it wrote)
     run.finish(names, _journalled_size,
                lambda done: _write_index(ck, out, job, names, files, identity, scale_fmt, done))
     result.bytes_out = sum((out / n).stat().st_size for n in names)
@@ -173,9 +178,11 @@ def _first_layer_after(ck: Checkpoint, todo) -> dict[str, int]:
     return after
 
 
-def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, progress, calibration=None):
+def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, progress, calibration=None,
+                 rounded: list | None = None):
     """Yield (file name, WrittenFile) as each file commits. Workers read and quantize up to `workers + 1`
-    tensors ahead of this thread, which writes them in order (reads, quantization and writes overlap)."""
+    tensors ahead of this thread, which writes them in order (reads, quantization and writes overlap). `rounded`
+    gets the name of each tensor dequantized to BF16 whose values BF16 does not hold exactly."""
     stream = [(name, k, e) for name, f in todo for k, e in enumerate(f)]
     sizes = {name: len(f) for name, f in todo}
 
@@ -187,7 +194,11 @@ def _write_files(ck: Checkpoint, out: Path, todo, scale_fmt: str, workers: int, 
                 codes = calibration.layer(L) if L is not None else {}
                 if e.src in codes:
                     return e.scheme.encode(*codes[e.src], e.options)
-            return produce(e, load(ck, e))
+            x = load(ck, e)
+            made = produce(e, x)
+            if rounded is not None and e.transform == "bf16" and not exact_in_bf16(x, made[0]):
+                rounded.append(e.src)
+            return made
         except KConvertError as err:
             err.file = err.file or str(ck.logical[e.src].main.file)
             err.tensor = err.tensor or e.src
@@ -234,17 +245,27 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
                              ignore_list(kept, quantized), source_fp8_block(ck.quantization_config))
     if experts and "expert_dtype" in ck.quantization_config:  # where the source spells it (V4.1's release)
         qc["expert_dtype"] = experts
-    config = json.loads(json.dumps(ck.config))
-    config["quantization_config"] = qc
-    if isinstance(config.get("text_config"), dict):  # multimodal: the text model reads its own copy
-        config["text_config"]["quantization_config"] = json.loads(json.dumps(qc))
+    outside = sorted({i.name[: -len(".weight")] for i in kept if i.group != "text" and i.name.endswith(".weight")})
+    if qc and qc.get("quant_method") == "fp8" and outside:
+        # the linears outside the text model (kept bf16), by exact module name: vLLM's Fp8Config (and transformers')
+        # would build Kimi-K2.5's vision tower and projector in FP8 (their bf16 weights loaded into FP8 parameters,
+        # the scales missing); the text model's own bf16 linears are the release's, which vLLM's model code exempts
+        qc["modules_to_not_convert"] = outside
+    config = release_config(ck.config, ck.model.family)  # the keys serving engines read, as the release spells them
+    sections = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else [])
+    for section in sections:  # multimodal: the text model reads its own copy
+        if qc is None:  # unquantized (bf16): no quantization_config, no expert storage to name
+            section.pop("quantization_config", None)
+            section.pop("expert_dtype", None)
+        else:
+            section["quantization_config"] = json.loads(json.dumps(qc))
     if experts:  # DeepSeek-V4 readers take the routed experts' storage, and vLLM every FP8 scale's dtype, from it
         key = ck.model.family.get("text_config", ".")
         text = config if key == "." else config[key]
         text["expert_dtype"] = experts
         if "expert_dtype" in config:  # a top-level copy too (vLLM's V4.1 config takes it over the text config's)
             config["expert_dtype"] = experts
-    write_atomic(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    write_atomic(out / "config.json", config_json(config))
     weight_map, total = {}, 0
     for name, f in zip(names, files):
         for e in f:

@@ -13,7 +13,7 @@ class ExportFormat:
     """A scheme's values under a serving engine's names: which scheme, which encoding, which tensors."""
 
     name: str
-    scheme: str  # in kconvert/quant/registry.py
+    scheme: str  # in kconvert/quant/registry.py; "" for none (bf16: every stored tensor dequantized)
     transform: str  # what the plan calls a tensor this format quantizes
     encoding: str = KCONVERT
     text_only: bool = False  # vision tower and projector stay bf16 (the FP8 releases keep them so)
@@ -25,6 +25,7 @@ EXPORT_FORMATS = {f.name: f for f in (
     ExportFormat("w4a16", "int4", "int4", encoding=COMPRESSED_TENSORS),  # dequantized to bf16
     ExportFormat("w8a8-int8", "int8", "int8_channel", runs_as="int8"),  # re-quantizes to the same bytes
     ExportFormat("fp8-channel", "fp8_channel", "fp8_channel"),
+    ExportFormat("bf16", "", "bf16"),  # the release's layout unquantized (dequantized: formats.py `Exported`)
 )}
 FORMATS = tuple(EXPORT_FORMATS)
 

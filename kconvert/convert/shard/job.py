@@ -29,6 +29,7 @@ from kconvert.disk_format.journal import JOURNAL_DIR
 from kconvert.disk_format.units import unit_layer
 from kconvert.convert.layout import Layout, Topology
 from kconvert.convert.output_dir import check_paths, remove_stale_temporaries
+from kconvert.family.release_config import release_config
 from kconvert.quant.policy import QuantPolicy
 from kconvert.source.stored_quant import source_fp8_block
 from kconvert.convert.shard.pipeline import Pipeline, plan_pipeline
@@ -89,6 +90,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
                          f"{', '.join(supported)})", file=str(ck.root / "config.json"))
     check_paths(ck, out)
     check_side_files(ck)  # what the engine reads at run time (tokenizer, chat template, Engram map), before any work
+    release_config(ck.config, ck.model.family)  # config.json's release spelling: a config with none refused here
     layout, topo = job.topology.layout, job.topology
     policy = replace(job.quant, fp8_block=source_fp8_block(ck.quantization_config))
     with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes

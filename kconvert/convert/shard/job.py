@@ -149,6 +149,8 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
                 entries.append({"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
                 if stored:
                     entries[-1]["stored"] = stored
+                if rec.notes:  # its exact casts' blocks (quant/tally.py): summed into kconvert.json at the end
+                    entries[-1]["casts"] = rec.notes
             log.add_all(entries)  # the unit's files are durable (commit_all) before this records them
             for w in batch:
                 run.wrote(w.file, w.bytes_in)
@@ -170,6 +172,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     result.bytes_out = sum(result.details.per_rank_bytes.values())
     if calibration is not None:
         result.details.calibration = {**calibration.record, "layers": calibration.figures}
+    result.details.exact_casts = cat.doc["quantization"].get("exact_casts")
     keep_to_exit(ck, pipe, cat)
     return run.done()
 

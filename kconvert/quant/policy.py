@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kconvert.errors import UsageError
 from kconvert.io.dtypes import FP8_BLOCK
@@ -46,6 +46,9 @@ class QuantPolicy:
     int4_scales: str = "mse"  # int4: clipping search ("mse") or plain amax / 7 ("amax")
     fp8_block: int = FP8_BLOCK  # fp8: the block of one scale (the source's own where it is block FP8: copied)
     requantize: bool = False  # --requantize: FP4 blocks one FP8 scale cannot hold exactly are rounded, not refused
+    # the model family's traits (ck.model.family), set once the source is open: what Scheme.role reads (nvfp4's
+    # `[family.nvfp4]`); not part of the policy's identity
+    family: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -78,7 +81,7 @@ class QuantPolicy:
             return None
         if any(fnmatch.fnmatchcase(info.name, p) for p in self.force):
             return q
-        name = q.role(info, family or {})
+        name = q.role(info, family if family is not None else self.family or {})
         return None if name is None else get_scheme(name)
 
     def quantizes(self, info: TensorInfo, shape: tuple[int, ...], family: dict | None = None) -> bool:

@@ -11,7 +11,7 @@ A Scheme answers, for one 2-D weight:
 - `stored_bytes(shape, opts)`: the bytes of `specs` (scales included).
 - `lossless_copy(source, opts)`: the stored parts of a source it may copy unchanged (or re-encode exactly) instead.
 `opts.encoding` picks how the values are laid out on disk: `kconvert` (the converted format, shard),
-`compressed-tensors` (export's w4a16 and friends), `deepseek-v4` (V4's own `.scale` sidecars in e8m0: V4-Flash and
+`compressed-tensors` (export's w4a16 and friends), `modelopt` (export's nvfp4: NVIDIA's layout), `deepseek-v4` (V4's own `.scale` sidecars in e8m0: V4-Flash and
 V4-Pro, FP4 experts) or `deepseek-v4-f32` (the same sidecars in float32: V4-Flash-Base, FP8 experts), for export's
 fp8-block of a V4 text model; most schemes store the same either way.
 """
@@ -31,6 +31,9 @@ DEEPSEEK_V4 = "deepseek-v4"  # DeepSeek-V4's release layout: `X.weight` + a `X.s
 # the same layout with float32 `X.scale` sidecars: V4-Flash-Base's (`expert_dtype: fp8`), the scale dtype vLLM reads there
 DEEPSEEK_V4_F32 = "deepseek-v4-f32"
 V4_ENCODINGS = (DEEPSEEK_V4, DEEPSEEK_V4_F32)  # `X.weight` + `X.scale` sidecars, whichever the scales' dtype
+# NVIDIA Model-Optimizer's unified checkpoint (export's nvfp4): NVFP4 as the kconvert encoding, block FP8 as
+# `X.weight_scale` [R/128, 1, C/128, 1] (its FP8_PB_WO)
+MODELOPT = "modelopt"
 SCALE_FORMATS = ("fp32", "ue8m0")
 
 

@@ -2,7 +2,7 @@
 form). Folding runs in bulk where a checkpoint (70k-200k tensors) is uniform: INT4 triples, MXFP4 pairs (Kimi K3's
 experts), block-FP8 `weight_scale_inv` pairs and plain weights are matched and wrapped by C-level map/zip/set
 operations. Anything else (a missing companion, mixed companion kinds, V4's `.scale` sidecars, FP8 or INT8 weights
-with a compressed-tensors scale, NVFP4: nvfp4_parts.py) takes the per-name path, which names what is wrong. Both give
+with a compressed-tensors scale, NVFP4: modelopt_parts.py) takes the per-name path, which names what is wrong. Both give
 the same tensors in the same order."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NamedTuple
 from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import TensorEntry
 from kconvert.io.dtypes import FP4_GROUP
-from kconvert.source.nvfp4_parts import compressed_tensors_nvfp4, modelopt_nvfp4
+from kconvert.source.modelopt_parts import compressed_tensors_nvfp4, modelopt_nvfp4, scaled_format
 
 FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 _PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4", "nvfp4_packed": "NVFP4"}  # two codes a byte / eight a word
@@ -250,7 +250,7 @@ def _rest_one_by_one(stored: dict[str, TensorEntry], rest: list[str], out: dict)
             inp = stored.get(name.rsplit(".", 1)[0] + ".input_scale")
             if inp is not None:
                 parts["input_scale"] = inp
-            out[name] = _new((name, e.shape, "scaled", parts))
+            out[name] = _new((name, e.shape, scaled_format(scale), parts))
         else:
             out[name] = _new((name, e.shape, "plain", e))
 

@@ -14,6 +14,9 @@ def read_parts(t: LogicalTensor, roles: tuple[str, ...]) -> tuple[torch.Tensor, 
     read checks them: no NaN/Inf in any part, an INT4 weight_shape that agrees with weight_packed, and scales
     that cannot decode past float32 (formats.check_scale_range, the dequantizing read's own check)."""
     parts = tuple(read_checked(t.parts[role]) for role in roles)
+    if t.format == "block_fp8" and "scale" in roles and parts[roles.index("scale")].dim() == 4:  # ModelOpt's grid
+        i = roles.index("scale")
+        parts = parts[:i] + (parts[i][:, 0, :, 0].contiguous(),) + parts[i + 1:]
     if t.format == "int4_packed":
         declared_shape(t, parts[roles.index("shape")] if "shape" in roles else read_tensor(t.parts["shape"]))
     if t.format == "nvfp4_packed":  # its per-tensor scales finite and positive (a dequantizing read's own check)

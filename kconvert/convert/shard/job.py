@@ -88,7 +88,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
                          f"{', '.join(supported)})", file=str(ck.root / "config.json"))
     check_paths(ck, out)
     layout, topo = job.topology.layout, job.topology
-    policy = replace(job.quant, fp8_block=source_fp8_block(ck.quantization_config))
+    policy = replace(job.quant, fp8_block=source_fp8_block(ck.quantization_config), family=ck.model.family)
     with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes
         pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=policy.requantize, keep_mtp=job.keep_mtp),
                              layout.tp, topo.pp, ck.model.text.layer_count, pp_layers=topo.pp_layers,

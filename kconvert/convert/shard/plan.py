@@ -106,7 +106,7 @@ class _Plan:
         """The scheme `t` is stored in (None: kept) and the lossless copy of its stored parts it takes, if any."""
         if info.rule.scale_block is not None and t.format != "plain":  # its own FP8 grid (V4.1's Engram rows):
             return None, rows_copy(self.ck, t)  # copied as stored under any scheme (a bf16 table stays bf16)
-        scheme = self.policy.scheme_for(info, t.shape, self.ck.model.family)
+        scheme = self.policy.scheme_for(info, t.shape, self.ck.model.family)  # (the source's family, whoever asks)
         if scheme is None:
             return None, None
         key = (scheme.name, t.format, tuple(t.parts) if t.format == "nvfp4_packed" else ())

@@ -1,5 +1,6 @@
-"""How an NVFP4 weight is stored, as logical.py folds it: its parts by role, its logical shape, and the one-line
-refusal of parts whose dtypes or shapes disagree (the scale grid against the packed codes)."""
+"""NVIDIA Model-Optimizer's stored forms (and compressed-tensors' NVFP4) as logical.py folds them: an NVFP4 weight's
+parts by role, its logical shape and the one-line refusal of parts whose dtypes or shapes disagree (the scale grid
+against the packed codes); its block FP8 (FP8_PB_WO: `X.weight_scale` [R/128, 1, C/128, 1]) read as block FP8."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import TensorEntry
 
 NVFP4_GROUP = 16  # inputs per e4m3 block scale (kconvert/quant/nvfp4.py)
+
+
+def scaled_format(scale: TensorEntry) -> str:
+    """An FP8 / INT8 weight with a compressed-tensors-style `X.weight_scale`: `block_fp8` when the scale is
+    Model-Optimizer's block grid [R/b, 1, C/b, 1], else `scaled` (per tensor, channel or a 2-D block grid)."""
+    s = scale.shape
+    return "block_fp8" if len(s) == 4 and s[1] == s[3] == 1 else "scaled"
 
 
 def modelopt_nvfp4(name: str, stored: dict[str, TensorEntry]) -> tuple:

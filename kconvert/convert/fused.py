@@ -34,6 +34,6 @@ def tensor_scales(members: Iterable[tuple[str, TensorInfo, object, object, bool]
         groups.setdefault(key or ("cut", name), []).append((name, scheme, copy))
     out: dict[str, float] = {}
     for group in groups.values():
-        scale = max(scheme.tensor_scale(load(name), copy) for name, scheme, copy in group)
+        scale = group[0][1].shared_scale([(name, load(name), copy) for name, _, copy in group])
         out.update((name, scale) for name, _, _ in group)
     return out

@@ -250,14 +250,23 @@ class NvFp4(Scheme):
     def _copy_recode(self, parts, name: str = "", opts: Options | None = None) -> list[torch.Tensor]:
         import torch
 
-        opts = opts or Options()
         packed, scale, scale_2 = parts[:3]
-        if opts.tensor_scale is not None and float(scale_2) != opts.tensor_scale:
-            raise CheckpointError(f"weight_scale_2 {float(scale_2)!r} differs from its fused partner's "
-                                  f"{opts.tensor_scale!r}: serving engines fuse the two with one scale", tensor=name)
         inp = parts[3] if len(parts) > 3 else torch.tensor(INPUT_SCALE)
         return self._encode(packed.view(torch.uint8), scale.view(torch.float8_e4m3fn),
                             scale_2.to(torch.float32).reshape(()), inp.to(torch.float32).reshape(()), opts)
+
+    def shared_scale(self, members: list[tuple[str, object, LosslessCopy | None]]) -> float:
+        """The weight_scale_2 a fused group's members (name, input, copy) share: the largest of their own. Copied
+        NVFP4 members keep the scale they store, so theirs must already agree: refused otherwise, naming the one
+        that differs."""
+        scales = [(name, self.tensor_scale(x, copy), copy) for name, x, copy in members]
+        stored = [(name, s) for name, s, copy in scales if copy is not None and copy.transform == COPY]
+        for name, s in stored[1:]:
+            if s != stored[0][1]:
+                raise CheckpointError(f"weight_scale_2 {s!r} differs from {stored[0][1]!r}, its fused partner "
+                                      f"{stored[0][0]}'s: serving engines run the pair as one GEMM with one scale",
+                                      tensor=name + "_scale_2")
+        return max(s for _, s, _ in scales)
 
     def tensor_scale(self, x, copy: LosslessCopy | None) -> float:
         """The weight_scale_2 this tensor takes on its own: from its MXFP4 scales (the cast), as stored (an NVFP4

@@ -153,6 +153,10 @@ class Scheme:
         """`per_tensor` schemes: the per-tensor scale of the whole source tensor (its value, or a copy's parts)."""
         raise NotImplementedError
 
+    def shared_scale(self, members: list[tuple[str, object, LosslessCopy | None]]) -> float:
+        """`per_tensor` schemes: the one scale a fused group's members ((name, input, copy) each) share."""
+        raise NotImplementedError
+
 
 def sidecar(src: str) -> str:
     """DeepSeek-V4's name for the scale of weight `src` ("X.weight" -> "X.scale")."""

@@ -58,11 +58,8 @@ class SharedScales:
             return None
         with self.lock:  # one worker computes a group; the others wait for it
             if key not in self.done:
-                scales = []
-                for member in self.groups[key]:
-                    scheme, copy, x = load(member)
-                    scales.append(scheme.tensor_scale(x, copy))
-                self.done[key] = max(scales)
+                loaded = [(m, *load(m)) for m in self.groups[key]]  # (name, scheme, copy, input) each
+                self.done[key] = loaded[0][1].shared_scale([(m, x, copy) for m, _, copy, x in loaded])
             return self.done[key]
 
 

@@ -5,8 +5,8 @@ same top-1, PPL ratio) and the faithfulness (mean KLD vs the source fake-quantiz
     .venv/bin/python bench/verify_bench.py --preset tiny-k25-dsv32-trained --tp 1,2 --workdir /tmp/kverify
     .venv/bin/python bench/verify_bench.py --preset tiny-kimi-k3-trained --tp 2 --schemes none,fp4,fp8,int8,int4,int4-gptq \
         --workdir /tmp/kverify-k3                  # Kimi K3 against mlx-lm (training it takes ~20 min, once)
-    .venv/bin/python bench/verify_bench.py --preset tiny-dsv4-trained --tp 1 \
-        --schemes none,fp4,nvfp4-experts,nvfp4,int4,int4-gptq --workdir /tmp/kverify-v4   # NVFP4 beside MXFP4 / INT4
+    .venv/bin/python bench/verify_bench.py --preset tiny-dsv4-trained --tp 1 --shard-args=--no-draft-heads \
+        --schemes fp4,nvfp4-experts,nvfp4,int4,int4-gptq --workdir /tmp/kverify-v4   # NVFP4 beside MXFP4 / INT4
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2", help="comma-separated tp degrees")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--workdir", default="/tmp/kverify")
+    ap.add_argument("--shard-args", default="", help="more `shard` arguments, space-separated (--no-draft-heads)")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,7 @@ def main() -> None:
         for label in args.schemes.split(","):
             out = work / f"{src.name}-tp{tp}-{label}"
             shutil.rmtree(out, ignore_errors=True)
-            r = cli("shard", src, out, "--tp", tp, *SCHEMES[label])
+            r = cli("shard", src, out, "--tp", tp, *SCHEMES[label], *args.shard_args.split())
             assert r.returncode == 0, r.stderr
             t = time.perf_counter()
             r = cli("verify", out, "--reference", ref, "--json")

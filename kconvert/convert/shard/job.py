@@ -103,8 +103,9 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     dist = distributed.Group.from_env()
     if calibrate is not None:
         if policy.scheme != "int4":
-            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --quant {policy.scheme} has nothing to "
-                             "calibrate")
+            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --quant {policy.scheme} has no calibrated path"
+                             + (" yet (its casts of MXFP4 experts are exact; from BF16 it rounds to nearest)"
+                                if policy.scheme == "nvfp4" else ""))
         calibration = calibrate(ck, policy, progress)
         if dist.world > 1:
             calibration.share(dist)

@@ -1,7 +1,7 @@
-"""The faithfulness reference's NVFP4 (verify/fake_quant.py asks): compressed-tensors' own NVFP4 fake-quantizer
-(tensor_group of 16, a global scale) with the scales ModelOpt's rule gives (weight_scale_2 = amax / (6 * 448) over the
-tensor's fused group, each block's e4m3(block amax / 6 / weight_scale_2), an all-zero block's 1.0, none under 2^-9),
-or with the scales an export stores."""
+"""The faithfulness reference's NVFP4 (verify/fake_quant.py asks): compressed-tensors' FP4 fake-quantizer with the
+scales ModelOpt's rule gives (weight_scale_2 = amax / (6 * 448) over the tensor's fused group, each block's
+e4m3(block amax / 6 / weight_scale_2), an all-zero block's 1.0, none under 2^-9), or with the scales an export stores:
+ModelOpt's layout divided by their float32 product, compressed-tensors' by its own global-scale form."""
 
 from __future__ import annotations
 
@@ -14,17 +14,25 @@ FP8_E4M3_MAX = 448.0
 
 
 def nvfp4_fq(x: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    """x fake-quantized by compressed-tensors' NVFP4 with these block scales and the tensor's scale_2 (its global
-    scale is 1 / scale_2)."""
-    return fq(x, block_scale.to(torch.float32), (1.0 / scale_2.to(torch.float32)).reshape(1), num_bits=4,
-              type="float", strategy="tensor_group", group_size=GROUP)
+    """x fake-quantized by compressed-tensors' FP4 group quantizer with Model-Optimizer's divisor, each 16-block's
+    e4m3 scale times scale_2 taken in float32 (the product ModelOpt divides by and its layout dequantizes with:
+    bf16 weights land exactly on midpoints often, so the divisor's rounding decides ties)."""
+    per_block = block_scale.to(torch.float32) * scale_2.to(torch.float32).reshape(())
+    return fq(x, per_block, num_bits=4, type="float", strategy="group", group_size=GROUP)
+
+
+def ct_nvfp4_fq(x: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """x fake-quantized by compressed-tensors' own NVFP4 (tensor_group, its global scale as a divisor)."""
+    return fq(x, block_scale.to(torch.float32), global_scale.to(torch.float32).reshape(1), num_bits=4, type="float",
+              strategy="tensor_group", group_size=GROUP)
 
 
 def nvfp4_qdq(x: torch.Tensor, tensor_amax: float | None = None) -> torch.Tensor:
     """x [R, C] float32 as a faithful nvfp4 conversion holds it; `tensor_amax` its fused group's (else its own)."""
     rows, cols = x.shape
     amax = float(x.abs().max()) if tensor_amax is None else tensor_amax
-    s2 = torch.tensor(amax / (6.0 * FP8_E4M3_MAX) if amax > 0 else 1.0, dtype=torch.float32)
+    # ModelOpt's float32 amax / (6 * 448)
+    s2 = torch.tensor(amax, dtype=torch.float32) / (6.0 * FP8_E4M3_MAX) if amax > 0 else torch.tensor(1.0)
     b = x.view(rows, cols // GROUP, GROUP).abs().amax(-1) / (6.0 * s2)
     b = torch.where(b == 0, torch.ones_like(b), b).clamp(min=2.0 ** -9).to(torch.float8_e4m3fn)
     return nvfp4_fq(x, b, s2)
@@ -36,8 +44,9 @@ def stored_nvfp4_fq(x: torch.Tensor, stored) -> torch.Tensor:
     from kconvert.io.safetensors_read import read_tensor
 
     parts = stored.parts
-    tensor = read_tensor(parts.get("scale_2") or parts["global_scale"]).to(torch.float32)
-    return nvfp4_fq(x, read_tensor(parts["scale"]), tensor if "scale_2" in parts else 1.0 / tensor)
+    if "scale_2" in parts:
+        return nvfp4_fq(x, read_tensor(parts["scale"]), read_tensor(parts["scale_2"]))
+    return ct_nvfp4_fq(x, read_tensor(parts["scale"]), read_tensor(parts["global_scale"]))
 
 
 def fused_amax(src: str, names: list[str]) -> dict[str, float]:

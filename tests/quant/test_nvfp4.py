@@ -173,3 +173,22 @@ def test_scheme_options_and_shapes():
     assert s.stored_bytes((8, 32), Options()) == 8 * 16 + 8 * 2 + 4 + 4
     with pytest.raises(Exception, match="NaN/Inf"):
         nvfp4.quantize_nvfp4(torch.tensor([[float("nan")] + [0.0] * 15]), name="x.weight")
+
+
+def test_the_faithfulness_reference_gives_our_values_on_bf16_ties():
+    """verify's independent NVFP4 reference (compressed-tensors' FP4 rounding, ModelOpt's scales and divisor) holds
+    kconvert's bytes exactly, on bf16 weights whose quotients land on e2m1 midpoints (2.5 at a block scale of 256
+    times the fused pair's scale_2): a reference dividing by compressed-tensors' scale / global_scale breaks such ties
+    the other way (measured: faithfulness 2.6e-5 on tiny-dsv4-trained)."""
+    from kconvert.verify.fake_quant_nvfp4 import nvfp4_qdq
+
+    seed, g = _seed()
+    pair_amax = 0.287109375  # the partner's (w3's) amax: this tensor's own is smaller
+    w = (torch.randn(32, 64, generator=g) * 0.05).to(torch.bfloat16).float()
+    w[0, :16] = 0.0
+    w[0, 0], w[0, 5], w[0, 9] = 0.1640625, -0.068359375, 0.068359375  # block scale 256: -0.0684 / 0.02734 = -2.5
+    stored = nvfp4.quantize_nvfp4(w, nvfp4.scale_from_amax(pair_amax))
+    ours = nvfp4.dequantize_nvfp4(*stored)
+    assert float(ours[0, 5]) == -0.0546875  # the tie went to the even code (2), as ModelOpt's packer sends it
+    assert torch.equal(nvfp4_qdq(w, pair_amax), ours), seed
+    assert torch.equal(nvfp4_qdq(w), nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(w))), seed

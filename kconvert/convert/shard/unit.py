@@ -52,14 +52,14 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
         jobs = plan_jobs(ck, order, by_src, codes)
         if not all(isinstance(job, str) for job in jobs):  # any stack
             try:
-                _write_jobs(ck, jobs, by_src, progress, codes)
+                _write_jobs(ck, jobs, by_src, progress, codes, fixed_scales(ck, order, by_src))
                 return _finish(writers)
             except WriteError:
                 raise
             except (CheckpointError, NotStackable, OSError):  # a source problem: the one-by-one pass meets
                 _abort(writers)  # it in the order, and with the words, it always has
                 writers, by_src = _open(batch, out)
-        _write_each(ck, order, by_src, progress, codes)
+        _write_each(ck, order, by_src, progress, codes, fixed_scales(ck, order, by_src))
         return _finish(writers)
     except BaseException:
         _abort(writers)
@@ -99,7 +99,8 @@ def _abort(writers: list[SafetensorsWriter]) -> None:
         wr.abort()
 
 
-def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, Pairs], progress, codes) -> None:
+def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, Pairs], progress, codes,
+                fixed: dict[str, float]) -> None:
     """plan_jobs' jobs: stacks as stacks, each run of lone weights between them one at a time."""
     alone: list[str] = []
     for job in [*jobs, []]:
@@ -107,7 +108,7 @@ def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, P
             alone.append(job)
             continue
         if alone:
-            _write_each(ck, alone, by_src, progress, codes)
+            _write_each(ck, alone, by_src, progress, codes, fixed)
             alone = []
         if job:
             n = write_stack(ck, job, by_src)
@@ -115,11 +116,18 @@ def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, P
                 progress("working", n=n)
 
 
-def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], progress, codes) -> None:
-    """Source tensors `order`, one at a time: each read once (the next read ahead while this one is written; a
-    per-tensor scale a fused group shares, or a cut tensor's whole one, is fixed first: convert/fused.py)."""
-    fixed = tensor_scales(((src, o.info, o.scheme, o.copy, any(p.piece.dim is not None for _, p in by_src[src]))
-                           for src in order for o in (by_src[src][0][1],)), lambda src: _load(ck, by_src[src][0][1]))
+def fixed_scales(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs]) -> dict[str, float]:
+    """The per-tensor scales of the unit fixed before any of it is written (convert/fused.py): a fused group's shared
+    one (w1 / w3 of an expert: the same unit, maybe not the same run of lone weights between stacks), a cut
+    tensor's whole one."""
+    return tensor_scales(((src, o.info, o.scheme, o.copy, any(p.piece.dim is not None for _, p in by_src[src]))
+                          for src in order for o in (by_src[src][0][1],)), lambda src: _load(ck, by_src[src][0][1]))
+
+
+def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], progress, codes,
+                fixed: dict[str, float]) -> None:
+    """Source tensors `order`, one at a time: each read once (the next read ahead while this one is written), with
+    the unit's `fixed` per-tensor scales."""
     with ThreadPoolExecutor(1) as reader:  # read-ahead of one source tensor: two in flight at most
         ahead = _read_ahead(reader, ck, by_src[order[0]][0][1]) if order else None
         for i, src in enumerate(order):

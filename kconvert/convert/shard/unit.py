@@ -149,7 +149,8 @@ def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], prog
                             produced = _produce(o, _slice(ck, o, x), opts)
                         for name, tensor in produced:
                             writer.write(name, tensor)
-                    merged(writer.notes, cast_kind(o), tally)
+                    if tally[0] or tally[1]:  # an exact cast counted its blocks
+                        merged(writer.notes, cast_kind(o), tally)
                 except KConvertError as e:
                     e.file = e.file or str(ck.logical[o.src].main.file)
                     raise
@@ -220,4 +221,4 @@ def _produce(o: Output, x, opts: Options | None = None):
 def cast_kind(o: Output) -> str:
     """The kind an exact cast's counts are reported under: the tensor's component and its name's last part (its
     projection: routed_experts.w1)."""
-    return f"{o.info.component}.{o.info.rule.pattern.rsplit('.', 2)[-2]}"
+    return f"{o.info.component}.{o.info.rule.pattern.removesuffix('.weight').rsplit('.', 1)[-1]}"

@@ -5,6 +5,8 @@ same top-1, PPL ratio) and the faithfulness (mean KLD vs the source fake-quantiz
     .venv/bin/python bench/verify_bench.py --preset tiny-k25-dsv32-trained --tp 1,2 --workdir /tmp/kverify
     .venv/bin/python bench/verify_bench.py --preset tiny-kimi-k3-trained --tp 2 --schemes none,fp4,fp8,int8,int4,int4-gptq \
         --workdir /tmp/kverify-k3                  # Kimi K3 against mlx-lm (training it takes ~20 min, once)
+    .venv/bin/python bench/verify_bench.py --preset tiny-dsv4-trained --tp 1 --shard-args=--no-draft-heads \
+        --schemes fp4,nvfp4-experts,nvfp4,int4,int4-gptq --workdir /tmp/kverify-v4   # NVFP4 beside MXFP4 / INT4
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from _cli import cli  # bench/ is the script's folder: on sys.path
 SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
            "fp8-ue8m0": ["--quant", "fp8", "--scale-format", "ue8m0"], "int8": ["--quant", "int8"],
            "int4": ["--quant", "int4"], "int4-amax": ["--quant", "int4", "--int4-scales", "amax"], "fp4": ["--quant", "fp4"],
-           "int4-gptq": ["--quant", "int4", "--calibrate", "stdlib"]}  # GPTQ on the default calibration set
+           "int4-gptq": ["--quant", "int4", "--calibrate", "stdlib"],  # GPTQ on the default calibration set
+           "nvfp4": ["--quant", "nvfp4"],  # NVFP4 experts + the family's recipe for the rest (block FP8 attention)
+           # NVFP4 on the routed experts alone (the rest kept, as fp4 / int4 keep it): the like-for-like row
+           "nvfp4-experts": ["--quant", "nvfp4", "--keep", "*attn*", "--keep", "*shared_experts*", "--keep", "mtp.*"],
+           # from BF16 where a release's experts are MXFP4 already (Kimi K3): the experts exact either way, the BF16
+           # shared experts and latent projections quantized to NVFP4 or to MXFP4
+           "nvfp4-shared": ["--quant", "nvfp4", "--keep", "*self_attn*", "--quantize", "*shared_experts*",
+                            "--quantize", "*routed_expert_*_proj*"],
+           "fp4-shared": ["--quant", "fp4", "--quantize", "*shared_experts*", "--quantize", "*routed_expert_*_proj*"]}
 
 
 def main() -> None:
@@ -29,6 +39,7 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2", help="comma-separated tp degrees")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--workdir", default="/tmp/kverify")
+    ap.add_argument("--shard-args", default="", help="more `shard` arguments, space-separated (--no-draft-heads)")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -49,7 +60,7 @@ def main() -> None:
         for label in args.schemes.split(","):
             out = work / f"{src.name}-tp{tp}-{label}"
             shutil.rmtree(out, ignore_errors=True)
-            r = cli("shard", src, out, "--tp", tp, *SCHEMES[label])
+            r = cli("shard", src, out, "--tp", tp, *SCHEMES[label], *args.shard_args.split())
             assert r.returncode == 0, r.stderr
             t = time.perf_counter()
             r = cli("verify", out, "--reference", ref, "--json")

@@ -19,7 +19,9 @@ from .params import COUNT, Whole
 @click.option("--format", "fmt", type=RegistryChoice(export_formats), required=True,
               help="fp8-block: DeepSeek/Kimi FP8 release format; w4a16: compressed-tensors int4 routed experts; "
                    "w8a8-int8 / fp8-channel: compressed-tensors per-channel weights, dynamic per-token activations; "
-                   "bf16: the release's layout unquantized, every quantized tensor dequantized.")
+                   "bf16: the release's layout unquantized, every quantized tensor dequantized; "
+                   "nvfp4: NVIDIA's NVFP4 (ModelOpt layout; DeepSeek-V4's as NVIDIA's builds); nvfp4-ct: "
+                   "compressed-tensors nvfp4-pack-quantized routed experts.")
 @click.option("--group-size", type=Whole(8, 65536), default=32, show_default=True, help="w4a16: input columns per int4 scale.")
 @click.option("--scale-format", type=RegistryChoice(scale_formats),
               help="fp8-block scales: float32 or powers of two (default: as a block-FP8 source stores them, else fp32).")

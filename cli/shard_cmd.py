@@ -56,8 +56,9 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
           keep_mtp, workers,
           overwrite, compress, calibrate_data, calibration_tokens, calibration_seq, calibration_seed, calibration_grid,
           as_json):
-    """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8, INT8 or INT4 on the way
-    (int4: routed experts, symmetric, one scale per --group-size inputs, two values per byte).
+    """Reshard checkpoint SRC for --tp ranks into OUT, quantizing to FP8, INT8, INT4, FP4 or NVFP4 on the way
+    (int4: routed experts, symmetric, one scale per --group-size inputs, two values per byte; nvfp4: routed experts
+    NVFP4, MXFP4 ones cast exactly, the family's other roles as NVIDIA's builds: block FP8 attention).
 
     Streams tensor by tensor with bounded memory; every file is written to a temporary name and
     renamed when complete. Interrupted? Re-run the same command: it resumes. kconvert.json is
@@ -69,6 +70,7 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
       kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-fp8 --tp 2 --quant fp8
       kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-int4 --tp 2 --quant int4 --group-size 32
       kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-gptq --tp 2 --quant int4 --calibrate calib.jsonl   # GPTQ, layer by layer
+      kconvert shard ./tiny-kimi-k3 ./tiny-kimi-k3-nvfp4 --tp 2 --quant nvfp4   # Blackwell: MXFP4 experts cast exactly
       kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-z --tp 2 --compress zstd
       kconvert shard ./tiny-k25-dsv32 ./tiny-k25-dsv32-tp2-pp2 --tp 2 --pp 2          # 4 ranks: 2 stages of 2
       torchrun --nproc-per-node 4 -m cli.main shard SRC OUT --tp 8 --quant fp8
@@ -96,8 +98,17 @@ def shard(src, out, tp, ep, pp, pp_layers, quant, scale_format, group_size, int4
     table.add_column("bytes", justify="right")
     for rank, n in sorted(r.details.per_rank_bytes.items()):
         table.add_row(str(rank), fmt_bytes(n))
-    print_run(r, out, as_json, f"wrote {r.files_written} files ({r.files_resumed} resumed)", io_facts(r), table=table,
+    facts = io_facts(r) + cast_facts(r.details.exact_casts)
+    print_run(r, out, as_json, f"wrote {r.files_written} files ({r.files_resumed} resumed)", facts, table=table,
               how=f" by {r.details.processes} processes together" if (r.details.processes or 1) > 1 else "")
+
+
+def cast_facts(casts: dict | None) -> list[str]:
+    """One fact per tensor kind an exact cast (nvfp4 from MXFP4) touched: its blocks kept exactly and those that
+    needed a data-derived scale."""
+    return [f"{kind}: {c['exact']} of {c['exact'] + c['data_derived']} blocks cast exactly"
+            + (f", {c['data_derived']} data-derived (lossy)" if c["data_derived"] else "")
+            for kind, c in (casts or {}).items()]
 
 
 @click.command("verify-files")

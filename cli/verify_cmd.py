@@ -207,6 +207,10 @@ def _print_report(rep) -> None:
             for r in rows[:8]:
                 at.add_row(r["tensor"], f"{100 * r['share']:.1f} %")
             con.print(at)
+    for kind, c in (rep.exact_casts or {}).items():
+        total = c["exact"] + c["data_derived"]
+        con.print(f"exact cast {kind}: {c['exact']} of {total} blocks exact"
+                  + (f", [yellow]{c['data_derived']} data-derived (lossy)[/]" if c["data_derived"] else ""))
     if rep.draft is not None:
         _print_draft(con, rep.draft)
     color = "green" if rep.verdict == "PASS" else "red"

@@ -44,6 +44,8 @@ class ShardFigures:
     per_rank_bytes: dict[int, int] = field(default_factory=dict)  # global rank -> bytes it stores
     processes: int | None = None  # the processes that wrote it together (torchrun); None: nothing was run
     calibration: dict | None = None  # --calibrate: the calibration's record and its per-layer figures
+    # exact casts (nvfp4 from MXFP4), per tensor kind: {"exact": blocks kept exactly, "data_derived": blocks rounded}
+    exact_casts: dict | None = None
 
 
 @dataclass

@@ -2,14 +2,16 @@
 engine builds (DeepSeek-V4 stores `layers.3.attn.wq_a.weight`; the engine's module is transformers'
 `model.layers.3.self_attn.q_a_proj`). The manifest says it per tensor: `engine` (a pattern with {L} / {E}),
 else `reference` (transformers' name) where that names a whole tensor. Families without either (DeepSeek-V3,
-Kimi) keep their names. The stored parts of a quantized weight (`X.weight_packed`, `X.weight_scale_inv` ...)
-follow their weight."""
+Kimi) keep their names. The stored parts of a quantized weight (`X.weight_packed`, `X.weight_scale_inv` ...) and
+its module's activation scale (nvfp4's `X.input_scale`) follow their weight."""
 
 from __future__ import annotations
 
 from kconvert.family.manifest import ModelMap, TensorInfo
 
-PART_SUFFIXES = ("_packed", "_scale_inv", "_scale", "_shape")  # what a scheme stores beside or for `.weight`
+# what a scheme stores beside or for `.weight` (nvfp4: `_scale_2`; compressed-tensors' `_global_scale`)
+PART_SUFFIXES = ("_packed", "_scale_inv", "_scale", "_shape", "_scale_2", "_global_scale")
+SIBLINGS = ("input_scale", "input_global_scale")  # a module's tensors beside its `weight` (nvfp4's activation scale)
 
 
 def _pattern(info: TensorInfo) -> str | None:
@@ -26,14 +28,21 @@ def _pattern(info: TensorInfo) -> str | None:
 def engine_name(names: ModelMap, stored: str) -> str:
     """`stored`'s name in the engine's module tree (itself when the manifest gives none)."""
     info, suffix = names.classify(stored), ""
+    sibling = None
     if info is None:
         for s in PART_SUFFIXES:
             if stored.endswith(".weight" + s):
                 info, suffix = names.classify(stored[: -len(s)]), s
                 break
+        for s in SIBLINGS:
+            if stored.endswith("." + s):
+                info, sibling = names.classify(stored[: -len(s)] + "weight"), s
+                break
     pattern = _pattern(info) if info is not None else None
     if pattern is None:
         return stored
+    if sibling is not None:
+        pattern = pattern[: -len("weight")] + sibling
     if "{M}" in pattern:  # a draft stage's own path (DeepSeek-V4.1's DSpark: mtp.{M}.)
         pattern = pattern.replace("{M}", str(info.layer - info.rule.part.layer_count))
     return pattern.replace("{L}", str(info.layer)).replace("{E}", str(info.expert)) + suffix

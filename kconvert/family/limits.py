@@ -24,7 +24,8 @@ LIMITS_FILE = "limits.toml"
 # The quantization_config kinds kconvert reads, and what their weight groups may say: a config that names another
 # method (bitsandbytes' uint8, a typo) or bits kconvert does not store would be read by tensor names alone, and
 # what the config claims would silently disagree with what engines and transformers do with it.
-QUANT_METHODS = ("fp8", "compressed-tensors")
+# ModelOpt's (NVIDIA's NVFP4 builds; `modelopt_mixed`: its MIXED_PRECISION checkpoints, as ModelOpt's K3 recipe writes)
+QUANT_METHODS = ("fp8", "compressed-tensors", "modelopt", "modelopt_mixed")
 WEIGHT_BITS = {"int": (4, 8), "float": (4, 8)}  # compressed-tensors weights: INT4 / INT8, FP4 (MXFP4) / FP8
 _ABSENT = object()
 

@@ -48,6 +48,9 @@ class Rule:
     dtype: str | None = None  # the released dtype tag of a tensor kept as stored (F32 mHC, I64 tid2eid)
     engine: str | None = None  # the engine's module path where it differs from the name (family/engine_names.py)
     scale_block: tuple[int, int] | None = None  # its FP8 scale grid where not the config's (V4.1's Engram rows: 1 x 32)
+    # serving engines run it in one GEMM with the other rules of this name in its layer and expert (gate and up: w1 /
+    # w3), so a per-tensor scale (nvfp4's weight_scale_2) is shared by them
+    fuse: str | None = None
 
 
 class TensorInfo(NamedTuple):
@@ -156,7 +159,8 @@ class BoundPart:
                                    tuple(str(s) for s in t.get("shape", [])), t.get("layers"),
                                    str(t.get("required", "True")), self, t.get("values_below"),
                                    t.get("reference"), t.get("split_multiple"),
-                                   t.get("dtype"), t.get("engine"), scale_block(t.get("scale_block"), name, t.get("name"))))
+                                   t.get("dtype"), t.get("engine"), scale_block(t.get("scale_block"), name, t.get("name")),
+                                   t.get("fuse")))
 
     @property
     def module_prefix(self) -> str:

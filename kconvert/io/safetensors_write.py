@@ -49,6 +49,7 @@ class WrittenFile:
     bytes: int
     crc32: str
     tensor_crc32: dict[str, str] = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)  # what its writer noted about its tensors, for the journal (exact casts)
 
 
 def tensor_bytes(t: torch.Tensor):
@@ -82,6 +83,7 @@ class SafetensorsWriter:
         self._crcs: list[int | None] = [None] * len(self.specs)
         self._next = 0  # tensors written
         self._tensor_crc: dict[str, str] = {}
+        self.notes: dict = {}  # the caller's, journalled with the file (shard: its exact casts, quant/tally.py)
         self._lo, self._hi = self.total, 0  # the range written since writeback was last started
         # a small file is put together in memory and written once: one system call, not one per tensor
         self._stage = _staging(self.total) if self.total <= STAGE_BYTES else None
@@ -229,7 +231,7 @@ class SafetensorsWriter:
             os.close(fd)
 
     def record(self) -> WrittenFile:
-        return WrittenFile(self.path, self.total, f"{self._crc:08x}", self._tensor_crc)
+        return WrittenFile(self.path, self.total, f"{self._crc:08x}", self._tensor_crc, self.notes)
 
     def abort(self) -> None:
         fd, self._fd = self._fd, None

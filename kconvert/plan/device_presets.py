@@ -57,11 +57,15 @@ def find_device(name: str) -> DevicePreset:
 
 
 def source_format(text_config: dict, config: dict) -> str:
-    """The `--quant` name of how a source stores its routed experts: fp4 (DeepSeek-V4's e2m1 experts, Kimi K3's
+    """The `--quant` name of how a source stores its routed experts: nvfp4 (NVIDIA's NVFP4 builds: DeepSeek-V4's
+    `moe_quant_algo: NVFP4`, Model-Optimizer's checkpoints), fp4 (DeepSeek-V4's e2m1 experts, Kimi K3's
     compressed-tensors MXFP4), fp8 (block-FP8 releases), int4 (compressed-tensors pack-quantized), else none."""
+    qc = text_config.get("quantization_config") or config.get("quantization_config") or {}
+    if qc.get("moe_quant_algo") == "NVFP4" or qc.get("quant_method") in ("modelopt", "modelopt_mixed") or \
+            qc.get("format") == "nvfp4-pack-quantized":
+        return "nvfp4"
     if text_config.get("expert_dtype") == "fp4":
         return "fp4"
-    qc = text_config.get("quantization_config") or config.get("quantization_config") or {}
     if qc.get("quant_method") == "fp8" or text_config.get("expert_dtype") == "fp8":
         return "fp8"
     if qc.get("quant_method") == "compressed-tensors":
@@ -69,9 +73,18 @@ def source_format(text_config: dict, config: dict) -> str:
     return "none"
 
 
-def auto_quant(dev: DevicePreset, text_config: dict, config: dict) -> tuple[str, str]:
-    """(`--quant` for `dev`, why): the source's own format where the device runs it, else the device's first."""
+def auto_quant(dev: DevicePreset, text_config: dict, config: dict, family: dict | None = None) -> tuple[str, str]:
+    """(`--quant` for `dev`, why): on a GPU that runs NVFP4 (Blackwell), NVFP4 for the families NVIDIA ships NVFP4
+    builds of (manifest `[family.nvfp4]`: Kimi K3, DeepSeek-V4) whose experts are FP4 or unquantized (MXFP4 experts
+    cast exactly); otherwise the source's own format where the device runs it, else the device's first."""
     own = source_format(text_config, config)
+    if "nvfp4" in dev.formats and (family or {}).get("nvfp4") and own in ("fp4", "none", "nvfp4"):
+        why = {"nvfp4": f"the source's own format, which {dev.key} runs",
+               "fp4": f"{dev.key} runs NVFP4 natively, as NVIDIA's builds of this family: the MXFP4 experts cast to it "
+                      "exactly (same codes, finer scales); the rest as the family's NVFP4 recipe",
+               "none": f"{dev.key} runs NVFP4 natively, as NVIDIA's builds of this family (experts NVFP4, the rest as "
+                       "its recipe)"}[own]
+        return "nvfp4", why
     if own == "none" or own in dev.formats:
         return own, f"the source's own format, which {dev.key} runs" if own != "none" else "the source is unquantized"
     pick = dev.formats[0] if dev.formats else "none"

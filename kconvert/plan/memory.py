@@ -131,6 +131,9 @@ def _warnings(sz: Sizing, layout: Layout, dev: DevicePreset, max_pos: int) -> li
     if sz.policy.scheme == "fp4" and "fp4" not in dev.formats:
         out.append(f"{dev.key} has no FP4 kernels: --quant fp8 re-encodes FP4 experts exactly for it "
                    "(or plan with --quant auto)")
+    if sz.policy.scheme == "nvfp4" and "nvfp4" not in dev.formats:
+        out.append(f"{dev.key} has no NVFP4 tensor cores: NVFP4 weights fit the memory shown but run through a "
+                   "weight-only (dequantizing) kernel there (or plan with --quant auto)")
     if sz.kv.dtype == "fp8" and not dev.fp8:
         out.append(f"{dev.key} has no native FP8: an fp8 KV cache may not be supported by its attention kernels")
     return out
@@ -161,9 +164,10 @@ def make_plan(src: str, tp: int, ep: int | None = None, quant: str = "none", dev
     tc = model.text_config
     reason = None
     if quant == AUTO:  # the device preset says which formats its kernels run
-        quant, reason = auto_quant(dev, tc, model.config)
+        quant, reason = auto_quant(dev, tc, model.config, model.family)
     qc = model.config.get("quantization_config") or tc.get("quantization_config") or {}
-    policy = QuantPolicy(quant, fp8_block=source_fp8_block(qc))  # a 32 x 32 FP8 source keeps its blocks
+    # a 32 x 32 FP8 source keeps its blocks; the family's traits say what nvfp4 does with each role
+    policy = QuantPolicy(quant, fp8_block=source_fp8_block(qc), family=model.family)
     max_pos = int(tc.get("max_position_embeddings") or 0)
     reserve = int(reserve_gb * GIB) if reserve_gb is not None else default_reserve(int(tc["hidden_size"]))
     sz = Sizing(groups, policy, model.text.expert_count, kv_bytes(tc, kv_dtype), reserve,

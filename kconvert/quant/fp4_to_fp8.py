@@ -76,7 +76,7 @@ def fp4_to_fp8_block(packed: torch.Tensor, scale: torch.Tensor, name: str = "", 
     return q.to(torch.float8_e4m3fn), torch.exp2(m.to(torch.float32))  # exact blocks: every q is an e4m3 value
 
 
-def recode(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor]:
+def recode(parts: tuple[torch.Tensor, ...], name: str = "", options=None) -> list[torch.Tensor]:
     """A LosslessCopy recode: the source's (int8 code pairs, e8m0 scales) -> fp8_block's stored tensors."""
     import torch
 
@@ -90,7 +90,7 @@ def recoder(block: int, rounding: bool = False):
         return recode
     import torch
 
-    def recode_block(parts: tuple[torch.Tensor, ...], name: str = "") -> list[torch.Tensor]:
+    def recode_block(parts: tuple[torch.Tensor, ...], name: str = "", options=None) -> list[torch.Tensor]:
         packed, scale = parts
         return list(fp4_to_fp8_block(packed.view(torch.uint8), scale, name, block, rounding))
 

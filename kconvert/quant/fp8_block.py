@@ -4,14 +4,16 @@ square blocks, DeepSeek-V4.1's 32 x 32, keeps its own), DeepSeek's naming (`X.we
 scale is rounded up to a power of two (2^ceil(log2(amax/448))), as DeepSeek-V3.1/V3.2 store it.
 Export's `fp8-block` is this scheme. A block-FP8 source with 128x128 blocks is copied, not requantized;
 DeepSeek-V4's FP4 experts are re-encoded exactly (fp4_to_fp8.py), never rounded twice. In DeepSeek-V4's layout
-(`deepseek-v4` / `deepseek-v4-f32` encodings) the scale is a `X.scale` sidecar, e8m0 or float32."""
+(`deepseek-v4` / `deepseek-v4-f32` encodings) the scale is a `X.scale` sidecar, e8m0 or float32; in Model-Optimizer's
+(`modelopt`: export's nvfp4, its FP8_PB_WO) a float32 `X.weight_scale` [R/b, 1, C/b, 1]."""
 
 from __future__ import annotations
 
 from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.quant import fp4_to_fp8
 from kconvert.quant.chunks import FP8_MAX, TINY, check_scales, fold_max, row_chunks
-from kconvert.quant.scheme import DEEPSEEK_V4, DEEPSEEK_V4_F32, LosslessCopy, Options, Scheme, SourceQuant, Spec, sidecar
+from kconvert.quant.scheme import (DEEPSEEK_V4, DEEPSEEK_V4_F32, MODELOPT, LosslessCopy, Options, Scheme, SourceQuant, Spec,
+                                  sidecar)
 
 
 def divide_blocks(x: torch.Tensor, s: torch.Tensor, block: int, out: torch.Tensor) -> None:
@@ -79,6 +81,8 @@ class Fp8Block(Scheme):
             return [(src, "F8_E4M3", tuple(shape)), (sidecar(src), "F8_E8M0", blocks)]
         if opts.encoding == DEEPSEEK_V4_F32:  # V4-Flash-Base's: float32 scales in the `.scale` sidecar
             return [(src, "F8_E4M3", tuple(shape)), (sidecar(src), "F32", blocks)]
+        if opts.encoding == MODELOPT:  # Model-Optimizer's unified checkpoint
+            return [(src, "F8_E4M3", tuple(shape)), (src + "_scale", "F32", (blocks[0], 1, blocks[1], 1))]
         return [(src, "F8_E4M3", tuple(shape)), (src + "_scale_inv", "F32", blocks)]
 
     def quantize(self, w: torch.Tensor, opts: Options, name: str = "") -> list[torch.Tensor]:
@@ -87,13 +91,16 @@ class Fp8Block(Scheme):
         if opts.encoding == DEEPSEEK_V4:
             q, s = quantize_fp8_block(w, opts.fp8_block, "ue8m0", name)
             return [q, s.to(torch.float8_e8m0fnu)]  # powers of two: exact
-        return list(quantize_fp8_block(w, opts.fp8_block, opts.scale_format, name))
+        q, s = quantize_fp8_block(w, opts.fp8_block, opts.scale_format, name)
+        return [q, s[:, None, :, None].contiguous() if opts.encoding == MODELOPT else s]
 
     def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
         import torch
 
         dtype = dtype or torch.float32
         w, scale = stored
+        if scale.dim() == 4:  # Model-Optimizer's [R/b, 1, C/b, 1]
+            scale = scale[:, 0, :, 0]
         rows, cols = w.shape
         b = opts.fp8_block
         s = scale.to(dtype).repeat_interleave(b, 0)[:rows].repeat_interleave(b, 1)[:, :cols]
@@ -113,7 +120,16 @@ class Fp8Block(Scheme):
             ok = source.scale_format == opts.scale_format
         else:
             ok = opts.scale_format == "fp32" or source.scale_format == "ue8m0"
-        return LosslessCopy("fp8_copy", ("weight", "scale"), b) if ok else None
+        if not ok:
+            return None
+        return LosslessCopy("fp8_copy", ("weight", "scale"), b, recode=_modelopt_grid if opts.encoding == MODELOPT else None)
+
+
+def _modelopt_grid(parts, name: str = "", options=None) -> list[torch.Tensor]:
+    """A copied block-FP8 weight with its scale grid in Model-Optimizer's [R/b, 1, C/b, 1] (the same values)."""
+    w, s = parts
+    s = s[:, 0, :, 0] if s.dim() == 4 else s
+    return [w, s[:, None, :, None].contiguous()]
 
 
 SCHEME = Fp8Block()

@@ -1,16 +1,18 @@
 """Which tensors a conversion quantizes, and what they cost stored.
 
-The default is the scheme's (`Scheme.takes`: the manifest's `quantize` flag; int4 routed experts
-only, as Kimi's INT4 releases). `--keep PATTERN` and `--quantize PATTERN` (fnmatch globs on tensor
-names) override it, keep winning over quantize. Only 2-D weights are ever quantized. `none` keeps
-every tensor as stored (bf16; fp32 tensors such as e_score_correction_bias stay fp32).
+The default is the scheme's (`Scheme.role`: the manifest's `quantize` flag; int4 routed experts
+only, as Kimi's INT4 releases; nvfp4 routed experts and, by the family's `[family.nvfp4]`, other roles in
+another scheme: block FP8 attention). `--keep PATTERN` and `--quantize PATTERN` (fnmatch globs on tensor
+names) override it, keep winning over quantize (a forced tensor takes the run's scheme). Only 2-D weights
+are ever quantized. `none` keeps every tensor as stored (bf16; fp32 tensors such as e_score_correction_bias
+stay fp32).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kconvert.errors import UsageError
 from kconvert.io.dtypes import FP8_BLOCK
@@ -44,6 +46,9 @@ class QuantPolicy:
     int4_scales: str = "mse"  # int4: clipping search ("mse") or plain amax / 7 ("amax")
     fp8_block: int = FP8_BLOCK  # fp8: the block of one scale (the source's own where it is block FP8: copied)
     requantize: bool = False  # --requantize: FP4 blocks one FP8 scale cannot hold exactly are rounded, not refused
+    # the model family's traits (ck.model.family), set once the source is open: what Scheme.role reads (nvfp4's
+    # `[family.nvfp4]`); not part of the policy's identity
+    family: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -68,15 +73,28 @@ class QuantPolicy:
         return Options(self.scale_format, self.group_size, self.int4_scales, fp8_block=self.fp8_block,
                        requantize=self.requantize)
 
-    def quantizes(self, info: TensorInfo, shape: tuple[int, ...]) -> bool:
-        return selected(self.quant, info, shape, self.keep, self.force)
+    def scheme_for(self, info: TensorInfo, shape: tuple[int, ...], family: dict | None = None) -> Scheme | None:
+        """The scheme this tensor is stored in (None: unquantized): 2-D only; then --keep, then --quantize (the
+        run's scheme), then its role (Scheme.role, with the family's traits `family`: ck.model.family)."""
+        q = self.quant
+        if q is None or len(shape) != 2 or any(fnmatch.fnmatchcase(info.name, p) for p in self.keep):
+            return None
+        if any(fnmatch.fnmatchcase(info.name, p) for p in self.force):
+            return q
+        name = q.role(info, family if family is not None else self.family or {})
+        return None if name is None else get_scheme(name)
 
-    def stored_bytes(self, info: TensorInfo, shape: tuple[int, ...], src_itemsize: int = 2) -> int:
+    def quantizes(self, info: TensorInfo, shape: tuple[int, ...], family: dict | None = None) -> bool:
+        return self.scheme_for(info, shape, family) is not None
+
+    def stored_bytes(self, info: TensorInfo, shape: tuple[int, ...], src_itemsize: int = 2,
+                     family: dict | None = None) -> int:
         """Bytes this tensor takes in the converted checkpoint, scales included."""
         if info.rule.scale_block is not None:  # FP8 rows (V4.1's Engram tables): copied as stored by every scheme
             from kconvert.quant.fp8_rows import SCHEME
 
             return SCHEME.stored_bytes(tuple(shape), self.options)
-        if not self.quantizes(info, shape):
+        scheme = self.scheme_for(info, shape, family)
+        if scheme is None:
             return math.prod(shape) * (4 if src_itemsize == 4 else 2)
-        return self.quant.stored_bytes(tuple(shape), self.options)
+        return scheme.stored_bytes(tuple(shape), self.options)

@@ -4,7 +4,7 @@ Adding a scheme: its module beside this one (a Scheme subclass and `SCHEME = ...
 from __future__ import annotations
 
 from kconvert.errors import UsageError
-from kconvert.quant import fp4_e2m1, fp8_block, fp8_channel, fp8_rows, int4_group, int8_channel
+from kconvert.quant import fp4_e2m1, fp8_block, fp8_channel, fp8_rows, int4_group, int8_channel, nvfp4
 from kconvert.quant.scheme import Scheme
 
 REGISTRY: dict[str, Scheme] = {s.name: s for s in (
@@ -13,6 +13,7 @@ REGISTRY: dict[str, Scheme] = {s.name: s for s in (
     int4_group.SCHEME,
     fp8_channel.SCHEME,
     fp4_e2m1.SCHEME,
+    nvfp4.SCHEME,
     fp8_rows.SCHEME,  # copied, never chosen: DeepSeek-V4.1's Engram tables
 )}
 NONE = "none"  # no quantization: tensors keep their dtype (dequantized sources become bf16)

@@ -10,6 +10,11 @@
 - fp4_packed:   DeepSeek-V4 routed experts: `X.weight` int8 [out, in/2], two FP4 e2m1 codes a byte
                 (even column in the low nibble) + `X.scale` float8_e8m0fnu [out, in/32]; decoded by
                 the fp4 scheme's own `dequantize_fp4` (one unpacker per on-disk layout).
+- nvfp4_packed: NVFP4 (NVIDIA's V4 NVFP4 builds' experts, ModelOpt's K3): `X.weight` U8 [out, in/2] e2m1 code pairs +
+                `X.weight_scale` F8_E4M3 [out, in/16] + `X.weight_scale_2` F32 (value = E2M1[code] * (scale *
+                scale_2)) and `X.input_scale`; or compressed-tensors' `X.weight_packed` + `X.weight_scale` +
+                `X.weight_global_scale` (value = E2M1[code] * (scale / global_scale)): the nvfp4 scheme's
+                `dequantize_nvfp4`. A per-tensor scale that is NaN, Inf, zero or negative is refused, naming it.
 - scaled:       compressed-tensors float-/int-quantized: `X.weight` fp8/int8 + `X.weight_scale` with a
                 per-tensor (1,), per-channel (out, 1) or block grid; `X.input_scale` (static activations)
                 is carried but not needed to dequantize.
@@ -120,6 +125,24 @@ def scale_overflow(scale: torch.Tensor, top: float | None) -> float | None:
 FP4_TOP = _TOP_BY_FORMAT["fp4_packed"]
 
 
+def tensor_scales(t: LogicalTensor, parts: dict | None = None) -> dict:
+    """An NVFP4 tensor's per-tensor scales by role (`scale_2` or `global_scale`, and its input scale where stored),
+    read (or taken from `parts`, a copy's) and refused unless finite and positive: a zero, Inf or negative scale
+    dequantizes every value to 0, Inf or the wrong sign."""
+    out = {}
+    for role in ("scale_2", "global_scale", "input_scale", "input_global_scale"):
+        entry = t.parts.get(role)
+        if entry is None:
+            continue
+        x = parts[role] if parts is not None and role in parts else read_tensor(entry)
+        v = float(x.reshape(-1)[0])
+        if not (v > 0 and v != float("inf")):
+            raise NonFiniteError(f"NVFP4 {role} is {v!r}: a per-tensor scale must be finite and positive",
+                                 file=str(entry.file), tensor=entry.name)
+        out[role] = x
+    return out
+
+
 def declared_shape(t: LogicalTensor, shape_part: torch.Tensor) -> tuple[int, int]:
     """An INT4 tensor's stored weight_shape, refused unless it agrees with weight_packed (8 codes a word)."""
     declared = tuple(int(v) for v in shape_part.reshape(-1).tolist())
@@ -195,6 +218,14 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
         check_scale_range(t, scale)
         declared = declared_shape(t, read_tensor(t.parts["shape"]))
         return dequant_int4_packed(packed, scale, (packed.shape[0], declared[1]), group, dtype=out_dtype)
+    if t.format == "nvfp4_packed":  # an e4m3 scale's NaN byte (0x7F / 0xFF) named as the scale's
+        from kconvert.quant.nvfp4 import dequantize_nvfp4
+
+        scale = require_finite(read_tensor(t.parts["scale"], rows), t.parts["scale"])
+        ts = tensor_scales(t)
+        divide = "global_scale" in ts
+        return dequantize_nvfp4(read_tensor(t.parts["weight"], rows), scale, ts["global_scale" if divide else "scale_2"],
+                                out_dtype, divide=divide)
     if t.format == "fp4_packed":  # 0xFF scales would decode to Inf; name them as the NaN they are
         scale = require_finite(read_tensor(t.parts["scale"], rows), t.parts["scale"])
         check_scale_range(t, scale)
@@ -207,6 +238,8 @@ def _dequantize(t: LogicalTensor, rows, out_dtype: torch.dtype, block: tuple[int
     elif rows and kind == "channel":
         srows = rows
     scale = read_tensor(t.parts["scale"], srows)
+    if scale.dim() == 4:  # ModelOpt's block FP8 (FP8_PB_WO): [row blocks, 1, column blocks, 1]
+        scale = scale[:, 0, :, 0]
     if scale.dtype == torch.float8_e8m0fnu:
         require_finite(scale, t.parts["scale"])
     else:

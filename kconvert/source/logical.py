@@ -1,13 +1,9 @@
-"""Logical tensors: a checkpoint's stored tensors folded into the weights the model sees (formats.py says what
-each stored form is and reads it).
-
-A released checkpoint stores 70k-200k tensors, so folding runs in bulk where the checkpoint is uniform: INT4's
-`weight_packed` / `weight_scale` / `weight_shape` triples, MXFP4's `weight_packed` / `weight_scale` pairs (Kimi
-K3's routed experts), block-FP8's `weight_scale_inv` pairs and plain
-weights are matched and wrapped by C-level map/zip/set operations. Anything else (a missing companion, mixed
-companion kinds, V4's `.scale` sidecars, FP8 or INT8 weights with a compressed-tensors scale) takes the
-per-name path, which names what is wrong. Both give the same tensors in the same order.
-"""
+"""Logical tensors: a checkpoint's stored tensors folded into the weights the model sees (formats.py reads each
+form). Folding runs in bulk where a checkpoint (70k-200k tensors) is uniform: INT4 triples, MXFP4 pairs (Kimi K3's
+experts), block-FP8 `weight_scale_inv` pairs and plain weights are matched and wrapped by C-level map/zip/set
+operations. Anything else (a missing companion, mixed companion kinds, V4's `.scale` sidecars, FP8 or INT8 weights
+with a compressed-tensors scale, NVFP4: modelopt_parts.py) takes the per-name path, which names what is wrong. Both give
+the same tensors in the same order."""
 
 from __future__ import annotations
 
@@ -20,11 +16,12 @@ from typing import NamedTuple
 from kconvert.errors import CheckpointError
 from kconvert.io.safetensors_read import TensorEntry
 from kconvert.io.dtypes import FP4_GROUP
+from kconvert.source.modelopt_parts import compressed_tensors_nvfp4, modelopt_nvfp4, scaled_format
 
 FP8_TAGS = ("F8_E4M3", "F8_E5M2")
-_PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4"}  # what inspect calls two codes a byte / eight a word
+_PACKED_TAGS = {"int4_packed": "I4", "fp4_packed": "FP4", "nvfp4_packed": "NVFP4"}  # two codes a byte / eight a word
 _BY_SUFFIX = (".weight_packed", ".scale", ".weight_scale_inv")  # a companion that names its weight
-_SCALE_ONLY = (".weight_scale", ".input_scale")  # folded with the weight found from the other side
+_SCALE_ONLY = (".weight_scale", ".input_scale", ".weight_scale_2")  # folded with the weight found from the other side
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 _FORMAT, _STORED = attrgetter("format"), attrgetter("stored")
 _NAME, _FILE, _BEGIN, _END, _COMPRESSED = (attrgetter(f) for f in ("name", "file", "begin", "end", "compressed"))
@@ -36,7 +33,7 @@ class LogicalTensor(NamedTuple):
 
     name: str
     shape: tuple[int, ...]
-    format: str  # plain | block_fp8 | int4_packed | fp4_packed | scaled
+    format: str  # plain | block_fp8 | int4_packed | fp4_packed | nvfp4_packed | scaled
     stored: dict[str, TensorEntry] | TensorEntry  # role -> stored entry; a plain weight's one entry itself
 
     @property
@@ -208,7 +205,9 @@ def _named_one_by_one(stored: dict[str, TensorEntry], named: list[str], out: dic
 
     for name in named:
         e = stored[name]
-        if name.endswith(".weight_packed") and e.dtype == "U8" and name[: -len("_packed")] + "_shape" not in stored:
+        if name.endswith(".weight_packed") and (b := name[: -len("_packed")]) + "_global_scale" in stored:  # CT NVFP4
+            out[b] = _new(compressed_tensors_nvfp4(b, stored, used))
+        elif name.endswith(".weight_packed") and e.dtype == "U8" and name[: -len("_packed")] + "_shape" not in stored:
             base = name[: -len("_packed")]
             out[base] = _mxfp4(base, e, need(base, "_scale", name))
             used.update((name, base + "_scale"))
@@ -240,7 +239,9 @@ def _rest_one_by_one(stored: dict[str, TensorEntry], rest: list[str], out: dict)
             if name.rsplit(".", 1)[0] + ".weight" not in stored:
                 raise CheckpointError("quantization scale without its weight", file=str(e.file), tensor=name)
             continue  # folded below with its weight
-        if e.dtype in FP8_TAGS or (e.dtype == "I8" and name + "_scale" in stored):
+        if e.dtype == "U8" and name + "_scale_2" in stored:  # ModelOpt's NVFP4 (its scales: skipped above)
+            out[name] = _new(modelopt_nvfp4(name, stored))
+        elif e.dtype in FP8_TAGS or (e.dtype == "I8" and name + "_scale" in stored):
             scale = stored.get(name + "_scale")
             if scale is None:
                 raise CheckpointError(f"{e.dtype} weight has no weight_scale_inv / weight_scale",
@@ -249,7 +250,7 @@ def _rest_one_by_one(stored: dict[str, TensorEntry], rest: list[str], out: dict)
             inp = stored.get(name.rsplit(".", 1)[0] + ".input_scale")
             if inp is not None:
                 parts["input_scale"] = inp
-            out[name] = _new((name, e.shape, "scaled", parts))
+            out[name] = _new((name, e.shape, scaled_format(scale), parts))
         else:
             out[name] = _new((name, e.shape, "plain", e))
 

@@ -28,7 +28,7 @@ def source_quant(ck: Checkpoint, t: LogicalTensor, info: TensorInfo | None = Non
     """How the source stores `t`, as a scheme's `lossless_copy` asks it. `info`: its classification where the caller
     has it (ck.block_of would classify every bucketed name at once to find it: 250k at a release's size)."""
     block = (info.rule.scale_block or ck.quant_block()) if info is not None else ck.block_of(t.name)
-    return SourceQuant(t.format, block, stored_scale_fmt(ck, t), ck.int4_group())
+    return SourceQuant(t.format, block, stored_scale_fmt(ck, t), ck.int4_group(), tuple(t.parts))
 
 
 def stored_scale_fmt(ck: Checkpoint, t: LogicalTensor) -> str:

@@ -24,34 +24,24 @@ from pathlib import Path
 
 import torch
 
-from kconvert.errors import MissingDependency, VerifyFailed
+from kconvert.errors import VerifyFailed
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_bytes, read_json
+from kconvert.verify.compressed_tensors_fq import fq
+from kconvert.verify.fake_quant_nvfp4 import fused_amax, nvfp4_qdq, stored_nvfp4_fq
 
-QUANTIZED = ("fp8", "int8", "int4", "fp4")
+QUANTIZED = ("fp8", "int8", "int4", "fp4", "nvfp4")
+# a quantized weight's companions in kconvert.json's rows (scales, nvfp4's per-tensor and activation scales)
+COMPANIONS = ("_scale_inv", "_scale", "_scale_2", ".input_scale")
 FP8_E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-12  # all-zero blocks/rows/groups: any positive scale dequantizes them to 0
 INT4_CLIP_STEPS = 16  # clipping search: scale = (1 - k/50) * amax / 7, k = 0..15, least squared error
 INT4_CLIP_STEP = 0.02
 
 
-def _ct():
-    try:
-        from compressed_tensors.quantization import QuantizationArgs
-        from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-    except ImportError:
-        raise MissingDependency("the faithfulness check needs compressed-tensors: pip install 'compressed-tensors>=0.20'") \
-            from None
-    return QuantizationArgs, fake_quantize
-
-
-def _fq(x: torch.Tensor, scale: torch.Tensor, **args) -> torch.Tensor:
-    QuantizationArgs, fake_quantize = _ct()
-    return fake_quantize(x, scale, torch.zeros_like(scale), QuantizationArgs(**args))
-
-
 def qdq(x: torch.Tensor, scheme: str, *, scale_format: str = "fp32", group_size: int = 32,
-        int4_scales: str = "mse", fp8_block: int = 128) -> torch.Tensor:
-    """x [R, C] float32 -> the float32 weight a faithful `scheme` conversion dequantizes to."""
+        int4_scales: str = "mse", fp8_block: int = 128, tensor_amax: float | None = None) -> torch.Tensor:
+    """x [R, C] float32 -> the float32 weight a faithful `scheme` conversion dequantizes to. `tensor_amax`: nvfp4's
+    per-tensor amax (its fused group's, the whole tensor's for a slice)."""
     x = x.to(torch.float32)
     R, C = x.shape
     if scheme == "fp8":
@@ -62,10 +52,10 @@ def qdq(x: torch.Tensor, scheme: str, *, scale_format: str = "fp32", group_size:
         scale = (padded.view(br, b, bc, b).amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp_min(SCALE_FLOOR)
         if scale_format == "ue8m0":
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
-        return _fq(x, scale, num_bits=8, type="float", strategy="block", block_structure=[b, b])
+        return fq(x, scale, num_bits=8, type="float", strategy="block", block_structure=[b, b])
     if scheme == "int8":
         scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(SCALE_FLOOR)
-        return _fq(x, scale, num_bits=8, type="int", symmetric=True, strategy="channel")
+        return fq(x, scale, num_bits=8, type="int", symmetric=True, strategy="channel")
     if scheme == "int4":
         args = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
         amax = x.view(R, C // group_size, group_size).abs().amax(-1)
@@ -73,7 +63,7 @@ def qdq(x: torch.Tensor, scheme: str, *, scale_format: str = "fp32", group_size:
         best, best_err = None, None
         for k in range(steps):
             scale = (amax * (1 - INT4_CLIP_STEP * k) / 7.0).clamp_min(SCALE_FLOOR)
-            y = _fq(x, scale, **args)
+            y = fq(x, scale, **args)
             err = (y - x).pow(2).view(R, C // group_size, group_size).sum(-1)
             if best is None:
                 best, best_err = y, err
@@ -86,7 +76,9 @@ def qdq(x: torch.Tensor, scheme: str, *, scale_format: str = "fp32", group_size:
         amax = x.view(R, C // 32, 32).abs().amax(-1)
         exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
         scale = torch.exp2(torch.where(amax > 0, exp, torch.full_like(exp, -127.0)))
-        return _fq(x, scale, num_bits=4, type="float", strategy="group", group_size=32)
+        return fq(x, scale, num_bits=4, type="float", strategy="group", group_size=32)
+    if scheme == "nvfp4":
+        return nvfp4_qdq(x, tensor_amax)
     raise VerifyFailed(f"faithfulness: no reference quantizer for scheme {scheme!r}")
 
 
@@ -97,7 +89,7 @@ def planned_slices(meta: dict) -> dict[str, dict]:
     for t in meta["tensors"]:
         name = t["name"]
         if t["transform"] in QUANTIZED:
-            if name.endswith(("_scale_inv", "_scale")):
+            if name.endswith(COMPANIONS):
                 continue
             name = name.removesuffix("_packed")
         entry = plan.setdefault(name, {"transform": t["transform"], "slices": []})
@@ -136,8 +128,9 @@ def plan_digest(meta: dict, of_export: bool = False) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def expected_tensor(x: torch.Tensor, entry: dict, q: dict) -> torch.Tensor:
-    """The float32 tensor a faithful conversion holds for source tensor x (all its slices together)."""
+def expected_tensor(x: torch.Tensor, entry: dict, q: dict, tensor_amax: float | None = None) -> torch.Tensor:
+    """The float32 tensor a faithful conversion holds for source tensor x (all its slices together); `tensor_amax`:
+    nvfp4's per-tensor amax (its fused group's), which every slice shares."""
     transform = entry["transform"]
     if transform == "bf16":
         return x.to(torch.bfloat16).to(torch.float32)
@@ -145,6 +138,8 @@ def expected_tensor(x: torch.Tensor, entry: dict, q: dict) -> torch.Tensor:
         return x  # copy, fp8_copy: the source's own values
     opts = dict(scale_format=q.get("scale_format") or "fp32", group_size=q.get("group_size") or 32,
                 int4_scales=q.get("int4_scales") or "mse", fp8_block=(q.get("block_size") or [128])[0])
+    if transform == "nvfp4":
+        opts["tensor_amax"] = float(x.abs().max()) if tensor_amax is None else tensor_amax
     out = torch.empty_like(x)
     for s in entry["slices"]:
         if s is None:
@@ -159,6 +154,7 @@ def write_fake_quant_source(src: str, meta: dict, out_dir: Path, converted: str 
     (a calibrated conversion: its own codes and scales, read from `converted`, its directory)."""
     plan = planned_slices(meta)
     stored = stored_int4_pieces(converted, meta) if meta["quantization"].get("calibration") else {}
+    amax = fused_amax(src, [n for n, e in plan.items() if e["transform"] == "nvfp4"])
 
     def values(name: str, x: torch.Tensor) -> torch.Tensor:
         if name in stored:
@@ -166,7 +162,7 @@ def write_fake_quant_source(src: str, meta: dict, out_dir: Path, converted: str 
             for s, w in stored[name]:
                 (out if s is None else out.narrow(s[0], s[1], s[2] - s[1])).copy_(w)
             return out
-        return expected_tensor(x, plan[name], meta["quantization"]) if name in plan else x
+        return expected_tensor(x, plan[name], meta["quantization"], amax.get(name)) if name in plan else x
 
     return _write_source(src, out_dir, values)
 
@@ -203,6 +199,9 @@ def stored_rule(qc: dict) -> dict:
     if qc.get("quant_method") == "fp8":
         return dict(num_bits=8, type="float", strategy="block",
                     block_structure=list(qc.get("weight_block_size") or [128, 128]))
+    if qc.get("quant_method") in ("modelopt", "modelopt_mixed") or qc.get("format") == "nvfp4-pack-quantized":
+        # NVFP4 tensors are held to their own stored scales (export_values); the rest is Model-Optimizer's block FP8
+        return dict(num_bits=8, type="float", strategy="block", block_structure=[128, 128])
     groups = [g for g in (qc.get("config_groups") or {}).values() if g.get("weights")]
     if len(groups) != 1:
         raise VerifyFailed(f"faithfulness: the export declares {len(groups)} weight config groups; one is read")
@@ -221,10 +220,13 @@ def export_values(stored, x: torch.Tensor, rule: dict, block: tuple[int, int] | 
     if stored.format == "plain":
         dtype = DTYPES[stored.main.dtype]
         return x.to(dtype).to(torch.float32) if dtype.is_floating_point else x
+    if stored.format == "nvfp4_packed":  # its own block and tensor scales
+        return stored_nvfp4_fq(x, stored)
     if stored.format == "fp4_packed" or (block is not None and "block_structure" in rule
                                          and list(block) != list(rule["block_structure"])):
         return x
-    return _fq(x, read_tensor(stored.parts["scale"]).to(torch.float32), **rule)
+    scale = read_tensor(stored.parts["scale"]).to(torch.float32)
+    return fq(x, scale[:, 0, :, 0] if scale.dim() == 4 else scale, **rule)  # (ModelOpt's block grid: 4-D)
 
 
 def write_export_fake_quant_source(src: str, export_dir: str, meta: dict, out_dir: Path) -> Path:
@@ -279,7 +281,8 @@ def _write_source(src: str, out_dir: Path, values) -> Path:
     if isinstance(config.get("text_config"), dict):
         config["text_config"].pop("quantization_config", None)
     (out_dir / "config.json").write_text(json.dumps(config))
-    for f in ck.root.iterdir():
-        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):
+    for f in ck.root.iterdir():  # (not ModelOpt's hf_quant_config.json: the values are unquantized here)
+        if f.is_file() and f.name not in ("config.json", "hf_quant_config.json") and \
+                not f.name.endswith((".safetensors", ".index.json")):
             (out_dir / f.name).write_bytes(read_bytes(f, limit=MAX_TEXT))  # regular and bounded, as shard copies
     return out_dir

@@ -156,7 +156,9 @@ def _reference(src, out, prompts, dtype, top_k, hidden_states, like, like_export
     ck.validate()
     meta = {"format": FORMAT, "source": str(src), "source_fingerprint": ck.fingerprint(), "family": ck.family,
             "dtype": dtype, "top_k": top_k, "hidden_states": hidden_states, "tie_rule": "earliest", "fake_quant": None}
-    if like is None and ck.model.family.get("reference_from_dequantized") and ck.quantization_config:
+    # transformers and mlx-lm read no NVFP4: a source storing it runs on kconvert's dequantization, as V4's releases
+    nvfp4 = any(b.sample.format == "nvfp4_packed" for b in ck.grouped.buckets)
+    if like is None and (nvfp4 or ck.model.family.get("reference_from_dequantized") and ck.quantization_config):
         from kconvert.verify.fake_quant import write_dequantized_source
 
         with work_dir("reference-dq") as tmp:  # kconvert's exact dequantization

@@ -74,6 +74,9 @@ class VerifyReport:
     vision_error: float | None = None
     attribution: list[dict] | None = None
     draft: object | None = None  # verify/draft.DraftCheck of a conversion that holds draft heads
+    # the conversion's exact casts per tensor kind (kconvert.json: nvfp4 from MXFP4): {"exact", "data_derived"} blocks;
+    # the faithfulness check holds every cast tensor to the source's own values, so a claimed exact block is checked
+    exact_casts: dict | None = None
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -263,4 +266,5 @@ def _report(out, meta, ref_meta, refs, got, fq, overrides: dict | None = None, e
     failures = ([f"{WRONG}: " + "; ".join(faith.failures)] if faith.failures else []) + \
         ([f"{LOSSY} ({scheme} budget): " + "; ".join(cost.failures)] if cost.failures else [])
     return VerifyReport(out=str(out), scheme=scheme, tp=meta["layout"]["tp"], pp=meta["layout"].get("pp", 1),
-                        verdict="FAIL" if failures else "PASS", faithfulness=faith, cost=cost, failures=failures)
+                        verdict="FAIL" if failures else "PASS", faithfulness=faith, cost=cost, failures=failures,
+                        exact_casts=meta["quantization"].get("exact_casts"))

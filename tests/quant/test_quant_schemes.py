@@ -12,8 +12,8 @@ from kconvert.io.dtypes import DTYPES
 from kconvert.quant.registry import REGISTRY, SHARD_SCHEMES
 from kconvert.quant.scheme import COMPRESSED_TENSORS, KCONVERT, Options
 
-# only int4 lays its values out per encoding; every other scheme stores the same either way
-CASES = [(name, KCONVERT) for name in REGISTRY] + [("int4", COMPRESSED_TENSORS)]
+# int4 and nvfp4 lay their values out per encoding; every other scheme stores the same either way
+CASES = [(name, KCONVERT) for name in REGISTRY] + [("int4", COMPRESSED_TENSORS), ("nvfp4", COMPRESSED_TENSORS)]
 
 
 def _by_hand(name: str, enc: str, stored: list[torch.Tensor], group: int, cols: int) -> torch.Tensor:
@@ -29,6 +29,13 @@ def _by_hand(name: str, enc: str, stored: list[torch.Tensor], group: int, cols: 
         mag = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])[(codes & 7).long()] * (1 - 2 * (codes >> 3))
         e = stored[1].view(torch.uint8).double() - 127
         return (mag.double() * (2.0 ** e)[:, torch.arange(cols) // 32]).float()
+    if name == "nvfp4":  # e2m1 codes as fp4's; each 16-block's e4m3 scale times the tensor's (ModelOpt: times
+        # weight_scale_2, the scales' product first; compressed-tensors: over weight_global_scale)
+        codes = torch.stack([(q.to(torch.int16) & 0xF), (q.to(torch.int16) >> 4)], -1).view(rows, -1)
+        mag = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])[(codes & 7).long()] * (1 - 2 * (codes >> 3))
+        t = stored[2].float().reshape(())
+        per = (s * t if enc == KCONVERT else s / t)[:, torch.arange(cols) // 16]
+        return mag * per
     if name == "fp8_rows":  # e4m3 values, one scale 2^(e-127) per 32 values of a row (V4.1's Engram tables)
         e = stored[1].view(torch.uint8).double() - 127
         return (q.double() * (2.0 ** e)[:, torch.arange(cols) // 32]).float()
@@ -60,7 +67,9 @@ def test_scheme_stores_its_specs_and_dequantizes_by_the_formula(name, enc):
         # clipping and compressed-tensors' +7.5 rounding: one step; e4m3: 1/16 of the value's power of two)
         ref = w.to(torch.bfloat16).float()
         err = (deq - ref).abs().max().item()
-        step = {"int4": 7.0, "int8": 127.0, "fp4": 3.0}.get(name, 8.0)  # fp4: half of 6's spacing 2 at scale amax/6*2
+        # fp4: half of 6's spacing 2 at scale amax/6*2; nvfp4: half that spacing at the block's amax/6 (its e4m3
+        # scale rounded up by at most 1/16)
+        step = {"int4": 7.0, "int8": 127.0, "fp4": 3.0, "nvfp4": 5.0}.get(name, 8.0)
         assert err <= ref.abs().max().item() / step, (name, enc, seed)
 
 
@@ -69,7 +78,7 @@ def test_schemes_listed_once():
     from kconvert.disk_format.catalog import SCHEMES as catalog_schemes
     from kconvert.quant.policy import SCHEMES as policy_schemes
 
-    assert catalog_schemes == policy_schemes == SHARD_SCHEMES == ("none", "fp8", "int8", "int4", "fp4")
+    assert catalog_schemes == policy_schemes == SHARD_SCHEMES == ("none", "fp8", "int8", "int4", "fp4", "nvfp4")
     quant = next(p for p in shard.params if p.name == "quant")
     assert tuple(quant.type.choices) == SHARD_SCHEMES
 

@@ -13,6 +13,9 @@ quantizer of its own. Formulas: docs/EXPORT.md.
                other tensor as stored, under the release's names; no quantization_config (fine-tuning, and the
                export vLLM's CPU backend runs). Exact where BF16 holds the values (FP4 and FP8 with power-of-two
                scales: V4, V4.1, K3), else rounded to nearest (ExportFigures.rounded counts those tensors).
+- nvfp4:       the `nvfp4` scheme in NVIDIA Model-Optimizer's layout (routed experts; the family's other roles as its
+               manifest's [family.nvfp4] says), or DeepSeek-V4's (NVIDIA's V4 NVFP4 builds): export/nvfp4_layout.py.
+- nvfp4-ct:    the `nvfp4` scheme in compressed-tensors' nvfp4-pack-quantized (routed experts).
 Transforms of one logical tensor: copy (kept as stored), bf16 (dequantized, kept high precision), the
 format's transform (below), or the scheme's lossless copy (fp8_copy, int4_copy).
 """
@@ -20,7 +23,8 @@ format's transform (below), or the scheme's lossless copy (fp8_copy, int4_copy).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +40,7 @@ from kconvert.quant.registry import get_scheme
 from kconvert.quant.scheme import (COMPRESSED_TENSORS, KCONVERT, V4_ENCODINGS, LosslessCopy, Options, Scheme, input_bytes,
                                   stored_output)
 from kconvert.convert.export import expert_dtype as v4_layout
+from kconvert.convert.export import nvfp4_layout
 from kconvert.convert.export.table import EXPORT_FORMATS
 
 
@@ -104,13 +109,23 @@ def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: in
     if info.rule.scale_block is not None and t.format != "plain" and encoding in V4_ENCODINGS:
         # the release's FP8 rows (V4.1's Engram tables), copied in its own layout
         return Exported(name, "fp8_rows", shape, t.stored_dtype, group, (), "fp8_rows", encoding, "ue8m0", rows_copy(ck, t))
-    if not quantizes(fmt, info, shape, group):
-        return Exported(name, "copy" if t.format == "plain" else "bf16", shape, t.stored_dtype)
     f = EXPORT_FORMATS[fmt]
     scheme_name, transform = f.scheme, f.transform
     block = source_fp8_block(ck.quantization_config)  # a 32 x 32 source keeps its blocks (copied, not re-blocked)
     opts = Options(scale_fmt, group, "amax", encoding, fp8_block=block)
-    if experts == "fp4" and (info.expert is not None or t.format == "fp4_packed"):
+    if f.scheme == "nvfp4":  # each tensor by its role (export/nvfp4_layout.py)
+        if experts == "fp8":
+            raise UsageError("--format nvfp4 in DeepSeek-V4's layout is read beside `expert_dtype: fp4` (NVIDIA's V4 "
+                             "NVFP4 builds); this source stores no FP4 experts: export from an FP4 release",
+                             file=str(ck.root / "config.json"))
+        scheme_name = nvfp4_layout.role_scheme(ck, encoding, info) \
+            if len(shape) == 2 and info.name.endswith(".weight") else None
+        if scheme_name is not None and get_scheme(scheme_name).misfit(shape, opts):
+            scheme_name = None  # a width the scheme cannot store: kept, as the other formats keep it
+        transform = scheme_name
+    if scheme_name is None or (f.scheme != "nvfp4" and not quantizes(fmt, info, shape, group)):
+        return Exported(name, "copy" if t.format == "plain" else "bf16", shape, t.stored_dtype)
+    if experts == "fp4" and f.scheme != "nvfp4" and (info.expert is not None or t.format == "fp4_packed"):
         # one expert format, as vLLM reads one expert_dtype: the release's FP4 experts byte for byte, others to FP4
         scheme_name, transform = "fp4", "fp4"
         why = get_scheme("fp4").misfit(shape, opts)
@@ -121,22 +136,43 @@ def plan_tensor(ck: Checkpoint, fmt: str, name: str, t: LogicalTensor, group: in
     if copy is None:
         return Exported(name, transform, shape, t.stored_dtype, group, (), scheme_name, encoding, scale_fmt, None, block)
     # a copied pack-quantized source keeps the dtypes it stores its scale and weight_shape in
-    tags = tuple(t.parts[role].dtype for role in copy.roles[1:]) if f.encoding == COMPRESSED_TENSORS else ()
+    tags = tuple(t.parts[role].dtype for role in copy.roles[1:]) \
+        if f.encoding == COMPRESSED_TENSORS and scheme_name == "int4" else ()
     return Exported(name, copy.transform, shape, t.stored_dtype, group, tags, scheme_name, encoding, scale_fmt, copy,
                     block)
 
 
+class _Scaled(NamedTuple):
+    """A weight's input together with the per-tensor scale its fused group shares (nvfp4's w1 / w3)."""
+
+    x: object
+    scale: float
+
+
+def _input(ck: Checkpoint, name: str, copy: LosslessCopy | None):
+    t = ck.logical[name]
+    if copy is not None:
+        return read_parts(t, copy.roles)  # checked as shard checks its copies (NaN/Inf, INT4 weight_shape)
+    return ck.read(name)
+
+
 def load(ck: Checkpoint, e: Exported):
-    """What `produce` needs: raw stored parts for the bit-exact copies, else the (dequantized) weight."""
-    t = ck.logical[e.src]
-    if e.copy is not None:
-        return read_parts(t, e.copy.roles)  # checked as shard checks its copies (NaN/Inf, INT4 weight_shape)
-    return ck.read(e.src)
+    """What `produce` needs: raw stored parts for the bit-exact copies, else the (dequantized) weight; with the scale
+    of its fused group where the scheme keeps one per tensor (convert/fused.py)."""
+    x = _input(ck, e.src, e.copy)
+    if e.scheme is not None and e.scheme.per_tensor:
+        scale = nvfp4_layout.shared_scales(ck).of(e.src, lambda m: (e.scheme, e.copy, _input(ck, m, e.copy)))
+        if scale is not None:
+            return _Scaled(x, scale)
+    return x
 
 
 def produce(e: Exported, x) -> list[torch.Tensor]:
     """The tensors of `e.specs()`, in that order (as shard writes them: quant.scheme.stored_output)."""
-    return stored_output(x, [tag for _, tag, _ in e.specs()], e.copy, e.scheme, e.options, e.transform == "bf16", e.src)
+    opts = e.options
+    if isinstance(x, _Scaled):
+        x, opts = x.x, replace(opts, tensor_scale=x.scale)
+    return stored_output(x, [tag for _, tag, _ in e.specs()], e.copy, e.scheme, opts, e.transform == "bf16", e.src)
 
 
 def exact_in_bf16(x: torch.Tensor, written: torch.Tensor) -> bool:
@@ -175,10 +211,20 @@ def ignore_list(kept: list[TensorInfo], quantized: list[TensorInfo]) -> list[str
     return pats
 
 
-def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str], fp8_block: int = FP8_BLOCK) -> dict | None:
-    """The format's quantization_config; None for an unquantized format (bf16)."""
+def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str], fp8_block: int = FP8_BLOCK,
+                        quantized: list[tuple[str, str]] | None = None, encoding: str | None = None) -> dict | None:
+    """config.json's quantization_config; None for an unquantized format (bf16). nvfp4 formats (export/nvfp4_layout.py)
+    need `quantized`: (weight name, scheme) of every tensor stored quantized, and the export's `encoding` (DeepSeek-V4's
+    layout or not)."""
     if not EXPORT_FORMATS[fmt].scheme:
         return None
+    if fmt == "nvfp4" and encoding in V4_ENCODINGS:
+        return nvfp4_layout.deepseek_v4_config(quantization_config("fp8-block", group, scale_fmt, ignore, fp8_block),
+                                               quantized or [])
+    if fmt == "nvfp4":
+        return nvfp4_layout.modelopt_configs(quantized or [], ignore)[0]
+    if fmt == "nvfp4-ct":
+        return nvfp4_layout.compressed_tensors_config(ignore)
     if fmt == "fp8-block":
         qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
               "weight_block_size": [fp8_block, fp8_block]}
@@ -198,3 +244,11 @@ def quantization_config(fmt: str, group: int, scale_fmt: str, ignore: list[str],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                           "output_activations": None}},
             "ignore": ignore}
+
+
+def side_configs(fmt: str, qc: dict) -> dict[str, dict]:
+    """The files an export writes beside config.json for its format: ModelOpt's hf_quant_config.json (nvfp4 in
+    Model-Optimizer's own layout)."""
+    if fmt != "nvfp4" or qc.get("quant_method") not in ("modelopt", "modelopt_mixed"):
+        return {}
+    return {"hf_quant_config.json": nvfp4_layout.hf_quant_config(qc)}

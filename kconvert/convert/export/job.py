@@ -27,7 +27,7 @@ from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.source.side_checks import check_side_files
 from kconvert.disk_format.journal import JOURNAL_DIR
 from kconvert.convert.export.formats import (Exported, exact_in_bf16, ignore_list, load, plan_tensor, produce,
-                                             quantization_config, quantizes)
+                                             quantization_config, quantizes, side_configs)
 from kconvert.convert.export.table import EXPORT_FORMATS, FORMATS
 from kconvert.source.stored_quant import source_fp8_block
 from kconvert.convert.export import expert_dtype as v4_layout
@@ -240,9 +240,11 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
             if e.transform in ("copy", "bf16") and len(e.shape) == 2 and ck.info(e.src).component not in ("embed", "norm")]
     quantized = [ck.info(e.src) for f in files for e in f if e.transform not in ("copy", "bf16")]
     experts = v4_layout.expert_dtype(ck, job.format)  # None unless the export is in DeepSeek-V4's layout
-    qc = quantization_config(job.format, job.group_size,
-                             v4_layout.config_scale_fmt(v4_layout.encoding(ck, job.format, experts), scale_fmt),
-                             ignore_list(kept, quantized), source_fp8_block(ck.quantization_config))
+    encoding = v4_layout.encoding(ck, job.format, experts)
+    qc = quantization_config(job.format, job.group_size, v4_layout.config_scale_fmt(encoding, scale_fmt),
+                             ignore_list(kept, quantized), source_fp8_block(ck.quantization_config),
+                             [(e.src, e.scheme_name) for f in files for e in f if e.transform not in ("copy", "bf16")],
+                             encoding)
     if experts and "expert_dtype" in ck.quantization_config:  # where the source spells it (V4.1's release)
         qc["expert_dtype"] = experts
     outside = sorted({i.name[: -len(".weight")] for i in kept if i.group != "text" and i.name.endswith(".weight")})
@@ -265,6 +267,8 @@ def _write_index(ck: Checkpoint, out: Path, job: ExportJob, names: list[str], fi
         text["expert_dtype"] = experts
         if "expert_dtype" in config:  # a top-level copy too (vLLM's V4.1 config takes it over the text config's)
             config["expert_dtype"] = experts
+    for side, doc in side_configs(job.format, qc).items():  # (nvfp4: ModelOpt's hf_quant_config.json)
+        write_atomic(out / side, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
     write_atomic(out / "config.json", config_json(config))
     weight_map, total = {}, 0
     for name, f in zip(names, files):

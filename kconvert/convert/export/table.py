@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kconvert.quant.scheme import COMPRESSED_TENSORS, KCONVERT
+from kconvert.quant.scheme import COMPRESSED_TENSORS, KCONVERT, MODELOPT
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ EXPORT_FORMATS = {f.name: f for f in (
     ExportFormat("w8a8-int8", "int8", "int8_channel", runs_as="int8"),  # re-quantizes to the same bytes
     ExportFormat("fp8-channel", "fp8_channel", "fp8_channel"),
     ExportFormat("bf16", "", "bf16"),  # the release's layout unquantized (dequantized: formats.py `Exported`)
+    # NVIDIA Model-Optimizer's NVFP4 layout (export/nvfp4_layout.py): experts copied or cast exactly from MXFP4
+    ExportFormat("nvfp4", "nvfp4", "nvfp4", encoding=MODELOPT, runs_as="nvfp4"),
+    ExportFormat("nvfp4-ct", "nvfp4", "nvfp4", encoding=COMPRESSED_TENSORS),  # nvfp4-pack-quantized: dequantized
 )}
 FORMATS = tuple(EXPORT_FORMATS)
 
@@ -41,7 +44,11 @@ def format_of(qc: dict) -> str | None:
     `quantization_config`): a name of FORMATS, "none" when unquantized, None when no format here reads it."""
     if not qc:
         return "none"
+    # NVIDIA's NVFP4: Model-Optimizer's checkpoints, and DeepSeek-V4's FP8 releases with NVFP4 experts
+    if qc.get("moe_quant_algo") == "NVFP4" or qc.get("quant_method") in ("modelopt", "modelopt_mixed"):
+        return "nvfp4"
     if qc.get("quant_method") == "fp8":
         return "fp8-block"
-    by_ct_format = {"pack-quantized": "w4a16", "int-quantized": "w8a8-int8", "float-quantized": "fp8-channel"}
+    by_ct_format = {"pack-quantized": "w4a16", "int-quantized": "w8a8-int8", "float-quantized": "fp8-channel",
+                    "nvfp4-pack-quantized": "nvfp4-ct"}
     return by_ct_format.get(qc.get("format")) if qc.get("quant_method") == "compressed-tensors" else None

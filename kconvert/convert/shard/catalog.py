@@ -57,6 +57,7 @@ def write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, lay
     files, rows = {}, [[] for _ in range(layout.tp * job.topology.pp)]  # each rank's tensor rows (rank_tensors.COLUMNS)
     # what the outputs of one plan decision (one How: a rule, a layer, a cut, a transform) share, worked out once
     shared: dict = {}
+    casts: dict[str, dict[str, int]] = {}  # exact casts' blocks per tensor kind, from every file's journal record
     for w in items:
         file, unit = w.file, w.unit
         rec = done[file]
@@ -64,6 +65,10 @@ def write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, lay
                        "bytes": rec["bytes"], "crc32": rec["crc32"]}
         if rec.get("stored"):
             files[file]["stored"] = rec["stored"]
+        for kind, (exact, derived) in (rec.get("casts") or {}).items():
+            have = casts.setdefault(kind, {"exact": 0, "data_derived": 0})
+            have["exact"] += exact
+            have["data_derived"] += derived
         rows[w.rank].extend(catalog_rows(w, rec["tensors"], shared))
     units = load_order({w.unit for w in items} | {GLOBALS})
     doc = {
@@ -74,12 +79,14 @@ def write_catalog(ck: Checkpoint, out: Path, pipe: Pipeline, identity: dict, lay
         "layout": {"tp": layout.tp, "ep": layout.ep, "pp": job.topology.pp, "world_size": layout.tp * job.topology.pp,
                    "experts": "whole" if layout.expert_tp == 1 else "split", "units": units,
                    "stages": [{"units": u} for u in pipe.stage_units]},
-        "quantization": {"scheme": policy.scheme, "block_size": [policy.fp8_block] * 2 if policy.scheme == "fp8" else None,
+        "quantization": {"scheme": policy.scheme,
+                         "block_size": [policy.fp8_block] * 2 if policy.scheme in ("fp8", "nvfp4") else None,
                          "scale_format": policy.scale_format, "keep": list(policy.keep), "quantize": list(policy.force),
                          "requantize": job.quant.requantize, "mtp_layers": "kept" if job.keep_mtp else "dropped",
                          **({"group_size": policy.group_size, "int4_scales": policy.int4_scales}
                             if policy.scheme == "int4" else {}),
-                         **({"calibration": calibration} if calibration else {})},
+                         **({"calibration": calibration} if calibration else {}),
+                         **({"exact_casts": dict(sorted(casts.items()))} if casts else {})},
         "files": files,
     }
     cat = Catalog(doc)

@@ -92,7 +92,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     check_side_files(ck)  # what the engine reads at run time (tokenizer, chat template, Engram map), before any work
     release_config(ck.config, ck.model.family)  # config.json's release spelling: a config with none refused here
     layout, topo = job.topology.layout, job.topology
-    policy = replace(job.quant, fp8_block=source_fp8_block(ck.quantization_config))
+    policy = replace(job.quant, fp8_block=source_fp8_block(ck.quantization_config), family=ck.model.family)
     with paused_gc():  # the plan's 100k+ outputs: no cycles, and frozen before the collector resumes
         pipe = plan_pipeline(plan_items(ck, layout, policy, requantize=policy.requantize, keep_mtp=job.keep_mtp),
                              layout.tp, topo.pp, ck.model.text.layer_count, pp_layers=topo.pp_layers,
@@ -107,8 +107,9 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     dist = distributed.Group.from_env()
     if calibrate is not None:
         if policy.scheme != "int4":
-            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --quant {policy.scheme} has nothing to "
-                             "calibrate")
+            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --quant {policy.scheme} has no calibrated path"
+                             + (" yet (its casts of MXFP4 experts are exact; from BF16 it rounds to nearest)"
+                                if policy.scheme == "nvfp4" else ""))
         calibration = calibrate(ck, policy, progress)
         if dist.world > 1:
             calibration.share(dist)
@@ -153,6 +154,8 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
                 entries.append({"file": w.file, "bytes": rec.bytes, "crc32": rec.crc32, "tensors": rec.tensor_crc32})
                 if stored:
                     entries[-1]["stored"] = stored
+                if rec.notes:  # its exact casts' blocks (quant/tally.py): summed into kconvert.json at the end
+                    entries[-1]["casts"] = rec.notes
             log.add_all(entries)  # the unit's files are durable (commit_all) before this records them
             for w in batch:
                 run.wrote(w.file, w.bytes_in)
@@ -174,6 +177,7 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     result.bytes_out = sum(result.details.per_rank_bytes.values())
     if calibration is not None:
         result.details.calibration = {**calibration.record, "layers": calibration.figures}
+    result.details.exact_casts = cat.doc["quantization"].get("exact_casts")
     keep_to_exit(ck, pipe, cat)
     return run.done()
 

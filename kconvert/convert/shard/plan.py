@@ -17,7 +17,7 @@ from kconvert.convert.shard.outputs import SRC, How, WorkItem, outputs_of, spec_
 from kconvert.family.manifest import TensorInfo
 from kconvert.quant.policy import QuantPolicy
 from kconvert.source.stored_quant import rows_copy, source_quant
-from kconvert.quant.scheme import LosslessCopy
+from kconvert.quant.scheme import LosslessCopy, Scheme
 from kconvert.quant.stacked import STACKED_COPIES
 from kconvert.source.logical import stack_form
 
@@ -67,7 +67,7 @@ class _Plan:
             group_size = info0.rule.part.expert_count // self.layout.ep if info0.split == "expert" else 0
             if info0.component == "mtp" and not self.keep_mtp:
                 continue
-            quant, copy = self._quant(info0, t)
+            scheme, copy = self._quant(info0, t)
             unit, plans = unit_of(info0), {}  # expert group (None: not an expert) -> the pieces' plan
             names, rule, layer = b.names, b.rule, b.layer
             infos = list(map(_info_of, zip(names, repeat(rule), repeat(layer), b.experts)))
@@ -75,7 +75,7 @@ class _Plan:
                 plan = plans.get(key)
                 if plan is None:  # decided by the expert group's first member, as a walk name by name decides it
                     try:
-                        plan = self._pieces(infos[i], t, quant, copy)
+                        plan = self._pieces(infos[i], t, scheme, copy)
                     except UsageError:
                         raise _PerName from None
                     if plan is None:
@@ -92,8 +92,8 @@ class _Plan:
             info = self.ck.info(name)
             if info.component == "mtp" and not self.keep_mtp:
                 continue
-            quant, copy = self._quant(info, t)
-            plan = self._pieces(info, t, quant, copy)
+            scheme, copy = self._quant(info, t)
+            plan = self._pieces(info, t, scheme, copy)
             if plan is None:
                 misaligned.append(name)
                 if copy.whole:
@@ -102,20 +102,23 @@ class _Plan:
             _add([name], [info], _targets(items, unit_of(info), plan))
         return items, misaligned, whole_copies
 
-    def _quant(self, info: TensorInfo, t) -> tuple[bool, LosslessCopy | None]:
+    def _quant(self, info: TensorInfo, t) -> tuple[Scheme | None, LosslessCopy | None]:
+        """The scheme `t` is stored in (None: kept) and the lossless copy of its stored parts it takes, if any."""
         if info.rule.scale_block is not None and t.format != "plain":  # its own FP8 grid (V4.1's Engram rows):
-            return False, rows_copy(self.ck, t)  # copied as stored under any scheme (a bf16 table stays bf16)
-        quant = self.policy.quantizes(info, t.shape)
-        key = t.format
-        if quant and key not in self.copies:
-            self.copies[key] = self.policy.quant.lossless_copy(source_quant(self.ck, t, info), self.policy.options)
-        return quant, self.copies[key] if quant else None
+            return None, rows_copy(self.ck, t)  # copied as stored under any scheme (a bf16 table stays bf16)
+        scheme = self.policy.scheme_for(info, t.shape, self.ck.model.family)  # (the source's family, whoever asks)
+        if scheme is None:
+            return None, None
+        key = (scheme.name, t.format, tuple(t.parts) if t.format == "nvfp4_packed" else ())
+        if key not in self.copies:
+            self.copies[key] = scheme.lossless_copy(source_quant(self.ck, t, info), self.policy.options)
+        return scheme, self.copies[key]
 
-    def _pieces(self, info: TensorInfo, t, quant: bool, copy: LosslessCopy | None) -> list[tuple] | None:
+    def _pieces(self, info: TensorInfo, t, scheme: Scheme | None, copy: LosslessCopy | None) -> list[tuple] | None:
         """(rank, every field of its Output but src and info, its specs' suffixes or None) per rank; None: a piece
         cuts inside a scale block and --requantize was not given. UsageError: a dim that does not divide, a shape
         the scheme refuses. What all the tensors of a bucket's expert group share, worked out once."""
-        scheme, opts, pol, out = self.policy.quant, self.policy.options, self.policy, []
+        quant, opts, pol, out = scheme is not None, self.policy.options, self.policy, []
         dtype, options = t.stored_dtype, (pol.scale_format, pol.group_size, pol.int4_scales, pol.fp8_block)
         form = stack_form(t) if t.numel <= STACK_ELEMS else None
         for p in pieces(info, t.shape, self.layout):
@@ -212,9 +215,10 @@ def _copies_aligned(ck: Checkpoint, tp: int, layout: Layout, policy: QuantPolicy
         return False
     for name, t in ck.logical.items():
         info = ck.info(name)
-        if not policy.quantizes(info, t.shape):
+        scheme = policy.scheme_for(info, t.shape, ck.model.family)
+        if scheme is None:
             continue
-        copy = policy.quant.lossless_copy(source_quant(ck, t), policy.options)
+        copy = scheme.lossless_copy(source_quant(ck, t), policy.options)
         if copy is not None and not all(_aligned(p, t.shape, copy.block, copy.whole)
                                         for p in pieces(info, t.shape, other)):
             return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from itertools import chain, repeat
 from pathlib import Path
 
@@ -15,10 +16,12 @@ from kconvert.errors import CheckpointError, KConvertError, WriteError
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.stored_parts import read_parts
+from kconvert.convert.fused import tensor_scales
 from kconvert.convert.shard.outputs import Output, WorkItem
 from kconvert.convert.shard.stacks import Pairs, plan_jobs, write_stack
-from kconvert.quant.scheme import stored_output
+from kconvert.quant.scheme import Options, stored_output
 from kconvert.quant.stacked import NotStackable
+from kconvert.quant.tally import counting, merged
 
 
 def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
@@ -49,14 +52,14 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
         jobs = plan_jobs(ck, order, by_src, codes)
         if not all(isinstance(job, str) for job in jobs):  # any stack
             try:
-                _write_jobs(ck, jobs, by_src, progress, codes)
+                _write_jobs(ck, jobs, by_src, progress, codes, fixed_scales(ck, order, by_src))
                 return _finish(writers)
             except WriteError:
                 raise
             except (CheckpointError, NotStackable, OSError):  # a source problem: the one-by-one pass meets
                 _abort(writers)  # it in the order, and with the words, it always has
                 writers, by_src = _open(batch, out)
-        _write_each(ck, order, by_src, progress, codes)
+        _write_each(ck, order, by_src, progress, codes, fixed_scales(ck, order, by_src))
         return _finish(writers)
     except BaseException:
         _abort(writers)
@@ -96,7 +99,8 @@ def _abort(writers: list[SafetensorsWriter]) -> None:
         wr.abort()
 
 
-def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, Pairs], progress, codes) -> None:
+def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, Pairs], progress, codes,
+                fixed: dict[str, float]) -> None:
     """plan_jobs' jobs: stacks as stacks, each run of lone weights between them one at a time."""
     alone: list[str] = []
     for job in [*jobs, []]:
@@ -104,7 +108,7 @@ def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, P
             alone.append(job)
             continue
         if alone:
-            _write_each(ck, alone, by_src, progress, codes)
+            _write_each(ck, alone, by_src, progress, codes, fixed)
             alone = []
         if job:
             n = write_stack(ck, job, by_src)
@@ -112,27 +116,41 @@ def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, P
                 progress("working", n=n)
 
 
-def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], progress, codes) -> None:
-    """Source tensors `order`, one at a time: each read once (the next read ahead while this one is written)."""
+def fixed_scales(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs]) -> dict[str, float]:
+    """The per-tensor scales of the unit fixed before any of it is written (convert/fused.py): a fused group's shared
+    one (w1 / w3 of an expert: the same unit, maybe not the same run of lone weights between stacks), a cut
+    tensor's whole one."""
+    return tensor_scales(((src, o.info, o.scheme, o.copy, any(p.piece.dim is not None for _, p in by_src[src]))
+                          for src in order for o in (by_src[src][0][1],)), lambda src: _load(ck, by_src[src][0][1]))
+
+
+def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], progress, codes,
+                fixed: dict[str, float]) -> None:
+    """Source tensors `order`, one at a time: each read once (the next read ahead while this one is written), with
+    the unit's `fixed` per-tensor scales."""
     with ThreadPoolExecutor(1) as reader:  # read-ahead of one source tensor: two in flight at most
         ahead = _read_ahead(reader, ck, by_src[order[0]][0][1]) if order else None
         for i, src in enumerate(order):
             x = ahead.result()
             ahead = _read_ahead(reader, ck, by_src[order[i + 1]][0][1]) if i + 1 < len(order) else None
             made: dict[tuple, list] = {}  # a replicated tensor is transformed once, not once per rank
+            opts = replace(by_src[src][0][1].options, tensor_scale=fixed[src]) if src in fixed else None
             for writer, o in by_src[src]:
                 try:
-                    if codes and o.src in codes:
-                        produced = _encode(o, codes[o.src])
-                    elif o.piece.dim is None:
-                        key = (o.transform, o.scale_format, o.group_size, o.int4_scales, o.fp8_block)
-                        if key not in made:
-                            made[key] = list(_produce(o, x))
-                        produced = made[key]
-                    else:
-                        produced = _produce(o, _slice(ck, o, x))
-                    for name, tensor in produced:
-                        writer.write(name, tensor)
+                    with counting() as tally:
+                        if codes and o.src in codes:
+                            produced = _encode(o, codes[o.src])
+                        elif o.piece.dim is None:
+                            key = (o.transform, o.scale_format, o.group_size, o.int4_scales, o.fp8_block)
+                            if key not in made:
+                                made[key] = list(_produce(o, x, opts))
+                            produced = made[key]
+                        else:
+                            produced = _produce(o, _slice(ck, o, x), opts)
+                        for name, tensor in produced:
+                            writer.write(name, tensor)
+                    if tally[0] or tally[1]:  # an exact cast counted its blocks
+                        merged(writer.notes, cast_kind(o), tally)
                 except KConvertError as e:
                     e.file = e.file or str(ck.logical[o.src].main.file)
                     raise
@@ -194,7 +212,13 @@ def _encode(o: Output, codes_scale):
     return zip((name for name, _, _ in o.specs()), o.scheme.encode(codes.contiguous(), scale.contiguous(), o.options))
 
 
-def _produce(o: Output, x):
+def _produce(o: Output, x, opts: Options | None = None):
     specs = o.specs()
     return zip((name for name, _, _ in specs), stored_output(x, [tag for _, tag, _ in specs], o.copy, o.scheme,
-                                                             o.options, o.transform == "bf16", o.src))
+                                                             opts or o.options, o.transform == "bf16", o.src))
+
+
+def cast_kind(o: Output) -> str:
+    """The kind an exact cast's counts are reported under: the tensor's component and its name's last part (its
+    projection: routed_experts.w1)."""
+    return f"{o.info.component}.{o.info.rule.pattern.removesuffix('.weight').rsplit('.', 1)[-1]}"

@@ -51,14 +51,21 @@ def test_plan_reads_params_by_component():
 
 
 def test_auto_quant_follows_what_the_device_runs():
-    """The device preset says which formats its kernels run: V4's FP4 experts stay FP4 on B200, become FP8
-    (exactly) on Hopper and MUSA S5000, int8 where there is no FP8; a bf16 source stays unquantized."""
-    picks = {d: make_plan("deepseek-v4-flash", 8, quant="auto", device=d) for d in ("B200", "H200", "S5000", "A100")}
-    assert {d: p.quant for d, p in picks.items()} == {"B200": "fp4", "H200": "fp8", "S5000": "fp8", "A100": "int8"}
+    """The device preset says which formats its kernels run: V4's FP4 experts become NVFP4 (cast exactly, as NVIDIA's
+    V4 NVFP4 builds) on Blackwell (B200, B300), FP8 (exactly) on Hopper and MUSA S5000, int8 where there is no FP8;
+    a bf16 source stays unquantized where the family has no NVFP4 recipe."""
+    picks = {d: make_plan("deepseek-v4-flash", 8, quant="auto", device=d)
+             for d in ("B200", "B300", "H200", "S5000", "A100")}
+    assert {d: p.quant for d, p in picks.items()} == {"B200": "nvfp4", "B300": "nvfp4", "H200": "fp8", "S5000": "fp8",
+                                                      "A100": "int8"}
     assert "re-encoded as FP8 exactly" in picks["H200"].quant_reason
-    assert picks["B200"].converted_bytes < 0.6 * picks["H200"].converted_bytes  # experts at half a byte
+    assert "cast to it exactly" in picks["B200"].quant_reason
+    assert picks["B200"].converted_bytes < 0.6 * picks["H200"].converted_bytes  # experts at half a byte and a bit
+    assert make_plan("deepseek-v4-flash", 8, quant="fp4", device="B200").converted_bytes < \
+        picks["B200"].converted_bytes  # NVFP4's e4m3 scale per 16 against MXFP4's e8m0 per 32
     assert make_plan("k25-dsv32-3t", 8, quant="auto", device="H200").quant == "none"  # a bf16 config stays bf16
     assert "no FP4 kernels" in " ".join(make_plan("deepseek-v4-flash", 8, quant="fp4", device="H200").warnings)
+    assert "no NVFP4 tensor cores" in " ".join(make_plan("deepseek-v4-flash", 8, quant="nvfp4", device="H200").warnings)
 
 
 def test_plan_sizes_v4_kv_with_the_exact_formula():

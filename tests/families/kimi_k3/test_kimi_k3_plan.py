@@ -39,10 +39,24 @@ def test_tp_degrees_must_divide_the_96_heads():
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("device,want", [("B200", "fp4"), ("H200", "fp8"), ("H20", "fp8"), ("S5000", "fp8")])
-def test_quant_auto_keeps_mxfp4_where_the_device_runs_fp4(device, want):
+@pytest.mark.parametrize("device,want", [("B200", "nvfp4"), ("B300", "nvfp4"), ("H200", "fp8"), ("H20", "fp8"),
+                                         ("S5000", "fp8")])
+def test_quant_auto_picks_nvfp4_on_blackwell_and_fp8_on_hopper(device, want):
+    """Blackwell runs NVFP4 (NVIDIA's K3 recipe: the MXFP4 experts cast exactly); Hopper and MUSA have no FP4."""
     p = make_plan("kimi-k3", 8, quant="auto", device=device)
     assert p.quant == want, p.quant_reason
+
+
+def test_plan_counts_nvfp4_bytes_by_role():
+    """nvfp4 on K3: routed experts at half a byte plus one e4m3 scale per 16 values (and a float32 pair each), the
+    KDA and MLA projections in 128x128 block FP8 (NVIDIA's recipe), the latent and shared experts bf16."""
+    nv_ranks, fp4_ranks = (make_plan("kimi-k3", 8, quant=q, device="B200").to_json()["rank"]["bytes"]
+                           for q in ("nvfp4", "fp4"))
+    experts = 92 * 896 // 8 * (2 * 3072 * 3584 + 3584 * 3072)  # values of one rank's routed experts
+    assert nv_ranks["routed_experts"] == experts // 2 + experts // 16 + 112 * 92 * 3 * 8
+    assert fp4_ranks["routed_experts"] == experts // 2 + experts // 32
+    assert nv_ranks["kda"] < 0.51 * fp4_ranks["kda"]  # FP8 (and its scales) where fp4 keeps bf16
+    assert nv_ranks["latent"] == fp4_ranks["latent"] and nv_ranks["shared_experts"] == fp4_ranks["shared_experts"]
 
 
 def test_plan_cli_json_names_the_hybrid_cache():

@@ -30,6 +30,8 @@ def stored_packing(stored: Mapping) -> tuple[str, str, int, int] | None:
         if scale is None or len(e.shape) != 2 or len(scale.shape) != 2 or not scale.shape[1]:
             return None  # the readers name what is wrong with it
         if e.dtype == "U8" and base + "_shape" not in stored:
+            if -(-e.shape[1] * 2 // 32) != scale.shape[1]:
+                return None  # MXFP4's group is 32 by its format: a damaged grid, which the readers name by tensor
             return "MXFP4", name, e.shape[1] * 2, scale.shape[1]
         if e.dtype == "I32":
             return "INT4", name, e.shape[1] * 8, scale.shape[1]

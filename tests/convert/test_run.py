@@ -90,7 +90,7 @@ def test_run_result_json_is_flat_with_each_commands_own_figures():
     assert list(pack.to_json())[len(common):] == ["op", "untouched", "files", "resumed", "plain_bytes", "stored_bytes"]
     assert pack.details.op == "pack" and pack.to_json()["untouched"] == 3
     assert list(RunResult("out", details=ExportFigures("w4a16")).to_json())[len(common):] == [
-        "format", "files", "tensors", "quantized", "workers"]
+        "format", "files", "tensors", "quantized", "dequantized", "rounded", "workers"]
 
 
 def test_a_run_finishes_only_when_every_process_journalled_every_file(tmp_path):

@@ -85,7 +85,7 @@ def test_vision_field_out_of_bounds(field, value):
 
 @pytest.mark.parametrize("change,needle", [
     ({"num_experts_per_tok": 2000}, "num_experts_per_tok <= n_routed_experts"),
-    ({"first_k_dense_replace": 100}, "first_k_dense_replace <= num_hidden_layers"),
+    ({"first_k_dense_replace": 100}, "first_k_dense_replace = 100: must be an integer in [0, 61]"),  # the schedule first
     ({"n_group": 7}, "n_routed_experts % n_group"),
     ({"num_hidden_layers": 1000, "n_routed_experts": 65536, "n_group": 1}, "expert_instances"),
 ])

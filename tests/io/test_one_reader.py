@@ -36,6 +36,11 @@ ALLOWED = {
     "kconvert/verify/mlx_draft.py": "config.json already read by Checkpoint.open (MTP work in progress: move to "
                                     "side_files.read_json)",
     "kconvert/convert/output_dir.py": "shutil.copyfile after check_regular and a size check",
+    "kconvert/verify/vllm_check/check.py": "results the vLLM driver wrote under serve-check's own work dir",
+    "kconvert/verify/vllm_check/env.py": "result.json the vLLM driver wrote under serve-check's own work dir",
+    "kconvert/verify/vllm_check/driver.py": "runs in vLLM's own environment, where kconvert is never imported",
+    "kconvert/verify/vllm_check/vllm_load.py": "runs in vLLM's own environment (the driver's), no kconvert there",
+    "kconvert/verify/vllm_check/vllm_dequant.py": "runs in vLLM's own environment (the driver's), no kconvert there",
     "cli/fixture_cmd.py": "kconvert_training.json the fixture command has just written",
 }
 PACKAGES = ("kconvert", "engine", "cli")

@@ -90,7 +90,7 @@ def test_transformers_compress_rates_give_the_ape_shape():
     ({"compress_ratios": [0, 4, True, 4, 0]}, ["compress_ratios[2] = True"]),
     ({"compress_ratios": None}, ["no compress_ratios or layer_types"]),
     ({"layer_types": ["sliding_attention"] * 4}, ["compress_ratios and layer_types disagree at layer 1"]),
-    ({"num_hash_layers": 9}, ["num_hash_layers <= num_hidden_layers"]),
+    ({"num_hash_layers": 9}, ["num_hash_layers = 9", "[0, 5]"]),  # the schedule's count, before the relation
     ({"num_hash_layers": None}, ["no num_hash_layers or mlp_layer_types"]),
     ({"o_groups": 3}, ["num_attention_heads % o_groups"]),
     ({"hc_mult": 10**6}, ["hc_mult = 1000000: outside"]),

@@ -76,6 +76,7 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
     x = read_fp4_parts(t0, parts) if copies else read_stack(t0, parts, ck.int4_group())
     made: dict = {} if copies else _even_split(x, [o for _, o in pairs0])  # a replicated output is made once, too
     rows_of: dict = {}  # made key -> a byte row a weight, per planned tensor
+    crcs_of: dict = {}  # made key -> the rows' CRC-32s (a replicated output's: passed over once, not once per rank)
     table = list(map(by_src.__getitem__, srcs))
     for j, (_, o0) in enumerate(pairs0):
         p = o0.piece
@@ -96,7 +97,9 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             writer = pairs0[j][0]
             first = writer.index(o0.src + tail)
             _check_planned(writer, [first], o0)
-            writer.write_bytes(first, [r[0] for r in rows])
+            crcs = crcs_of.get(key)
+            crcs_of[key] = writer.write_bytes(first, [r[0] for r in rows], crcs and [c[0] for c in crcs])
+            crcs_of[key] = [[c] for c in crcs_of[key]]
             continue
         pairs = list(map(itemgetter(j), table))
         # every output of the stack planned alike (then its specs are o0's, names aside), each file's at once
@@ -114,7 +117,10 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             mine = srcs if len(ns) == n else [srcs[i] for i in ns]
             firsts = writer.indices([name + tail for name in mine] if tail else mine)
             _check_planned(writer, firsts, o0)
-            writer.write_stacked(firsts, rows if len(ns) == n else [r[ns] for r in rows])
+            if len(ns) == n:  # (experts spread over the ranks: each file's rows differ, their CRCs too)
+                crcs_of[key] = writer.write_stacked(firsts, rows, crcs_of.get(key))
+            else:
+                writer.write_stacked(firsts, [r[ns] for r in rows])
     return n * sum(o.bytes_in for _, o in pairs0)  # every weight's outputs alike (checked)
 
 

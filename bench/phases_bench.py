@@ -245,8 +245,8 @@ def fp8_blocks_source(src: Path, work: Path) -> Path:
     return out
 
 
-V4_WIDTHS = {"hidden_size": 1024, "moe_intermediate_size": 1024, "num_attention_heads": 8, "head_dim": 128,
-             "q_lora_rank": 512, "o_lora_rank": 256}
+V4_WIDTHS = {"hidden_size": 1024, "moe_intermediate_size": 1024, "num_attention_heads": 8, "index_n_heads": 8,
+             "head_dim": 128, "q_lora_rank": 512, "o_groups": 8, "o_lora_rank": 128}  # (cut 8 ways: tp 8)
 
 
 def mxfp4_source(work: Path, size: int) -> Path:
@@ -258,7 +258,7 @@ def mxfp4_source(work: Path, size: int) -> Path:
     from kconvert.fixtures.models.dsv4 import build_v4_model, write_v4_model
 
     per_expert = 3 * V4_WIDTHS["hidden_size"] * V4_WIDTHS["moe_intermediate_size"] * 2  # bf16 bytes
-    layers = 3  # tiny-dsv4's schedule
+    layers = 5  # tiny-dsv4's schedule: 4 MoE layers and the MTP block's
     experts = max(8, min(1024, size // (per_expert * layers) // 8 * 8))
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -27,12 +27,12 @@ from operator import add, itemgetter, mul
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from kconvert.io.atomic import fsync_dir, write_error
 from kconvert.io.compact_json import compact_json
 from kconvert.io.crc import crc32, crc32_combine
-from kconvert.io.dtypes import ITEMSIZE, TAGS
+from kconvert.io import dtypes
+from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.typed_json import HeaderSpec
 
 
@@ -53,6 +53,8 @@ class WrittenFile:
 
 def tensor_bytes(t: torch.Tensor):
     """A zero-copy byte view of a CPU tensor (numpy has no bf16/fp8, so view as uint8 first)."""
+    import torch  # here: a job of plain copies writes bytes and never imports torch (convert/shard/byte_copy.py)
+
     t = t.detach().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
@@ -134,7 +136,7 @@ class SafetensorsWriter:
         rank's file: a replicated weight is passed over once, not once per rank)."""
         i = self._index.get(name, -1)
         want_name, tag, shape = self.specs[i] if i >= 0 else (name, None, None)
-        if i < 0 or self._crcs[i] is not None or TAGS.get(t.dtype) != tag or tuple(t.shape) != tuple(shape):
+        if i < 0 or self._crcs[i] is not None or dtypes.TAGS.get(t.dtype) != tag or tuple(t.shape) != tuple(shape):
             self.abort()
             raise RuntimeError(f"writer expected {want_name} {tag}{list(shape or ())} once, got {name} {t.dtype}{list(t.shape)}")
         return self.write_bytes(i, [tensor_bytes(t)], None if crc is None else [crc])[0]

@@ -100,6 +100,7 @@ class _Zlib:
 @contextmanager
 def instrumented():
     """Every phase's functions wrapped for the duration (modules as `shard` and the loader import them)."""
+    import kconvert.convert.shard.byte_copy as byte_copy
     import kconvert.convert.shard.job as job
     import kconvert.convert.shard.stacks as stacks
     import kconvert.convert.shard.unit as unit
@@ -128,7 +129,9 @@ def instrumented():
             (st_write.SafetensorsWriter, "_sync", "fsync"), (st_write, "fsync_dir", "fsync"),
             (journal.JournalLog, "add_all", "fsync"),
             (window, "_take", "wait"),
-            (loader, "_map_file", "read"), (loader, "tensor_views", "views")):
+            (loader, "_map_file", "read"), (loader, "tensor_views", "views"),
+            (byte_copy, "read_entry_bytes", "read"), (byte_copy, "require_finite_bytes", "check"),
+            (byte_copy, "_slice", "slice")):
         p.wrap(owner, attr, phase)
     p.wrap(src_stacked, "read_stacked", "read")  # (imported by name there: wrapped where it is called from)
     for owner in (st_write, loader):  # their CRC-32 (zlib's module global in an older tree)
@@ -151,10 +154,10 @@ def wall(cmd: list[str]) -> float:
 
 
 def cp_sync(src: Path, work: Path) -> float:
-    """`cp -r SRC` + `sync`, seconds (the copy removed after, outside the time)."""
-    dst = work / "cp-copy"
+    """`cp -r SRC` + `sync`, seconds (the copy removed after, outside the time; SRC's page cache warmed first)."""
+    src, dst = src.resolve(), work / "cp-copy"
     shutil.rmtree(dst, ignore_errors=True)
-    subprocess.run(["sync"], check=True)
+    subprocess.run(["sh", "-c", f"cat '{src}'/* > /dev/null; sync"], check=True)
     s = wall(["sh", "-c", f"cp -r '{src}' '{dst}' && sync"])
     shutil.rmtree(dst, ignore_errors=True)
     return s
@@ -270,17 +273,17 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-def print_shard(label: str, r: dict, cp: float) -> None:
-    ph = r["phases"]
-    busy = sum(ph.get(k, 0) for k in PHASES if k != "wait")
-    print(f"\n{label}: {r['bytes_in'] / 1e9:.2f} GB in, {r['bytes_out'] / 1e9:.2f} GB out; wall {r['wall']:.2f} s with "
-          f"sync (run {r['run']:.2f} s), {r['cpu']:.2f} CPU s; cp -r + sync of the source {cp:.2f} s: shard at "
-          f"{ratio(cp, r['wall'])} of cp's speed ({r['bytes_in'] / r['wall'] / 1e9:.2f} GB/s of source)")
+def print_shard(label: str, r: dict) -> None:
+    ph, cp, cp_out = r["phases"], r["cp_sync"], r["cp_sync_out"]
+    print(f"\n{label}: {r['bytes_in'] / 1e9:.2f} GB in, {r['bytes_out'] / 1e9:.2f} GB out; in this process "
+          f"{r['wall']:.2f} s with sync (run {r['run']:.2f} s), {r['cpu']:.2f} CPU s; cp -r + sync of the source "
+          f"{cp:.2f} s, of shard's output (the same bytes) {cp_out:.2f} s: shard at {ratio(cp, r['wall'])} of the "
+          f"source's copy, {ratio(cp_out, r['wall'])} of the same bytes' ({r['bytes_in'] / r['wall'] / 1e9:.2f} GB/s "
+          "of source)")
     print("  | phase | thread s | of wall |\n  |---|---|---|")
     for k in PHASES:
         if ph.get(k):
             print(f"  | {k} | {ph[k]:.2f} | {ph[k] / r['wall']:.0%} |")
-    print(f"  | (other: planning, Python, sync after) | {max(0.0, r['wall'] - busy - ph.get('wait', 0)):.2f} | |")
 
 
 def main(argv=None) -> int:
@@ -313,10 +316,11 @@ def main(argv=None) -> int:
             continue
         subprocess.run(["cat", *map(str, s.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)
         r = shard_case(s, work / "out", a.tp, quant)
-        r["cp_sync"] = cp_sync(s, work)
+        r["cp_sync"] = cp_sync(s, work)  # the source's bytes
+        r["cp_sync_out"] = cp_sync(work / "out", work)  # the bytes shard wrote (tp 8 replicates some tensors)
         r["load_average"] = os.getloadavg()[0]
         report[label] = r
-        print_shard(f"shard --tp {a.tp} --quant {quant} ({label}, load avg {r['load_average']:.2f})", r, r["cp_sync"])
+        print_shard(f"shard --tp {a.tp} --quant {quant} ({label}, load avg {r['load_average']:.2f})", r)
     if "load" in only:
         conv = work / f"scale-{a.size}-tp{a.tp}-none"
         if not (conv / "kconvert.json").exists():

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from itertools import chain, repeat
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kconvert.errors import CheckpointError, KConvertError, WriteError
 from kconvert.io.safetensors_write import SafetensorsWriter, WrittenFile, commit_all
@@ -19,12 +18,10 @@ from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.stored_parts import read_parts
 from kconvert.convert.fused import tensor_scales
 from kconvert.convert.shard.outputs import Output, WorkItem
+from kconvert.convert.shard.stacks import Pairs, plan_jobs, write_stack
 from kconvert.quant.scheme import Options, stored_output
 from kconvert.quant.stacking import NotStackable
 from kconvert.quant.tally import counting, merged
-
-if TYPE_CHECKING:  # (stacks imports torch: imported where a unit is written, so a job of plain copies never does)
-    from kconvert.convert.shard.stacks import Pairs
 
 
 def run_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
@@ -49,8 +46,6 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
     scale)} computed already (calibrated int4), stored instead of quantizing. Memory: the tensor (or
     stack) being written plus the one read ahead. Returns the finished writers (bytes written,
     writeback started, not yet durable: commit_all them before journalling)."""
-    from kconvert.convert.shard.stacks import plan_jobs
-
     writers, by_src = _open(batch, out)
     try:
         order = sorted(by_src)
@@ -107,8 +102,6 @@ def _abort(writers: list[SafetensorsWriter]) -> None:
 def _write_jobs(ck: Checkpoint, jobs: list[str | list[str]], by_src: dict[str, Pairs], progress, codes,
                 fixed: dict[str, float]) -> None:
     """plan_jobs' jobs: stacks as stacks, each run of lone weights between them one at a time."""
-    from kconvert.convert.shard.stacks import write_stack
-
     alone: list[str] = []
     for job in [*jobs, []]:
         if isinstance(job, str):

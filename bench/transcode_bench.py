@@ -25,7 +25,7 @@ from pathlib import Path
 from _cli import KCONVERT_CMD, ROOT, fixture, measured  # first: this tree's kconvert on sys.path
 
 ROWS = (("bf16", "fp8"), ("bf16", "int8"), ("bf16", "int4"), ("bf16", "nvfp4"),
-        ("mxfp4", "fp8"), ("mxfp4", "nvfp4"), ("mxfp4", "fp4"), ("bf16", "none"))
+        ("mxfp4", "fp8"), ("mxfp4", "nvfp4"), ("mxfp4", "fp4"), ("mxfp4", "none"), ("bf16", "none"))
 
 
 def run(cmd: list, out: Path) -> dict:

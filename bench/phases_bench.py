@@ -156,8 +156,10 @@ def wall(cmd: list[str]) -> float:
 def cp_sync(src: Path, work: Path) -> float:
     """`cp -r SRC` + `sync`, seconds (the copy removed after, outside the time; SRC's page cache warmed first)."""
     src, dst = src.resolve(), work / "cp-copy"
+    if dst.is_symlink():
+        dst.unlink()
     shutil.rmtree(dst, ignore_errors=True)
-    subprocess.run(["sh", "-c", f"cat '{src}'/* > /dev/null; sync"], check=True)
+    subprocess.run(["sh", "-c", f"find '{src}' -type f -exec cat {{}} + > /dev/null; sync"], check=True)
     s = wall(["sh", "-c", f"cp -r '{src}' '{dst}' && sync"])
     shutil.rmtree(dst, ignore_errors=True)
     return s

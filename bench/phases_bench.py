@@ -131,7 +131,7 @@ def instrumented():
             (window, "_take", "wait"),
             (loader, "_map_file", "read"), (loader, "tensor_views", "views"),
             (byte_copy, "read_entry_bytes", "read"), (byte_copy, "require_finite_bytes", "check"),
-            (byte_copy, "_slice", "slice")):
+            (byte_copy, "_cut", "slice")):
         p.wrap(owner, attr, phase)
     p.wrap(src_stacked, "read_stacked", "read")  # (imported by name there: wrapped where it is called from)
     for owner in (st_write, loader):  # their CRC-32 (zlib's module global in an older tree)

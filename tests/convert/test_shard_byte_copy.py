@@ -21,17 +21,20 @@ def _tree(out) -> dict:
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
 
 
+@pytest.mark.parametrize("preset,quant", [("tiny-k25-dsv32", "none"), ("tiny-k25-dsv32-fp8", "fp8")])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_bytes_equal_the_tensor_path(checkpoint, tmp_path, monkeypatch, tp):
+def test_bytes_equal_the_tensor_path(checkpoint, tmp_path, monkeypatch, tp, preset, quant):
+    """`--quant none` of BF16 and `--quant fp8` of block FP8 (its blocks and scales resharded, its BF16 tensors kept)
+    are byte copies: the same files as the tensor path writes."""
     import kconvert.convert.shard.job as job
 
-    src, as_bytes = checkpoint("tiny-k25-dsv32"), []
+    src, as_bytes = checkpoint(preset), []
     real = job.write_unit_bytes
     monkeypatch.setattr(job, "write_unit_bytes", lambda *a: as_bytes.append(a[1][0].unit) or real(*a))
-    assert cli_here("shard", src, tmp_path / "bytes", "--tp", tp).returncode == 0
+    assert cli_here("shard", src, tmp_path / "bytes", "--tp", tp, "--quant", quant).returncode == 0
     assert as_bytes  # (every unit)
     monkeypatch.setattr(job, "plain_copies", lambda ck, items: False)  # the tensor path (unit.write_unit)
-    assert cli_here("shard", src, tmp_path / "tensors", "--tp", tp).returncode == 0
+    assert cli_here("shard", src, tmp_path / "tensors", "--tp", tp, "--quant", quant).returncode == 0
     a, b = _tree(tmp_path / "bytes"), _tree(tmp_path / "tensors")
     assert list(a) == list(b) and a == b
     ja, jb = (json.loads((tmp_path / d / "kconvert.json").read_text()) for d in ("bytes", "tensors"))
@@ -91,3 +94,33 @@ def test_the_nonfinite_test_agrees_with_torch(tag, dtype):
         else:
             with pytest.raises(Exception, match=f"^{_count_nonfinite(x)} NaN/Inf"):
                 byte_copy.require_finite_bytes(data, Entry)
+
+
+FP8_L1 = "language_model.model.layers.1.self_attn.kv_b_proj"
+
+
+@pytest.mark.parametrize("part,raw", [(".weight", b"\x7f"), (".weight_scale_inv", b"\x00\x00\xc0\x7f"),
+                                      (".weight_scale_inv", b"\x99\x76\x96\x7b")])  # FP8 NaN, scale NaN, 1.56e36
+def test_a_damaged_fp8_copy_is_refused_as_the_tensor_path_refuses_it(checkpoint, copy_checkpoint, tmp_path,
+                                                                     monkeypatch, part, raw):
+    """A NaN in an FP8 weight or its scales, or a scale that decodes past float32: the byte copy's one line is the
+    tensor path's, word for word, and neither leaves a converted directory."""
+    import kconvert.convert.shard.job as job
+
+    src = copy_checkpoint(checkpoint("tiny-k25-dsv32-fp8"))
+    name = FP8_L1 + part
+    path = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    start, header = header_offsets(path)
+    lo, _ = header[name]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[start + lo + len(raw):start + lo + 2 * len(raw)] = raw  # the second element
+    path.write_bytes(bytes(data))
+    lines = []
+    for as_bytes in (True, False):
+        if not as_bytes:
+            monkeypatch.setattr(job, "plain_copies", lambda ck, items: False)
+        r = cli_here("shard", src, tmp_path / f"o{as_bytes}", "--tp", 2, "--quant", "fp8")
+        assert_one_line_error(r, name, "damaged")
+        assert not (tmp_path / f"o{as_bytes}" / "kconvert.json").exists()
+        lines.append(r.stderr.replace(str(tmp_path / f"o{as_bytes}"), "OUT"))
+    assert lines[0] == lines[1]

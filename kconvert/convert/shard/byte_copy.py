@@ -1,11 +1,13 @@
-"""A job whose every output is a plain copy (`shard --quant none` of a BF16 / FP16 / FP32 source: reshard only)
-written as bytes, with numpy and os alone: torch is never imported (its ~1.5 s import was a third of a 3 GB reshard),
-no tensor is made. Each source tensor is mapped from the page cache (io/pread.map_range) or read when small, checked
-for NaN/Inf with two max-reductions over its integer view (no temporary), and each rank's slice goes to its file
-from the mapping: a row slice or a whole tensor as it lies (zero-copy), a slice along a later dimension gathered
-once. The bytes, the CRC-32s and the refusals are those of the tensor path (convert/shard/unit.py): the same slices
-of the same bytes, the same NonFiniteError naming the file and tensor. Tensors whose entries are tables with a bound
-(values_below), remote or compressed sources, any cast or quantized output: the tensor path takes the job."""
+"""A job whose every output is a stored tensor copied as it is (`shard --quant none` of a BF16 / FP16 / FP32 source;
+`--quant fp8` of a block-FP8 source whose other tensors are kept: a reshard only) written as bytes, with numpy and
+os alone: torch is never imported (its ~1.5 s import was a third of a 3 GB reshard), no tensor is made. Each stored
+part is mapped from the page cache (io/pread.map_range) or read when small, checked for NaN/Inf with two
+max-reductions over its integer view (no temporary), block scales checked against float32's range as
+source/formats.check_scale_range does, and each rank's slice goes to its file from the mapping: a row slice or a
+whole tensor as it lies (zero-copy), a slice along a later dimension gathered once. The bytes, the CRC-32s and the
+refusals are those of the tensor path (convert/shard/unit.py): the same slices of the same bytes, the same errors
+naming the file and tensor. Tables with a bound (values_below), remote or compressed sources, a cast, a recode or a
+quantized output anywhere in the job: the tensor path takes the whole job."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.safetensors_read import read_entry_bytes
 from kconvert.io.safetensors_write import SafetensorsWriter
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.formats import FLOAT32_MAX, largest_code, scale_range_error
 
 # float tags -> (signed, unsigned) integer views and the smallest non-finite bit pattern of each sign: a value is NaN
 # or +-Inf exactly when its exponent bits are all ones, i.e. as a signed integer it is >= the positive pattern
@@ -38,22 +41,36 @@ _CHUNK = 16 << 20  # bytes a reduction takes at once (no temporaries: only Pytho
 
 
 def plain_copies(ck: Checkpoint, items: list[WorkItem]) -> bool:
-    """Whether every output of the job is a plain tensor copied as stored (sliced or whole), from an uncompressed
-    local source, with no bound on its values: then byte_copy writes the job."""
+    """Whether every output of the job is a stored tensor copied as it is, sliced or whole: a plain tensor kept, or a
+    block-FP8 weight and its scales resharded on block boundaries (fp8_copy) with the source's own dtypes, from an
+    uncompressed local source, with no bound on its values: then byte_copy writes the job."""
     if ck.remote:
         return False
     for w in items:
         for o in w.outputs:
-            if o.transform != "copy" or o.copy is not None or o.info.rule.values_below is not None:
+            if o.info.rule.values_below is not None:
                 return False
             t = ck.logical[o.src]
-            if t.format != "plain" or t.stored.compressed is not None or t.stored.dtype not in ITEMSIZE:
+            if o.transform == "copy" and o.copy is None and t.format == "plain":
+                parts = (t.stored,)
+            elif _block_fp8_copy(o, t):
+                parts = (t.parts["weight"], t.parts["scale"])
+            else:
+                return False
+            if any(e.compressed is not None or e.dtype not in ITEMSIZE for e in parts) or \
+                    [tag for _, tag, _ in o.specs()] != [e.dtype for e in parts]:
                 return False
     return True
 
 
+def _block_fp8_copy(o: Output, t) -> bool:
+    c = o.copy
+    return (o.transform == "fp8_copy" and c is not None and c.recode is None and c.roles == ("weight", "scale")
+            and t.format == "block_fp8" and len(t.parts["scale"].shape) == 2 and len(t.parts["weight"].shape) == 2)
+
+
 def write_unit_bytes(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> list[SafetensorsWriter]:
-    """unit.write_unit for a job of plain copies: every rank's file of the unit in one pass over its source tensors,
+    """unit.write_unit for a job of byte copies: every rank's file of the unit in one pass over its source tensors,
     in the same (name) order, finished but not yet durable (the caller commits them: safetensors_write.commit_all)."""
     from kconvert.convert.shard.unit import _abort, _finish, _open
 
@@ -61,27 +78,39 @@ def write_unit_bytes(ck: Checkpoint, batch: list[WorkItem], out: Path, progress)
     try:
         for src in sorted(by_src):
             pairs = by_src[src]
-            entry = ck.logical[src].stored
+            t = ck.logical[src]
+            entries = (t.stored,) if t.format == "plain" else (t.parts["weight"], t.parts["scale"])
             try:
-                data = np.frombuffer(read_entry_bytes(entry), np.uint8) if entry.nbytes else np.empty(0, np.uint8)
-                require_finite_bytes(data, entry)
-                crc = None  # a whole tensor's CRC-32, once for every rank that stores it whole
+                parts = [_read_checked(e) for e in entries]  # weight first: its NaN is named before the scale's
+                if len(parts) == 2:
+                    _check_scale_range(t, parts[1], entries[1])
+                crcs = None  # a whole tensor's CRC-32s, once for every rank that stores it whole
                 for writer, o in pairs:
-                    _check_planned(writer, o, entry)
+                    _check_planned(o, entries)
+                    names = [name for name, _, _ in o.specs()]
                     if o.piece.dim is None:
-                        crc = writer.write_bytes(writer.index(o.src), [data], None if crc is None else [crc])[0]
+                        crcs = [writer.write_bytes(writer.index(name), [data], None if crcs is None else [crcs[k]])[0]
+                                for k, (name, data) in enumerate(zip(names, parts))]
                     else:
-                        writer.write_bytes(writer.index(o.src), [_slice(data, entry, o)])
+                        for name, piece in zip(names, _pieces(o, entries, parts)):
+                            writer.write_bytes(writer.index(name), [piece])
                     if progress:
                         progress("working", n=o.bytes_in)
             except KConvertError as e:
-                e.file = e.file or str(entry.file)
+                e.file = e.file or str(t.main.file)
                 raise
-            del data
+            del parts
         return _finish(writers)
     except BaseException:
         _abort(writers)
         raise
+
+
+def _read_checked(entry) -> np.ndarray:
+    """A stored tensor's bytes (mapped from the page cache when large), refused if any value is NaN / Inf."""
+    data = np.frombuffer(read_entry_bytes(entry), np.uint8) if entry.nbytes else np.empty(0, np.uint8)
+    require_finite_bytes(data, entry)
+    return data
 
 
 def require_finite_bytes(data: np.ndarray, entry) -> None:
@@ -109,19 +138,50 @@ def _count_nonfinite(u: np.ndarray, positive: int | None, negative: int) -> int:
     return sum(int(np.count_nonzero((u[lo:lo + _CHUNK] & pattern) == pattern)) for lo in range(0, u.size, _CHUNK))
 
 
-def _check_planned(writer: SafetensorsWriter, o: Output, entry) -> None:
-    """The file planned this output as one tensor of the source's dtype, of the slice's shape (what the tensor path's
-    writer.write checks from the tensor itself)."""
-    (name, tag, shape), = o.specs()
-    if tag != entry.dtype or tuple(shape) != tuple(o.shape):
-        raise RuntimeError(f"{writer.path}: {name} is planned as {tag}{list(shape)}, not a copy of {entry.dtype}"
+def _check_scale_range(t, scale: np.ndarray, entry) -> None:
+    """source/formats.check_scale_range over the scale's bytes: its largest magnitude times the largest code must
+    stay within float32."""
+    top = largest_code(t)
+    if top is None or not scale.size:
+        return
+    if entry.dtype == "F8_E8M0":
+        biggest = 2.0 ** (int(scale.max()) - 127)
+    elif entry.dtype in ("F32", "F64", "F16"):
+        s = scale.view({"F32": np.float32, "F64": np.float64, "F16": np.float16}[entry.dtype])
+        biggest = max(float(s.max()), -float(s.min()))
+    elif entry.dtype == "BF16":  # its bits are a float32's upper half
+        s = (scale.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        biggest = max(float(s.max()), -float(s.min()))
+    else:
+        raise NotImplementedError(f"{entry.dtype} scales")  # (not planned as byte copies: plain_copies)
+    if biggest * top > FLOAT32_MAX:
+        raise scale_range_error(t, biggest, top)
+
+
+def _check_planned(o: Output, entries) -> None:
+    """The file planned this output as the source's parts in their own dtypes, the weight of the slice's shape (what
+    the tensor path's writer.write checks from the tensors themselves)."""
+    specs = o.specs()
+    if [tag for _, tag, _ in specs] != [e.dtype for e in entries] or tuple(specs[0][2]) != tuple(o.shape):
+        raise RuntimeError(f"{specs[0][0]} is planned as {specs}, not a copy of {[e.dtype for e in entries]}"
                            f"{list(o.shape)}")
 
 
-def _slice(data: np.ndarray, entry, o: Output) -> np.ndarray:
-    """The piece's bytes, as torch's narrow(dim, start, length).contiguous() of the tensor lays them out: a view
-    where they lie together (dim 0, or every dim before `dim` of size 1), else one gather."""
-    p, shape = o.piece, entry.shape
-    inner = math.prod(shape[p.dim + 1:]) * ITEMSIZE[entry.dtype]
-    cube = data.reshape(math.prod(shape[:p.dim]), shape[p.dim], inner)
-    return np.ascontiguousarray(cube[:, p.start:p.stop, :]).reshape(-1)
+def _pieces(o: Output, entries, parts: list[np.ndarray]) -> list[np.ndarray]:
+    """The piece's bytes of each part, as unit._slice cuts them: the weight by the piece, its block scales by the
+    blocks the piece covers."""
+    p = o.piece
+    if len(parts) == 1:
+        return [_cut(parts[0], entries[0], p.dim, p.start, p.stop)]
+    b = o.copy.block
+    return [_cut(parts[0], entries[0], p.dim, p.start, p.stop),
+            _cut(parts[1], entries[1], p.dim, p.start // b, -(-p.stop // b))]
+
+
+def _cut(data: np.ndarray, entry, dim: int, start: int, stop: int) -> np.ndarray:
+    """Elements [start, stop) along `dim` of a stored tensor's bytes, as torch's narrow(...).contiguous() lays them
+    out: a view where they lie together (dim 0, or every dim before `dim` of size 1), else one gather."""
+    shape = entry.shape
+    inner = math.prod(shape[dim + 1:]) * ITEMSIZE[entry.dtype]
+    cube = data.reshape(math.prod(shape[:dim]), shape[dim], inner)
+    return np.ascontiguousarray(cube[:, start:stop, :]).reshape(-1)

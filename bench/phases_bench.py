@@ -14,7 +14,7 @@ every tensor touched (one byte a page), and a raw read of the same files (`cat >
 
 Sources (built once into --work): `scale` bf16 of --size; its block-FP8 twin (`kconvert export --format
 fp8-block` of it: the same weights as DeepSeek's FP8 blocks); and for the FP4 rows DeepSeek-V4 in V4-Flash's
-storage (FP8 + MXFP4 experts, transformers' model class at the bench widths below, about --size / 4).
+storage (FP8 + MXFP4 experts, transformers' model class at the bench widths below, about --size / 8 on disk).
 
     .venv/bin/python bench/phases_bench.py --size 3GB --work /tmp/kphases
     .venv/bin/python bench/phases_bench.py --size 300MB --only none,load      # a quick look
@@ -255,14 +255,14 @@ V4_WIDTHS = {"hidden_size": 1024, "moe_intermediate_size": 1024, "num_attention_
 
 
 def mxfp4_source(work: Path, size: int) -> Path:
-    """DeepSeek-V4 in V4-Flash's storage (FP8 linears + MXFP4 routed experts) of about `size` bytes of bf16
-    weights: its experts' count sets the size. Built once."""
-    out = work / f"v4-flash-{size // 10**6}MB"
+    """DeepSeek-V4 in V4-Flash's storage (FP8 linears + MXFP4 routed experts) of about `size` bytes on disk, nearly
+    all MXFP4 experts (as Kimi K3 and V4 are): its experts' count sets the size. Built once."""
+    out = work / f"v4-flash-{size // 10**6}MB-mxfp4"
     if (out / "config.json").exists():
         return out
     from kconvert.fixtures.models.dsv4 import build_v4_model, write_v4_model
 
-    per_expert = 3 * V4_WIDTHS["hidden_size"] * V4_WIDTHS["moe_intermediate_size"] * 2  # bf16 bytes
+    per_expert = 3 * V4_WIDTHS["hidden_size"] * V4_WIDTHS["moe_intermediate_size"] * 17 // 32  # MXFP4: 4.25 bits
     layers = 5  # tiny-dsv4's schedule: 4 MoE layers and the MTP block's
     experts = max(8, min(1024, size // (per_expert * layers) // 8 * 8))
     shutil.rmtree(out, ignore_errors=True)
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     if "fp8-blocks" in only:
         rows.append(("fp8-blocks", fp8_blocks_source(src, work), "fp8"))
     if "mxfp4-fp8" in only or "fp4" in only:
-        v4 = mxfp4_source(work, size // 4)
+        v4 = mxfp4_source(work, size // 8)  # (building it holds its bf16 model: 4x this in memory)
         rows += [("mxfp4-fp8", v4, "fp8"), ("fp4", v4, "fp4")]
     for label, s, quant in rows:
         if label not in only:

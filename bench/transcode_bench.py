@@ -40,7 +40,7 @@ def run(cmd: list, out: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="1GB", help="bf16 source size (the scale preset); the MXFP4 source ~1/4 of it")
+    ap.add_argument("--size", default="1GB", help="bf16 source size (the scale preset); the MXFP4 source ~1/8 of it")
     ap.add_argument("--work", default="/tmp/kphases")
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--only", help="comma-separated source:quant rows (default: all)")
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     size = parse_size(a.size)
-    srcs = {"bf16": fixture("scale", work / f"scale-{a.size}", size=size), "mxfp4": mxfp4_source(work, size // 4)}
+    srcs = {"bf16": fixture("scale", work / f"scale-{a.size}", size=size), "mxfp4": mxfp4_source(work, size // 8)}
     torchrun = Path(sys.executable).with_name("torchrun")
     rows = [r for r in ROWS if not a.only or f"{r[0]}:{r[1]}" in a.only.split(",")]
     out, report = work / "transcode-out", {}

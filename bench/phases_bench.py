@@ -165,6 +165,34 @@ def cp_sync(src: Path, work: Path) -> float:
     return s
 
 
+def cli_pairs(src: Path, work: Path, tp: int, quant: str, pairs: int) -> dict:
+    """Whole processes, interleaved `pairs` times: `kconvert shard SRC OUT --tp --quant` + `sync` (start-up
+    included: what a user waits for), `cp -r SRC` + `sync`, and `cp -r` of shard's output + `sync` (the same bytes
+    shard writes). Medians, with each run and the load average before it."""
+    import statistics
+
+    from _cli import KCONVERT_CMD, ROOT
+
+    out, kept, runs = work / "cli-out", work / "cli-kept", {"shard": [], "cp source": [], "cp same bytes": []}
+    shutil.rmtree(kept, ignore_errors=True)
+    shard = " ".join(map(str, [*KCONVERT_CMD, "shard", src, out, "--tp", tp, "--quant", quant]))
+    for i in range(pairs + 1):  # the first round warms the caches and makes the copy of shard's output: not counted
+        for name, cmd in (("shard", f"rm -rf '{out}' && cd '{ROOT}' && {shard} > /dev/null && sync"),
+                          ("cp source", f"rm -rf '{work}/cp-copy' && cp -r '{src.resolve()}' '{work}/cp-copy' && sync"),
+                          ("cp same bytes", f"rm -rf '{work}/cp-copy' && cp -r '{kept}' '{work}/cp-copy' && sync")):
+            if name == "cp same bytes" and not kept.exists():
+                shutil.copytree(out, kept)
+            load = os.getloadavg()[0]
+            s = wall(["sh", "-c", cmd])
+            if i:
+                runs[name].append((round(s, 2), round(load, 1)))
+    for d in (out, kept, work / "cp-copy"):
+        shutil.rmtree(d, ignore_errors=True)
+    med = {k: statistics.median(s for s, _ in v) for k, v in runs.items()}
+    return {"runs": runs, "median": med, "x cp source": med["cp source"] / med["shard"],
+            "x cp same bytes": med["cp same bytes"] / med["shard"]}
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -296,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(CASES), help=f"of {','.join(CASES)}")
     ap.add_argument("--rank", type=int, default=0, help="the rank `load` streams")
     ap.add_argument("--repeat", type=int, default=3, help="load: best of N")
+    ap.add_argument("--pairs", type=int, default=3, help="whole-process runs of each shard beside cp -r + sync "
+                    "(interleaved; 0: none)")
     ap.add_argument("--json", type=Path, help="also write every figure here")
     a = ap.parse_args(argv)
     from cli.units import parse_size
@@ -323,6 +353,12 @@ def main(argv=None) -> int:
         r["load_average"] = os.getloadavg()[0]
         report[label] = r
         print_shard(f"shard --tp {a.tp} --quant {quant} ({label}, load avg {r['load_average']:.2f})", r)
+        if a.pairs:
+            c = r["cli"] = cli_pairs(s, work, a.tp, quant, a.pairs)
+            print(f"  whole process, medians of {a.pairs} interleaved: shard + sync {c['median']['shard']:.2f} s, cp -r "
+                  f"+ sync of the source {c['median']['cp source']:.2f} s ({c['x cp source']:.2f}x), of shard's "
+                  f"output {c['median']['cp same bytes']:.2f} s ({c['x cp same bytes']:.2f}x); runs (s, load avg): "
+                  + "; ".join(f"{k} {v}" for k, v in c["runs"].items()))
     if "load" in only:
         conv = work / f"scale-{a.size}-tp{a.tp}-none"
         if not (conv / "kconvert.json").exists():

@@ -6,15 +6,16 @@ for none / fp4 (copy) / fp8 / nvfp4, extrapolated from rates measured here (benc
            cost / processes
     disk = source bytes / read rate + bytes written / write rate      (one device does both)
 
-The per-core rates (GB/s of source, `--workers 1`) come from bench/transcode_bench.py's JSON (--transcode), measured on
-an MXFP4 source (its experts at bench widths, so their per-tensor work is in the rate too: conservative); the bytes
+The per-core rates (GB/s of source per CPU second: all of shard's work, its planning included) come from
+bench/phases_bench.py's JSON (--phases), measured on its MXFP4 source (DeepSeek-V4 in V4-Flash's storage, experts at
+bench widths, so their per-tensor work is in the rate too: conservative); the bytes
 written from `kconvert plan kimi-k3 --tp 8 --quant Q --json`; the tensors written and their cost beyond the data from
 bench/metadata_bench.py on `topo-kimi-k3` (K3's 93 layers x 896 experts at tiny widths; docs/BENCHMARKS.md "Real
 tensor counts"), given below as defaults; this disk's rate from bench/phases_bench.py's JSON (--phases: `cp -r` +
 `sync` of the bf16 source, its bytes over its seconds; a cold read cannot be timed on this VM, so reads are taken
 at the same rate). The NVMe node is stated, not measured: --nvme-read / --nvme-write GB/s and --nvme-processes.
 
-    .venv/bin/python bench/k3_size.py --transcode /tmp/kphases/transcode.json --phases /tmp/kphases/phases.json
+    .venv/bin/python bench/k3_size.py --phases /tmp/kphases/phases.json
 """
 
 from __future__ import annotations
@@ -46,14 +47,13 @@ def minutes(s: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--transcode", type=Path, required=True, help="bench/transcode_bench.py --json output")
     ap.add_argument("--phases", type=Path, required=True, help="bench/phases_bench.py --json output")
     ap.add_argument("--processes", type=int, default=2, help="this machine's cores (torchrun processes)")
     ap.add_argument("--nvme-read", type=float, default=7.0, help="GB/s, an assumed PCIe 4.0 x4 NVMe")
     ap.add_argument("--nvme-write", type=float, default=5.0, help="GB/s")
     ap.add_argument("--nvme-processes", type=int, default=16, help="torchrun processes on the NVMe node")
     a = ap.parse_args(argv)
-    tr, ph = json.loads(a.transcode.read_text()), json.loads(a.phases.read_text())
+    ph = json.loads(a.phases.read_text())
     none = ph["none"]
     disk = none["bytes_in"] / none["cp_sync"] / 1e9  # GB/s: cp -r + sync of the source
     print(f"this disk: {disk:.2f} GB/s (cp -r + sync of the {none['bytes_in'] / 1e9:.2f} GB source, load avg "
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
           f"({a.processes} processes): CPU / disk / total | NVMe node: CPU / disk / total |\n|---|---|---|---|---|---|")
     rows = {}
     for quant in ("none", "fp4", "fp8", "nvfp4"):
-        res = tr[f"mxfp4:{quant}"]
-        rate = res["source_bytes"] / res["workers 1"]["seconds"] / 1e9
+        run = ph["fp4" if quant == "fp4" else f"mxfp4-{quant}"]  # the MXFP4 source, in one process: CPU s of all
+        rate = run["bytes_in"] / run["cpu"] / 1e9  # its threads, planning and writing included (GB/s a core)
         out = plan_bytes(quant)
         n, us = TENSORS[quant]
         here_cpu = SOURCE_BYTES / 1e9 / (a.processes * rate) + n * us * 1e-6 / a.processes

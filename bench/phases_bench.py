@@ -36,7 +36,7 @@ from pathlib import Path
 
 from _cli import fixture  # first: this tree's kconvert on sys.path
 
-CASES = ("none", "fp8", "fp8-blocks", "mxfp4-fp8", "fp4", "load")
+CASES = ("none", "fp8", "fp8-blocks", "mxfp4-fp8", "fp4", "mxfp4-nvfp4", "mxfp4-none", "load")
 PHASES = ("read", "check", "decode", "slice", "quantize", "CRC", "write", "fsync", "wait")
 
 
@@ -203,6 +203,8 @@ def shard_case(src: Path, out: Path, tp: int, quant: str) -> dict:
     from kconvert.convert.shard.job import ShardJob, shard
     from kconvert.quant.policy import QuantPolicy
 
+    import torch  # noqa: F401 (imported before the clock starts: a quantizing job's first unit would import it)
+
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     with instrumented() as p:
@@ -340,9 +342,9 @@ def main(argv=None) -> int:
     rows = [("none", src, "none"), ("fp8", src, "fp8")]
     if "fp8-blocks" in only:
         rows.append(("fp8-blocks", fp8_blocks_source(src, work), "fp8"))
-    if "mxfp4-fp8" in only or "fp4" in only:
+    if {"mxfp4-fp8", "fp4", "mxfp4-nvfp4", "mxfp4-none"} & set(only):
         v4 = mxfp4_source(work, size // 8)  # (building it holds its bf16 model: 4x this in memory)
-        rows += [("mxfp4-fp8", v4, "fp8"), ("fp4", v4, "fp4")]
+        rows += [("mxfp4-fp8", v4, "fp8"), ("fp4", v4, "fp4"), ("mxfp4-nvfp4", v4, "nvfp4"), ("mxfp4-none", v4, "none")]
     for label, s, quant in rows:
         if label not in only:
             continue

@@ -4,11 +4,11 @@ name the first damaged file and tensor (`kconvert verify-files`, `load --verify`
 from __future__ import annotations
 
 import stat
-import zlib
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
 from kconvert.errors import ChecksumMismatch, CheckpointError, FormatError, MissingFileError, UsageError
+from kconvert.io.crc import crc32
 from kconvert.io.gc_pause import frozen_gc, paused_gc
 from kconvert.io.pread import read_bytes
 from kconvert.io.regular import kind_of
@@ -25,7 +25,7 @@ def file_crc32(path: Path, size: int) -> str:
     crc, pos = 0, 0
     while pos < size:
         n = min(CHUNK, size - pos)
-        crc = zlib.crc32(read_bytes(path, pos, n), crc)
+        crc = crc32(read_bytes(path, pos, n), crc)
         pos += n
     return f"{crc:08x}"
 
@@ -157,6 +157,6 @@ def first_bad_tensor(path: Path, cat: Catalog, rel: str) -> str | None:
             data = read_entry_bytes(entry)
         except FormatError:
             return entry.name
-        if f"{zlib.crc32(data):08x}" != want.get(entry.name):
+        if f"{crc32(data):08x}" != want.get(entry.name):
             return entry.name
     return "(header)"

@@ -4,6 +4,7 @@ a plain relative path that stays inside its directory — no absolute path, no `
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path, PurePosixPath
 
 from kconvert.errors import CheckpointError
@@ -21,8 +22,10 @@ def contained(root: str | Path, rel: object, *, named_in: str | Path, tensor: st
     root = Path(root)
     path = root.joinpath(*p.parts)
     # os.path on strings, not Path.resolve: a converted directory lists hundreds of files, checked on every open
-    real = os.path.realpath(path)
     root_real = os.path.realpath(root)
+    if _plain_below(root_real, p.parts):  # no part of rel is a symlink: inside (what realpath would find, in 1 stat
+        return path  # a part rather than one for every part of the whole path; a loader opens 100s of files)
+    real = os.path.realpath(path)
     allowed = [root_real]
     if os.path.basename(os.path.dirname(root_real)) == "snapshots":  # a Hub cache snapshot: files link to ../../blobs
         allowed.append(os.path.dirname(os.path.dirname(root_real)))
@@ -30,3 +33,17 @@ def contained(root: str | Path, rel: object, *, named_in: str | Path, tensor: st
         raise CheckpointError(f"{rel!r} is a symlink leading out of the checkpoint directory", file=str(named_in),
                               tensor=tensor)
     return path
+
+
+def _plain_below(root_real: str, parts: tuple[str, ...]) -> bool:
+    """Whether every component of `parts` below the resolved root exists and is not a symlink (then the path resolves
+    to root_real/parts, inside the root); False sends the caller to realpath's full answer."""
+    at = root_real
+    for part in parts:
+        at = os.path.join(at, part)
+        try:
+            if stat.S_ISLNK(os.lstat(at).st_mode):
+                return False
+        except OSError:
+            return False
+    return True

@@ -21,19 +21,18 @@ from __future__ import annotations
 import math
 import os
 import threading
-import zlib
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import add, itemgetter, mul
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from kconvert.io.atomic import fsync_dir, write_error
 from kconvert.io.compact_json import compact_json
-from kconvert.io.crc import crc32_combine
-from kconvert.io.dtypes import ITEMSIZE, TAGS
+from kconvert.io.crc import crc32, crc32_combine
+from kconvert.io import dtypes
+from kconvert.io.dtypes import ITEMSIZE
 from kconvert.io.typed_json import HeaderSpec
 
 
@@ -54,6 +53,8 @@ class WrittenFile:
 
 def tensor_bytes(t: torch.Tensor):
     """A zero-copy byte view of a CPU tensor (numpy has no bf16/fp8, so view as uint8 first)."""
+    import torch  # here: a job of plain copies writes bytes and never imports torch (convert/shard/byte_copy.py)
+
     t = t.detach().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
@@ -98,7 +99,7 @@ class SafetensorsWriter:
             raise write_error(e, self.path) from None
         self._finished = False
         self._write([self._head], 0)
-        self._crc = zlib.crc32(self._head)  # the header's; finish() extends it by the tensors'
+        self._crc = crc32(self._head)  # the header's; finish() extends it by the tensors'
 
     def _write(self, buffers: list, at: int) -> None:
         """Put `buffers` back to back from file offset `at`: into the staged file, or one positioned write."""
@@ -130,13 +131,15 @@ class SafetensorsWriter:
             _advise(self._fd, "POSIX_FADV_DONTNEED", self._lo, self._hi - self._lo)
             self._lo, self._hi = self.total, 0
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: torch.Tensor, crc: int | None = None) -> int:
+        """Tensor `name`'s bytes; returns their CRC-32. `crc`: theirs already (the same tensor written to another
+        rank's file: a replicated weight is passed over once, not once per rank)."""
         i = self._index.get(name, -1)
         want_name, tag, shape = self.specs[i] if i >= 0 else (name, None, None)
-        if i < 0 or self._crcs[i] is not None or TAGS.get(t.dtype) != tag or tuple(t.shape) != tuple(shape):
+        if i < 0 or self._crcs[i] is not None or dtypes.TAGS.get(t.dtype) != tag or tuple(t.shape) != tuple(shape):
             self.abort()
             raise RuntimeError(f"writer expected {want_name} {tag}{list(shape or ())} once, got {name} {t.dtype}{list(t.shape)}")
-        self.write_bytes(i, [tensor_bytes(t)])
+        return self.write_bytes(i, [tensor_bytes(t)], None if crc is None else [crc])[0]
 
     def index(self, name: str) -> int:
         """Where tensor `name` is in the planned order (for write_bytes)."""
@@ -146,31 +149,36 @@ class SafetensorsWriter:
         """index() of each of `names` (for write_stacked)."""
         return list(map(self._index.__getitem__, names))
 
-    def write_bytes(self, first: int, buffers: list) -> None:
+    def write_bytes(self, first: int, buffers: list, crcs: list[int] | None = None) -> list[int]:
         """The bytes of planned tensors first, first + 1, ... (adjacent in the file: one write), each the
-        planned size: the caller has checked dtype and shape (shard's batches check them once a batch)."""
-        for i, data in enumerate(buffers, first):
+        planned size: the caller has checked dtype and shape (shard's batches check them once a batch). Returns
+        their CRC-32s; `crcs`: those of the same buffers, computed for another file (write's `crc`)."""
+        for k, (i, data) in enumerate(enumerate(buffers, first)):
             n = memoryview(data).nbytes
             if self._crcs[i] is not None or n != self._size[i]:
                 self.abort()
                 raise RuntimeError(f"writer expected {self._size[i]} bytes of {self.specs[i][0]} once, got {n}")
-            self._crcs[i] = zlib.crc32(data)
+            self._crcs[i] = crc32(data) if crcs is None else crcs[k]
         self._write(buffers, self._at[first])
         self._next += len(buffers)
+        return self._crcs[first:first + len(buffers)]
 
-    def write_stacked(self, firsts: list[int], rows: list[np.ndarray]) -> None:
+    def write_stacked(self, firsts: list[int], rows: list[np.ndarray], crcs: list[list[int]] | None = None) -> list[list[int]]:
         """Many outputs alike at once (shard's stacks: a layer's experts): output n's k-th tensor is planned tensor
         firsts[n] + k and its bytes are rows[k][n] (rows[k]: uint8 [N, bytes]). Each checked as write_bytes
         checks it; into a staged file with one copy per k when the outputs lie equally spaced (the usual: the
-        same tensors repeated expert after expert), else tensor by tensor."""
+        same tensors repeated expert after expert), else tensor by tensor. Returns each k's CRC-32s (rows[k]'s, in
+        order); `crcs`: those of the same rows computed for another file (write's `crc`)."""
         n = len(firsts)
+        done = []
         for k, r in enumerate(rows):
             idx = list(map(add, firsts, repeat(k)))
             if list(map(self._crcs.__getitem__, idx)).count(None) != n or \
                     set(map(self._size.__getitem__, idx)) != {r.shape[1]} or r.shape[0] != n:
                 self.abort()
                 raise RuntimeError(f"writer expected {n} planned tensors of {r.shape[1]} bytes once at {firsts[:3]}...")
-            list(map(self._crcs.__setitem__, idx, map(zlib.crc32, r)))
+            done.append(list(map(crc32, r)) if crcs is None else crcs[k])
+            list(map(self._crcs.__setitem__, idx, done[-1]))
             if self._stage is None:
                 continue
             at = np.fromiter(map(self._at.__getitem__, idx), dtype=np.int64, count=n)
@@ -181,6 +189,7 @@ class SafetensorsWriter:
             for i, first in enumerate(firsts):
                 self._write([r[i] for r in rows], self._at[first])
         self._next += n * len(rows)
+        return done
 
     def _stage_strided(self, at: np.ndarray, r: np.ndarray) -> bool:
         """rows r to staged offsets `at` with a strided copy per interleaved run, when every p-th offset is equally
@@ -205,7 +214,7 @@ class SafetensorsWriter:
             buf, self._stage = self._stage, None
             with memoryview(buf) as whole, whole[:self.total] as staged:
                 self._pwrite([staged], 0)
-                self._crc = zlib.crc32(staged)  # a small file: one pass over it (simpler than combining per tensor)
+                self._crc = crc32(staged)  # a small file: one pass over it (simpler than combining per tensor)
             _spare(buf)
         else:
             crc = self._crc  # the file's CRC from the header's and its tensors', in file order

@@ -17,11 +17,11 @@ Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing i
 from __future__ import annotations
 
 
+import errno
 import os
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +36,7 @@ from kconvert.load.first_load import mark_checked, needs_crc
 from kconvert.disk_format.journal import check_not_mid_pack
 from kconvert.disk_format.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
+from kconvert.io.crc import crc32, crc32_combine
 from kconvert.io.pread import pread_into
 from kconvert.io.regular import open_regular, regular_fd
 from kconvert.load.views import tensor_views
@@ -110,7 +111,7 @@ class ConvertedCheckpoint:
         size = header.size
         t0 = time.perf_counter()
         if staging is None and self.zero_copy and header.compressed is None:
-            buf = _map_file(path, size)  # CPU: the page cache itself, no copy
+            buf = _map_file(path, size, pool)  # CPU: the page cache itself, no copy
         else:
             buf = staging[:size] if staging is not None else torch.empty(size, dtype=torch.uint8)
             if header.compressed is not None:
@@ -120,7 +121,7 @@ class ConvertedCheckpoint:
         t1 = time.perf_counter()
         self.stats.read_seconds += t1 - t0
         if verify:
-            crc = f"{zlib.crc32(buf.numpy()):08x}"
+            crc = f"{_crc32_parallel(buf.numpy(), pool):08x}"
             self.stats.verify_seconds += time.perf_counter() - t1
             if crc != self.files[rel]["crc32"]:
                 from kconvert.disk_format.integrity import first_bad_tensor
@@ -237,17 +238,68 @@ class ConvertedCheckpoint:
                 self.stats.copy_seconds += time.perf_counter() - t0
 
 
-def _map_file(path: Path, size: int) -> torch.Tensor:
-    """A private (copy-on-write) mapping of the whole file, its pages faulted in now by reads (in
-    the reader thread, so the consumer never waits on the disk). Read faults map the page cache
-    without copying; a write copies just that page, privately."""
+CRC_CHUNK = 32 << 20  # a file's CRC-32 is computed in pieces of this size on the pool's threads, then combined
+
+
+def _crc32_parallel(data, pool: ThreadPoolExecutor) -> int:
+    """CRC-32 of a C-contiguous byte array, CRC_CHUNK pieces on the pool (the checksum releases the GIL), combined in
+    order (io/crc.crc32_combine): a large unit file is checked at the cores' speed, not one core's."""
+    n = data.size
+    if n <= CRC_CHUNK:
+        return crc32(data)
+    starts = range(0, n, CRC_CHUNK)
+    crc = 0
+    for lo, part in zip(starts, pool.map(lambda lo: crc32(data[lo:lo + CRC_CHUNK]), starts)):
+        crc = crc32_combine(crc, part, min(CRC_CHUNK, n - lo)) if lo else part
+    return crc
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14+; this Python's mmap module may not name it
+
+
+def _libc_madvise():
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()  # called through ctypes, which lets go of the GIL (mmap.madvise holds it): ranges at once
+
+
+def _populate(address: int, length: int) -> None:
+    """MADV_POPULATE_READ on [address, address + length) of a mapping; OSError as the kernel answers."""
+    import ctypes
+
+    if _MADVISE is None:
+        raise OSError(errno.EINVAL, "no madvise")
+    if _MADVISE(address, length, MADV_POPULATE_READ) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def _map_file(path: Path, size: int, pool: ThreadPoolExecutor) -> torch.Tensor:
+    """A private (copy-on-write) mapping of the whole file, every page mapped now (on the reader's threads, so the
+    consumer never waits on the disk): MADV_POPULATE_READ maps the page cache, CHUNK-sized ranges on the pool's
+    threads at once, reading from the disk what is not cached, without breaking copy-on-write; where the kernel
+    has no such advice, each page is read once (a fault per page, or per fault-around window). A write copies just
+    that page, privately."""
     import mmap
 
     with regular_fd(path, LoaderError) as (fd, _):
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    mm.madvise(mmap.MADV_WILLNEED)
     buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    int(buf[:: mmap.PAGESIZE].sum())  # touch every page
+    try:
+        list(pool.map(lambda lo: _populate(buf.data_ptr() + lo, min(CHUNK, size - lo)), range(0, size, CHUNK)))
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EFAULT (the file is shorter now), EIO: a page that cannot be read
+            raise LoaderError(f"cannot read the shard: {e.strerror}", file=str(path)) from None
+        mm.madvise(mmap.MADV_WILLNEED)  # an older kernel
+        int(buf[:: mmap.PAGESIZE].sum())  # touch every page
     return buf
 
 

@@ -20,10 +20,7 @@ from kconvert.quant.fp8_block import divide_blocks
 from kconvert.quant.int4_group import dequantize_int4
 from kconvert.quant.packing import unpack_int32_words
 from kconvert.quant.scheme import KCONVERT, Options, Scheme
-
-
-class NotStackable(Exception):
-    """A stack with a non-finite value: the caller redoes it weight by weight, which names the bad one."""
+from kconvert.quant.stacking import STACKED_COPIES, NotStackable  # noqa: F401 (defined without torch: the plan's)
 
 
 def supports(scheme: Scheme, opts: Options) -> bool:
@@ -73,7 +70,6 @@ def dequantize_int4_words(packed: torch.Tensor, scale: torch.Tensor, cols: int, 
 
 
 # ------------------------------------------------------------------------ lossless copies of FP4 experts, stacked
-STACKED_COPIES = ("fp4_copy", "fp4_to_fp8")  # whole-tensor copies `copy_parts` makes over a stack
 
 
 def supports_copy(transform: str, opts: Options) -> bool:

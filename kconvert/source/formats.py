@@ -101,13 +101,24 @@ def check_scale_range(t: LogicalTensor, scale: torch.Tensor) -> None:
     largest code its format stores must stay within float32, else the scale is refused, naming it. An e8m0 byte
     0xFE is 2^127, under which FP4's code 6 is Inf: no real checkpoint holds a scale within 2^9 of float32's
     top, so the test needs the scales alone (a max over them), never the weights."""
-    top = _TOP_BY_FORMAT.get(t.format) or _TOP_BY_DTYPE.get(t.parts["weight"].dtype if "weight" in t.parts else "")
+    top = largest_code(t)
     biggest = scale_overflow(scale, top)
     if biggest is not None:
-        entry = t.parts["scale"]
-        raise NonFiniteError(f"a scale of {biggest:.3g} decodes this tensor's codes (up to {top:g}) past float32 "
-                             "(dequantized values overflow to Inf): the checkpoint is damaged", file=str(entry.file),
-                             tensor=entry.name)
+        raise scale_range_error(t, biggest, top)
+
+
+def largest_code(t: LogicalTensor) -> float | None:
+    """The largest magnitude `t`'s stored codes take (what its scales multiply), or None where its scales are not
+    checked against float32's range."""
+    return _TOP_BY_FORMAT.get(t.format) or _TOP_BY_DTYPE.get(t.parts["weight"].dtype if "weight" in t.parts else "")
+
+
+def scale_range_error(t: LogicalTensor, biggest: float, top: float) -> NonFiniteError:
+    """check_scale_range's refusal (also the byte copies': convert/shard/byte_copy.py), naming the scale."""
+    entry = t.parts["scale"]
+    return NonFiniteError(f"a scale of {biggest:.3g} decodes this tensor's codes (up to {top:g}) past float32 "
+                          "(dequantized values overflow to Inf): the checkpoint is damaged", file=str(entry.file),
+                          tensor=entry.name)
 
 
 def scale_overflow(scale: torch.Tensor, top: float | None) -> float | None:

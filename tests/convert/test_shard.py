@@ -250,3 +250,27 @@ def test_ep1_splits_each_expert_over_all_ranks(checkpoint, tmp_path):
         for leaf, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
             name = f"model.layers.1.mlp.experts.7.{leaf}.weight"
             assert torch.equal(got[name], source[name].chunk(2, dim=dim)[rank]), name
+
+
+@pytest.mark.parametrize("preset,quant", [("tiny-k25-dsv32", "none"), ("tiny-k25-dsv32", "int8"),
+                                          ("tiny-k25-dsv32-fp8", "fp8")])
+def test_recorded_crcs_are_the_bytes_on_disk(conversion, preset, quant):
+    """Every file's and every tensor's CRC-32 in kconvert.json is zlib's of the bytes written, on every rank: a
+    replicated tensor's is computed once and given to the other ranks' files, and must still be theirs."""
+    import zlib
+
+    from helpers import header_offsets
+    from kconvert.disk_format.catalog import Catalog
+
+    out = conversion(preset, tp=2, quant=quant)
+    cat = Catalog.read(out)
+    replicated = 0
+    for rel, rec in cat.files.items():
+        data = (out / rel).read_bytes()
+        assert f"{zlib.crc32(data):08x}" == rec["crc32"], rel
+        start, header = header_offsets(out / rel)
+        for t in cat.tensors_in(rel):
+            lo, hi = header[t["name"]]["data_offsets"]
+            assert f"{zlib.crc32(data[start + lo:start + hi]):08x}" == t["crc32"], (rel, t["name"])
+            replicated += rec["rank"] == 1 and t.get("slice") is None
+    assert replicated  # rank 1 holds whole copies of replicated tensors (norms, q_a_proj, ...)

@@ -106,3 +106,26 @@ def test_requantize_rounds_only_the_groups_one_scale_cannot_hold():
     assert bool((q[2, 64:96].to(torch.float32) == 0).all())  # 40 octaves down: nothing left
     assert not torch.equal(got[0, :32], torch.tensor([plain_value(int(codes[0, c]), int(exps[0, 0])) for c in range(32)],
                                                      dtype=torch.float64))  # something was indeed rounded
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_pair_table_gives_the_products_bits(seed):
+    """fp4_to_fp8_block looks each code pair up in a table of e4m3 bytes: the same bits as casting code x 2^(k - m)
+    computed in float32, for stacks, odd row counts, every block size, exact and rounding (--requantize)."""
+    from kconvert.quant.fp4_e2m1 import E2M1, E8M0_BIAS
+    from kconvert.quant.fp4_to_fp8 import block_exponents
+
+    gen = torch.Generator().manual_seed(seed)
+    lead, rows, cols = [(), (3,), (2, 2)][seed % 3], [130, 7, 256][seed % 3], [96, 256][seed % 2]
+    packed = torch.randint(0, 256, (*lead, rows, cols // 2), dtype=torch.uint8, generator=gen)
+    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
+    for block, rounding, spread in ((128, True, 30), (64, True, 30), (128, False, 12), (32, False, 12)):
+        exps = torch.randint(120 - spread // 2, 120 + spread // 2, (*lead, rows, cols // 32), generator=gen)
+        scale = exps.to(torch.uint8).view(torch.float8_e8m0fnu)
+        m = block_exponents(packed, scale, "", block, rounding)
+        m_groups = m.repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block // 32, -1)[..., :cols // 32]
+        d = (exps - E8M0_BIAS - m_groups).clamp(-16 if rounding else -8, 6)
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+        want = (lut[codes] * torch.exp2(d.float()).repeat_interleave(32, dim=-1)).to(torch.float8_e4m3fn)
+        q, s = fp4_to_fp8_block(packed, scale, "", block, rounding)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and torch.equal(s, torch.exp2(m.float()))

@@ -38,6 +38,7 @@ from kconvert.convert.shard.catalog import write_catalog
 from kconvert.convert.shard.plan import plan_items
 from kconvert.convert.export.expert_dtype import source_disagreement
 from kconvert.convert.run import Run, RunResult, ShardFigures, default_workers
+from kconvert.convert.shard.byte_copy import plain_copies, write_unit_bytes
 from kconvert.convert.shard.unit import run_unit, write_unit
 from kconvert.io.gc_pause import frozen_gc, keep_to_exit, paused_gc
 from kconvert.io.safetensors_write import commit_all
@@ -141,13 +142,14 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     # small tensors: torch on one thread (stacked ops of a few MB gain little from a second one, whose
     # spin-wait between ops cost 3.7x the CPU time on topo-k25: measured with 2 threads on 2 cores)
     threads = 1 if small else None
+    as_bytes = calibration is None and level is None and plain_copies(ck, todo)  # no torch (byte_copy.py)
     if calibration is None:
-        units = _units(ck, batches, out, progress, level, workers)
+        units = _units(ck, batches, out, progress, level, workers, as_bytes)
     else:  # the layers any process has left to write: every process calibrates each of them
         layers = sorted({L for part in dist.all_gather_object([unit_layer(b[0].unit) for b in batches])
                          for L in part if L is not None})
         units = _calibrated_units(ck, batches, layers, out, progress, level, calibration)
-    with run.log(f"done-{dist.rank:04d}.jsonl", workers, threads) as log:
+    with run.log(f"done-{dist.rank:04d}.jsonl", None if as_bytes else workers, threads) as log:
         for batch, recs in units:
             entries = []
             for w, (rec, stored) in zip(batch, recs):
@@ -182,13 +184,17 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     return run.done()
 
 
-def _units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, level: int | None, workers: int):
+def _units(ck: Checkpoint, batches: list[list[WorkItem]], out: Path, progress, level: int | None, workers: int,
+           as_bytes: bool = False):
     """Yield (batch, [(WrittenFile, stored)]) in unit order, each unit's files durable under their final
     names. Workers run up to `window` units ahead; a unit they finished waits here only for its commit.
-    On any error, or when the caller stops early, the units in flight are discarded (temporaries removed)."""
+    On any error, or when the caller stops early, the units in flight are discarded (temporaries removed).
+    `as_bytes`: every output is a plain copy, written by byte_copy.write_unit_bytes (no torch)."""
     per_unit = max((len(b) for b in batches), default=1)
     window = max(workers + 1, min(2 * workers, MAX_OPEN_FILES // per_unit))  # finished units hold open files
-    if level is None:
+    if as_bytes:
+        work, discard = (lambda b: write_unit_bytes(ck, b, out, progress)), _abort_all
+    elif level is None:
         work, discard = (lambda b: write_unit(ck, b, out, progress)), _abort_all
     else:  # compressed shards: each worker commits and compresses its own files
         work, discard = (lambda b: run_unit(ck, b, out, progress, level)), None

@@ -18,7 +18,7 @@ from kconvert.family.manifest import TensorInfo
 from kconvert.quant.policy import QuantPolicy
 from kconvert.source.stored_quant import rows_copy, source_quant
 from kconvert.quant.scheme import LosslessCopy, Scheme
-from kconvert.quant.stacked import STACKED_COPIES
+from kconvert.quant.stacking import STACKED_COPIES
 from kconvert.source.logical import stack_form
 
 

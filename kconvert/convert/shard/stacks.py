@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
-
-import torch
+from typing import TYPE_CHECKING
 
 from kconvert.convert.shard.outputs import Output
-from kconvert.io.dtypes import TAGS
+from kconvert.io import dtypes
 from kconvert.io.safetensors_write import SafetensorsWriter
-from kconvert.quant import stacked
 from kconvert.source.checkpoint import Checkpoint
 from kconvert.source.logical_by_name import stack_columns
-from kconvert.source.stacked import read_fp4_parts, read_stack
+
+if TYPE_CHECKING:  # torch and the stacked readers and quantizers are imported where a stack is made: a job of plain
+    import torch  # copies imports this module and never torch (convert/shard/byte_copy.py)
 
 STACK_BYTES = 64 << 20  # float32 bytes of one stack at most (a real model's large experts are not stacked)
 
@@ -62,6 +62,8 @@ def _stackable(key, pairs: Pairs) -> bool:
     """Whether weights of this key (every output's stack_part, or the one output's: the plan's id of the source's
     stored form, the cut, the storage; None: never stacked) go as stacks: every output stackable, and stored in a
     way quant/stacked.py does."""
+    from kconvert.quant import stacked
+
     return None not in (key if isinstance(key, tuple) else (key,)) and all(
         stacked.supports_copy(o.copy.transform, o.options) if o.copy is not None else
         o.scheme is None or stacked.supports(o.scheme, o.options) for _, o in pairs)
@@ -70,12 +72,18 @@ def _stackable(key, pairs: Pairs) -> bool:
 def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> int:
     """Read, transform and write the stack `srcs` (weights sharing a plan_jobs key); returns the source
     bytes done (for progress)."""
+    import torch
+
+    from kconvert.quant import stacked
+    from kconvert.source.stacked import read_fp4_parts, read_stack
+
     pairs0, n = by_src[srcs[0]], len(srcs)
     t0, parts = stack_columns(ck.logical, srcs)  # their stored entries by role, no LogicalTensor each
     copies = pairs0[0][1].copy is not None  # whole FP4 experts copied (or re-encoded exactly): their stored parts
     x = read_fp4_parts(t0, parts) if copies else read_stack(t0, parts, ck.int4_group())
     made: dict = {} if copies else _even_split(x, [o for _, o in pairs0])  # a replicated output is made once, too
     rows_of: dict = {}  # made key -> a byte row a weight, per planned tensor
+    crcs_of: dict = {}  # made key -> the rows' CRC-32s (a replicated output's: passed over once, not once per rank)
     table = list(map(by_src.__getitem__, srcs))
     for j, (_, o0) in enumerate(pairs0):
         p = o0.piece
@@ -88,7 +96,7 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             elif stacks is None:
                 stacks = _produce(o0, x if p.dim is None else x.narrow(p.dim + 1, p.start, p.stop - p.start))
             specs0 = o0.specs()
-            if [(TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
+            if [(dtypes.TAGS.get(s.dtype), tuple(s.shape[1:])) for s in stacks] != [(tag, tuple(shape)) for _, tag, shape in specs0]:
                 raise RuntimeError(f"stacked {o0.transform} of {o0.src} does not match its planned {specs0}")
             rows = rows_of[key] = [s.view(torch.uint8).numpy().reshape(n, -1) for s in stacks]
         tail = o0.specs()[0][0][len(o0.src):]  # a weight's first stored tensor: its name + this (`_packed` for FP4)
@@ -96,7 +104,9 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             writer = pairs0[j][0]
             first = writer.index(o0.src + tail)
             _check_planned(writer, [first], o0)
-            writer.write_bytes(first, [r[0] for r in rows])
+            crcs = crcs_of.get(key)
+            crcs_of[key] = writer.write_bytes(first, [r[0] for r in rows], crcs and [c[0] for c in crcs])
+            crcs_of[key] = [[c] for c in crcs_of[key]]
             continue
         pairs = list(map(itemgetter(j), table))
         # every output of the stack planned alike (then its specs are o0's, names aside), each file's at once
@@ -114,7 +124,10 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             mine = srcs if len(ns) == n else [srcs[i] for i in ns]
             firsts = writer.indices([name + tail for name in mine] if tail else mine)
             _check_planned(writer, firsts, o0)
-            writer.write_stacked(firsts, rows if len(ns) == n else [r[ns] for r in rows])
+            if len(ns) == n:  # (experts spread over the ranks: each file's rows differ, their CRCs too)
+                crcs_of[key] = writer.write_stacked(firsts, rows, crcs_of.get(key))
+            else:
+                writer.write_stacked(firsts, [r[ns] for r in rows])
     return n * sum(o.bytes_in for _, o in pairs0)  # every weight's outputs alike (checked)
 
 
@@ -152,6 +165,10 @@ def _even_split(x: torch.Tensor, outs: list[Output]) -> dict[int, list[torch.Ten
 
 def _produce(o: Output, x: torch.Tensor) -> list[torch.Tensor]:
     """shard_unit._produce over a stack: contiguous [N, ...] tensors, one per planned spec."""
+    import torch
+
+    from kconvert.quant import stacked
+
     if o.scheme is not None:
         return stacked.quantize(o.scheme, x, o.options)
     return [(x.to(torch.bfloat16) if o.transform == "bf16" else x).contiguous()]

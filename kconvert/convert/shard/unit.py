@@ -20,7 +20,7 @@ from kconvert.convert.fused import tensor_scales
 from kconvert.convert.shard.outputs import Output, WorkItem
 from kconvert.convert.shard.stacks import Pairs, plan_jobs, write_stack
 from kconvert.quant.scheme import Options, stored_output
-from kconvert.quant.stacked import NotStackable
+from kconvert.quant.stacking import NotStackable
 from kconvert.quant.tally import counting, merged
 
 
@@ -134,6 +134,7 @@ def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], prog
             x = ahead.result()
             ahead = _read_ahead(reader, ck, by_src[order[i + 1]][0][1]) if i + 1 < len(order) else None
             made: dict[tuple, list] = {}  # a replicated tensor is transformed once, not once per rank
+            crcs: dict[tuple, int] = {}  # and passed over for its CRC-32 once: (made key, tensor) -> its CRC
             opts = replace(by_src[src][0][1].options, tensor_scale=fixed[src]) if src in fixed else None
             for writer, o in by_src[src]:
                 try:
@@ -144,7 +145,9 @@ def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], prog
                             key = (o.transform, o.scale_format, o.group_size, o.int4_scales, o.fp8_block)
                             if key not in made:
                                 made[key] = list(_produce(o, x, opts))
-                            produced = made[key]
+                            for j, (name, tensor) in enumerate(made[key]):
+                                crcs[key, j] = writer.write(name, tensor, crcs.get((key, j)))
+                            produced = ()
                         else:
                             produced = _produce(o, _slice(ck, o, x), opts)
                         for name, tensor in produced:
@@ -156,7 +159,7 @@ def _write_each(ck: Checkpoint, order: list[str], by_src: dict[str, Pairs], prog
                     raise
                 if progress:  # in flight: the bar counts a file's bytes when it is durable (Run.wrote)
                     progress("working", n=o.bytes_in)
-            del x, made
+            del x, made, crcs
 
 
 READ_AHEAD_BYTES = 1 << 20  # smaller source tensors are read when needed, on this thread

@@ -55,10 +55,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     ph = json.loads(a.phases.read_text())
     none = ph["none"]
-    disk = none["bytes_in"] / none["cp_sync"] / 1e9  # GB/s: cp -r + sync of the source
-    print(f"this disk: {disk:.2f} GB/s (cp -r + sync of the {none['bytes_in'] / 1e9:.2f} GB source, load avg "
-          f"{none['load_average']:.1f}); NVMe node assumed: {a.nvme_read:g} GB/s read, {a.nvme_write:g} GB/s write, "
-          f"{a.nvme_processes} processes\n")
+    runs = [s for s, _ in none["cli"]["runs"]["cp source"]] if "cli" in none else [none["cp_sync"]]
+    rates = sorted(none["bytes_in"] / s / 1e9 for s in runs)
+    disk = rates[len(rates) // 2]  # GB/s: cp -r + sync of the source, the median run
+    print(f"this disk: {disk:.2f} GB/s (cp -r + sync of the {none['bytes_in'] / 1e9:.2f} GB source, the median of "
+          f"{len(rates)} runs: {', '.join(f'{r:.2f}' for r in rates)} GB/s); NVMe node assumed: {a.nvme_read:g} GB/s "
+          f"read, {a.nvme_write:g} GB/s write, {a.nvme_processes} processes\n")
     print("| K3 `shard --tp 8 --quant` | written | tensors | per core (GB/s of source) | this machine "
           f"({a.processes} processes): CPU / disk / total | NVMe node: CPU / disk / total |\n|---|---|---|---|---|---|")
     rows = {}

@@ -8,16 +8,19 @@ on the next unit). Phases: read (mapping or reading the source bytes; first touc
 they happen, usually in "check"), check (the NaN/Inf test of every source tensor), decode (dequantizing a stored
 form), slice, quantize (a scheme's encode, or its lossless copy's re-encoding), CRC (each tensor's CRC-32 and the
 file's), write (copying into staged files, positioned writes), fsync (files, directories, the journal), wait; and
-then the wall time with a final `sync`. The yardsticks run in the same process, on the same files, once each
-between the conversions: `cp -r SRC` + `sync`, and for the load, safetensors' `load_file` of the rank's files,
-every tensor touched (one byte a page), and a raw read of the same files (`cat > /dev/null`, page cache warm).
+then the wall time with a final `sync`. The yardsticks run on the same files once each between the conversions:
+`cp -r SRC` + `sync` and `cp -r` of shard's output + `sync` (the same bytes); for the load, in this process,
+safetensors' `load_file` of the rank's files, every tensor touched (one byte a page), and a raw read of the same
+files (`cat > /dev/null`, page cache warm). With --pairs N (default 3), whole processes too: `kconvert shard` +
+`sync` (start-up included), `cp -r` of the source + `sync` and of shard's output + `sync`, interleaved N times,
+medians: the ratio a user sees.
 
 Sources (built once into --work): `scale` bf16 of --size; its block-FP8 twin (`kconvert export --format
 fp8-block` of it: the same weights as DeepSeek's FP8 blocks); and for the FP4 rows DeepSeek-V4 in V4-Flash's
 storage (FP8 + MXFP4 experts, transformers' model class at the bench widths below, about --size / 8 on disk).
 
-    .venv/bin/python bench/phases_bench.py --size 3GB --work /tmp/kphases
-    .venv/bin/python bench/phases_bench.py --size 300MB --only none,load      # a quick look
+    .venv/bin/python bench/phases_bench.py --size 3GB --work /tmp/kphases --json /tmp/kphases/phases.json
+    .venv/bin/python bench/phases_bench.py --size 300MB --only none,load --pairs 0      # a quick look
 """
 
 from __future__ import annotations

@@ -124,3 +124,28 @@ def test_a_damaged_fp8_copy_is_refused_as_the_tensor_path_refuses_it(checkpoint,
         assert not (tmp_path / f"o{as_bytes}" / "kconvert.json").exists()
         lines.append(r.stderr.replace(str(tmp_path / f"o{as_bytes}"), "OUT"))
     assert lines[0] == lines[1]
+
+
+def test_an_interrupted_byte_copy_resumes_to_the_same_files(checkpoint, tmp_path, monkeypatch):
+    """The byte path journals each unit after its files are durable, as the tensor path does: a run stopped after two
+    units leaves them journalled and no kconvert.json; the same command resumes after them and ends with the files
+    of an uninterrupted run."""
+    import kconvert.convert.shard.job as job
+
+    src = checkpoint("tiny-k25-dsv32")
+    assert cli_here("shard", src, tmp_path / "ref", "--tp", 2).returncode == 0
+    real, done = job.write_unit_bytes, []
+
+    def stop_at_the_third(*a):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(job, "write_unit_bytes", stop_at_the_third)
+    stopped = cli_here("shard", src, tmp_path / "out", "--tp", 2, "--workers", 1)  # (one worker: units in order)
+    assert stopped.returncode != 0 and not (tmp_path / "out" / "kconvert.json").exists()
+    monkeypatch.setattr(job, "write_unit_bytes", real)
+    r = cli_here("shard", src, tmp_path / "out", "--tp", 2, "--workers", 1, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["files_resumed"] >= 2
+    assert _tree(tmp_path / "out") == _tree(tmp_path / "ref")

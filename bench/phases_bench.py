@@ -21,6 +21,9 @@ storage (FP8 + MXFP4 experts, transformers' model class at the bench widths belo
 
     .venv/bin/python bench/phases_bench.py --size 3GB --work /tmp/kphases --json /tmp/kphases/phases.json
     .venv/bin/python bench/phases_bench.py --size 300MB --only none,load --pairs 0      # a quick look
+
+Over 300 lines: every conversion kind's phase timers, the yardsticks (cp -r + sync, load_file, a raw read)
+and the table are one measurement; they are read together.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ stream. Compressed shards (kconvert/io/compressed.py) are decompressed chunk by 
 threads into the same buffers, so everything after the read (verify, views, device copy) is unchanged.
 With `verify`, the file's CRC-32 is checked against kconvert.json before any tensor is handed out.
 Quantized tensors arrive as stored (fp8 + scales, int8 + scales): dequantizing is the engine's call.
+
+Over 300 lines: one rank's stream on every device (the CPU mapping, the pinned staging and side-stream copy,
+compressed shards, integrity on first load) shares its prefetch threads and buffers; split, each path would
+repeat the thread and buffer bookkeeping.
 """
 
 from __future__ import annotations

@@ -125,3 +125,24 @@ def shard_job(src, out, *, tp: int = 1, ep: int | None = None, pp: int = 1, pp_l
     policy = QuantPolicy(quant, **{k: v for k, v in options.items() if k in names})
     return ShardJob(str(src), str(out), topology=Topology(tp=tp, ep=ep, pp=pp, pp_layers=pp_layers), quant=policy,
                     **{k: v for k, v in options.items() if k not in names})
+
+
+def cli_runs(runs: dict) -> dict:
+    """Each named CLI call of `runs` (name -> args) in this process, each required to succeed: name -> its result."""
+    out = {}
+    for key, args in runs.items():
+        r = cli_here(*args)
+        assert r.returncode == 0, (key, r.stderr)
+        out[key] = r
+    return out
+
+
+def stored_tensors(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor whose name starts with `prefix` in the safetensors files under `folder`."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(folder).rglob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys() if k.startswith(prefix)})
+    return out

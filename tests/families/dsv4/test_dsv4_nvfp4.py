@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from helpers import cli_here, verify_json
+from helpers import cli_here, verify_json, cli_runs, stored_tensors
 
 PROMPTS = [{"id": "s", "kind": "short", "text": "Mixture-of-experts models route each token to a few experts."},
            {"id": "l", "kind": "long", "text": "def route(tokens, experts): return topk(scores, k). " * 40}]
@@ -25,22 +25,7 @@ def v4(tmp_path_factory, checkpoint):
             "copy": ("shard", nv, d / "copy", "--tp", 1, "--quant", "nvfp4", "--no-draft-heads"),
             "ref": ("reference", src, "--out", d / "ref.safetensors", "--prompts", d / "prompts.json"),
             "ref_nv": ("reference", nv, "--out", d / "ref_nv.safetensors", "--prompts", d / "prompts.json")}
-    out = {"d": d, "src": src, "nv": nv}
-    for key, args in runs.items():
-        r = cli_here(*args)
-        assert r.returncode == 0, (key, r.stderr)
-        out[key] = r
-    return out
-
-
-def _stored(folder, prefix: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(folder.rglob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys() if k.startswith(prefix)})
-    return out
+    return {"d": d, "src": src, "nv": nv, **cli_runs(runs)}
 
 
 def test_fp4_experts_cast_exactly_and_the_conversion_is_lossless(v4):
@@ -77,7 +62,7 @@ def test_nvidias_v4_nvfp4_build_reads_copies_and_runs(v4):
     assert s["quantization"]["format"] == "nvfp4"
     assert {f["format"] for f in s["formats"]} >= {"nvfp4_packed", "fp4_packed", "block_fp8"}
     name = "layers.2.ffn.experts.3.w1."
-    src, conv = _stored(v4["nv"], name), _stored(v4["d"] / "copy", name)
+    src, conv = stored_tensors(v4["nv"], name), stored_tensors(v4["d"] / "copy", name)
     assert sorted(src) == sorted(conv) == [name + s for s in ("input_scale", "weight", "weight_scale", "weight_scale_2")]
     for k in src:
         assert torch.equal(src[k].reshape(-1).view(torch.uint8), conv[k].reshape(-1).view(torch.uint8)), k
@@ -102,9 +87,9 @@ def test_export_in_v4s_layout_is_nvidias_v4_nvfp4_layout(v4):
     assert qc["ignore"] == ["mtp.0.*"] and qc["scale_fmt"] == "ue8m0"
     assert qc["quantized_layers"]["layers.1.ffn.experts"] == {"quant_algo": "NVFP4", "group_size": 16}
     for prefix in ("layers.1.ffn.experts.4.w2.", "layers.1.attn.wq_b.", "layers.1.ffn.shared_experts.w1."):
-        ours, nvidia = _stored(out, prefix), _stored(v4["nv"], prefix)
+        ours, nvidia = stored_tensors(out, prefix), stored_tensors(v4["nv"], prefix)
         assert {k: (t.dtype, t.shape) for k, t in ours.items()} == {k: (t.dtype, t.shape) for k, t in nvidia.items()}
-    mtp = _stored(out, "mtp.0.ffn.experts.0.w1.")
+    mtp = stored_tensors(out, "mtp.0.ffn.experts.0.w1.")
     assert {k: t.dtype for k, t in mtp.items()} == {"mtp.0.ffn.experts.0.w1.weight": torch.int8,
                                                     "mtp.0.ffn.experts.0.w1.scale": torch.float8_e8m0fnu}
     r = cli_here("inspect", out, "--json")
@@ -123,7 +108,7 @@ def test_compressed_tensors_export_decodes_to_the_releases_values(v4):
     assert r.returncode == 0, r.stderr
     src = Checkpoint.open(v4["src"])
     for name in ("layers.0.ffn.experts.1.w3.weight", "mtp.0.ffn.experts.2.w2.weight"):
-        t = _stored(out, name)
+        t = stored_tensors(out, name)
         sd = {"weight_packed": t[name + "_packed"], "weight_scale": t[name + "_scale"],
               "weight_global_scale": t[name + "_global_scale"]}
         got = NVFP4PackedCompressor.decompress(sd, QuantizationScheme(targets=["Linear"], **NVFP4))["weight"]

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import cli_here, verify_json
+from helpers import cli_here, verify_json, cli_runs, stored_tensors
 
 P = "language_model.model.layers."
 PROMPTS = [{"id": "s", "kind": "short", "text": "Mixture-of-experts models route each token to a few experts."},
@@ -28,22 +28,7 @@ def k3(tmp_path_factory, checkpoint):
             "copy": ("shard", nv, d / "copy", "--tp", 1, "--quant", "nvfp4"),
             "ref": ("reference", src, "--out", d / "ref.safetensors", "--prompts", d / "prompts.json"),
             "ref_nv": ("reference", nv, "--out", d / "ref_nv.safetensors", "--prompts", d / "prompts.json")}
-    out = {"d": d, "src": src, "nv": nv}
-    for key, args in runs.items():
-        r = cli_here(*args)
-        assert r.returncode == 0, (key, r.stderr)
-        out[key] = r
-    return out
-
-
-def _stored(folder, prefix: str) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(folder.rglob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys() if k.startswith(prefix)})
-    return out
+    return {"d": d, "src": src, "nv": nv, **cli_runs(runs)}
 
 
 def test_every_expert_block_casts_exactly_and_the_experts_alone_are_lossless(k3):
@@ -66,8 +51,8 @@ def test_every_expert_block_casts_exactly_and_the_experts_alone_are_lossless(k3)
 
 
 def test_w1_and_w3_share_weight_scale_2_and_keep_their_nibbles(k3):
-    conv, src = _stored(k3["d"] / "experts", P + "3.block_sparse_moe.experts.7."), \
-        _stored(k3["src"], P + "3.block_sparse_moe.experts.7.")
+    conv, src = stored_tensors(k3["d"] / "experts", P + "3.block_sparse_moe.experts.7."), \
+        stored_tensors(k3["src"], P + "3.block_sparse_moe.experts.7.")
     base = P + "3.block_sparse_moe.experts.7."
     assert torch.equal(conv[base + "w1.weight_scale_2"], conv[base + "w3.weight_scale_2"])
     for w in ("w1", "w2", "w3"):
@@ -107,7 +92,7 @@ def test_nvidias_k3_layout_inspects_copies_and_runs(k3):
     assert s["quantization"]["format"] == "nvfp4" and s["quantization"]["scheme"] == "nvfp4"
     assert {f["format"] for f in s["formats"]} >= {"nvfp4_packed", "block_fp8"}
     name = P + "2.block_sparse_moe.experts.5.w3."
-    src, conv = _stored(k3["nv"], name), _stored(k3["d"] / "copy", name)
+    src, conv = stored_tensors(k3["nv"], name), stored_tensors(k3["d"] / "copy", name)
     assert sorted(src) == sorted(conv)
     for k in src:
         assert src[k].dtype == conv[k].dtype and src[k].shape == conv[k].shape, k
@@ -123,14 +108,14 @@ def test_nvidia_layout_dequantizes_exactly(k3):
 
     ck = Checkpoint.open(k3["nv"])
     name = P + "4.block_sparse_moe.experts.2.w2.weight"
-    t = _stored(k3["nv"], name[: -len("weight")])
+    t = stored_tensors(k3["nv"], name[: -len("weight")])
     q = t[name].to(torch.int16)
     codes = torch.stack([q & 0xF, q >> 4], -1).view(q.shape[0], -1)
     mag = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])[(codes & 7).long()] * (1 - 2 * (codes >> 3))
     per = (t[name + "_scale"].float() * t[name + "_scale_2"]).repeat_interleave(16, 1)
     assert torch.equal(ck.read(name), mag * per)
     attn = P + "0.self_attn.q_proj.weight"
-    a = _stored(k3["nv"], attn)
+    a = stored_tensors(k3["nv"], attn)
     s = a[attn + "_scale"][:, 0, :, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)
     assert torch.equal(ck.read(attn), a[attn].float() * s[: a[attn].shape[0], : a[attn].shape[1]])
 
@@ -153,7 +138,7 @@ def test_exports_decode_in_compressed_tensors_to_the_releases_values(k3, fmt):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     src = Checkpoint.open(k3["src"])
     name = P + "5.block_sparse_moe.experts.11.w1."
-    t = _stored(out, name)
+    t = stored_tensors(out, name)
     if fmt == "nvfp4-ct":
         assert qc["format"] == "nvfp4-pack-quantized"
         QuantizationConfig.model_validate(qc)  # compressed-tensors parses what it will read
@@ -166,7 +151,7 @@ def test_exports_decode_in_compressed_tensors_to_the_releases_values(k3, fmt):
         assert layers[P + "5.block_sparse_moe.experts"]["quant_algo"] == "NVFP4"
         assert layers["layers.5.block_sparse_moe.experts"] == layers[P + "5.block_sparse_moe.experts"]  # vLLM's names
         assert layers[P + "0.self_attn.q_proj"] == {"quant_algo": "FP8_PB_WO"}
-        attn = _stored(out, P + "0.self_attn.q_proj.weight_scale")
+        attn = stored_tensors(out, P + "0.self_attn.q_proj.weight_scale")
         assert next(iter(attn.values())).dim() == 4
         sd = {"weight_packed": t[name + "weight"], "weight_scale": t[name + "weight_scale"],
               "weight_global_scale": (1.0 / t[name + "weight_scale_2"]).reshape(1)}

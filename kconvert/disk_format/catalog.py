@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kconvert.errors import CheckpointError
 from kconvert.io.atomic import write_atomic
-from kconvert.io.paths import contained
+from kconvert.io.paths import contained, contained_all
 from kconvert.disk_format import rank_tensors
 from kconvert.io.side_files import MAX_CATALOG, read_json
 from kconvert.disk_format.units import GLOBALS, MANIFEST, VISION, is_unit, unit_file, unit_layer
@@ -225,9 +225,9 @@ class Catalog:
             bad("layout.world_size", f"{lay.get('world_size')!r} is not tp x pp = {tp * pp}")
         self._validate_stages(lay, bad)
         want = {unit_file(r, u): (r, u) for r in range(tp * pp) for u in self.stage_units(r // tp)}
+        contained_all(out, d["files"], named_in=where)
         for rel, rec in d["files"].items():
             f = f"files[{rel!r}]"
-            contained(out, rel, named_in=where)
             if not isinstance(rec, dict):
                 bad(f, "not a JSON object")
             if want.get(rel) != (rec.get("rank"), rec.get("unit")):

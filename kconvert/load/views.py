@@ -24,19 +24,24 @@ def tensor_views(header: SafetensorsHeader, buf: torch.Tensor) -> dict[str, torc
     for e in header.tensors.values():
         groups.setdefault((e.dtype, e.shape), []).append(e)
     base, n = buf.storage_offset(), buf.numel()
+    wholes: dict[str, torch.Tensor] = {}  # dtype tag -> the buffer viewed as that dtype (where aligned)
     for (tag, shape), es in groups.items():
         size = ITEMSIZE[tag]
-        whole = buf[:n - n % size].view(DTYPES[tag]) if len(es) >= _STRIDED_AT_LEAST and es[0].nbytes \
-            and not base % size else None
-        for start, stop, step in _even_runs(es) if whole is not None else ((0, len(es), 0),):
+        if es[0].nbytes and not base % size and tag not in wholes:
+            wholes[tag] = buf[:n - n % size].view(DTYPES[tag])
+        whole = wholes.get(tag) if es[0].nbytes else None
+        strides = _contiguous_strides(shape)
+        for start, stop, step in _even_runs(es) if whole is not None and len(es) >= _STRIDED_AT_LEAST \
+                else ((0, len(es), 0),):
             first = (base + es[start].begin) // size
             if step and not step % size and not (base + es[start].begin) % size:
-                views = whole.as_strided((stop - start, *shape), (step // size, *_contiguous_strides(shape)),
-                                         first).unbind(0)
+                views = whole.as_strided((stop - start, *shape), (step // size, *strides), first).unbind(0)
                 out.update(zip(map(_NAME, es[start:stop]), views))
                 continue
-            for e in es[start:stop]:
-                out[e.name] = _view(buf, e)
+            for e in es[start:stop]:  # one call a tensor: an aligned one is a strided view of its dtype's buffer
+                at = base + e.begin
+                out[e.name] = whole.as_strided(shape, strides, at // size) if whole is not None and not at % size \
+                    else _view(buf, e)
     return out
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kconvert.errors import CheckpointError
-from kconvert.io.paths import contained
+from kconvert.io.paths import contained, contained_all
 
 
 @pytest.fixture
@@ -42,3 +42,19 @@ def test_a_root_reached_through_a_link_is_its_target(tree, tmp_path):
     assert contained(tmp_path / "via", "rank-000/a.safetensors", named_in="k") == tmp_path / "via/rank-000/a.safetensors"
     with pytest.raises(CheckpointError):
         contained(tmp_path / "via", "rank-001/b.safetensors", named_in="k")
+
+
+@pytest.mark.parametrize("rel", ["rank-000/a.safetensors", "rank-000/in.safetensors", "rank-002/a.safetensors",
+                                 "rank-000/missing.safetensors", "rank-009/missing.safetensors"])
+def test_many_names_at_once_inside(tree, rel):
+    contained_all(tree, ["rank-000/a.safetensors", rel], named_in=tree / "kconvert.json")
+
+
+@pytest.mark.parametrize("rel", ["rank-000/out.safetensors", "rank-001/b.safetensors", "rank-001/missing",
+                                 "../x.safetensors", "/abs.safetensors"])
+def test_many_names_at_once_refuse_what_one_refuses(tree, rel):
+    with pytest.raises(CheckpointError) as one:
+        contained(tree, rel, named_in=tree / "kconvert.json")
+    with pytest.raises(CheckpointError) as many:
+        contained_all(tree, ["rank-000/a.safetensors", rel], named_in=tree / "kconvert.json")
+    assert str(many.value) == str(one.value)

@@ -203,19 +203,6 @@ def test_strided_views_equal_one_view_per_tensor(seed, monkeypatch):
             assert got.data_ptr() == store.data_ptr() + lead + e.begin, name  # a view, not a copy
 
 
-def test_without_populate_advice_pages_are_read_one_by_one(conversions, monkeypatch):
-    """A kernel without MADV_POPULATE_READ (before 5.14): each page is read instead, the same tensors handed out."""
-    from kconvert.load import loader
-
-    out = conversions["none", 2]
-    want = {u: {k: v.clone() for k, v in t.items()} for u, t in open_converted(out, rank=1).stream("cpu")}
-    monkeypatch.setattr(loader, "_MADVISE", None)
-    got = dict(open_converted(out, rank=1).stream("cpu", verify=True))
-    assert list(got) == list(want)
-    for unit, tensors in got.items():
-        assert all(torch.equal(tensors[k].view(torch.uint8), want[unit][k].view(torch.uint8)) for k in tensors), unit
-
-
 def test_crc_in_pieces_passes_clean_files_and_names_a_flipped_byte(conversions, tmp_path, monkeypatch):
     """verify computes a file's CRC-32 in pieces on the reader's threads and combines them: a clean file passes, and
     one flipped byte in any piece fails before its unit is handed out."""

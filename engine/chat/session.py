@@ -38,7 +38,6 @@ from engine.cache.budget import kv_options
 from engine.model import Model
 from engine.chat.stream import TextStream
 from engine.inputs.tokenizer import Tokenizer
-from kconvert import devices
 from kconvert.distributed import Group
 from kconvert.errors import EngineError, KConvertError, UsageError
 from kconvert.exit_codes import run_reporting_errors

@@ -30,6 +30,15 @@ def contained(root: str | Path, rel: object, *, named_in: str | Path, tensor: st
     return path
 
 
+def side_file(root: str | Path, name: str) -> Path | None:
+    """root/name, a file beside a checkpoint (tokenizer, templates, token maps), through `contained`; None where the
+    checkpoint has no such file (a dangling symlink is present, and refused if it leads out)."""
+    path = Path(root) / name
+    if not os.path.lexists(path):
+        return None
+    return contained(root, name, named_in=path)
+
+
 def contained_all(root: str | Path, rels, *, named_in: str | Path) -> None:
     """`contained` for every name in `rels` (kconvert.json lists every rank's files, checked on each open): one
     directory listing a folder says which entries are symlinks, so a plain name costs no system call of its own;

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kconvert.errors import ChatTemplateError, TokenizerError
-from kconvert.io.paths import contained
+from kconvert.io.paths import side_file
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json")
@@ -31,18 +31,10 @@ def check_side_files(ck) -> None:
         SIDE_CHECKS[name](ck, tokens)
 
 
-def _inside(root: Path, name: str) -> Path | None:
-    """root/name through the containment rule, or None when the checkpoint has no such file."""
-    path = root / name
-    if not (path.exists() or path.is_symlink()):
-        return None
-    return contained(root, name, named_in=path)
-
-
 def _tokenizer(root: Path) -> int | None:
     """The tokenizer's number of tokens, read as the engine reads it; None without a tokenizer (conversions may ship
     without one: chat then names the missing file)."""
-    if not any(_inside(root, n) for n in TOKENIZER_FILES):
+    if not any(side_file(root, n) for n in TOKENIZER_FILES):
         return None
     from kconvert.source.tokenizer import load_tokenizer
 
@@ -50,7 +42,7 @@ def _tokenizer(root: Path) -> int | None:
 
 
 def _chat_templates(root: Path) -> None:
-    cfg_path = _inside(root, "tokenizer_config.json")
+    cfg_path = side_file(root, "tokenizer_config.json")
     if cfg_path is not None:
         cfg = read_json(cfg_path, limit=MAX_CONFIG, error=TokenizerError)
         if not isinstance(cfg, dict):
@@ -65,7 +57,7 @@ def _chat_templates(root: Path) -> None:
                 raise ChatTemplateError(f"{field} must be a string (a template), not {type(text).__name__}",
                                         file=str(cfg_path))
             _parses(text, f"{cfg_path}: {field}")
-    jinja = _inside(root, "chat_template.jinja")
+    jinja = side_file(root, "chat_template.jinja")
     if jinja is not None:
         _parses(read_text(jinja, limit=MAX_TEXT, error=ChatTemplateError), str(jinja))
 

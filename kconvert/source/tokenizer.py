@@ -12,7 +12,7 @@ from pathlib import Path
 import tiktoken
 
 from kconvert.errors import TokenizerError
-from kconvert.io.paths import contained
+from kconvert.io.paths import side_file
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_json, read_text
 
 NUM_SPECIAL = 256
@@ -77,22 +77,15 @@ def _special_names(cfg_path: Path) -> dict[int, str]:
     return names
 
 
-def _inside(d: Path, name: str) -> Path:
-    """d/name through the containment rule (io/paths.py): a symlink leading out of the checkpoint is refused, at
-    shard time and when chat or verify reads a conversion's tokenizer alike."""
-    path = d / name
-    return contained(d, name, named_in=path) if path.is_symlink() else path
-
-
 def load_kimi_tokenizer(model_dir: str | Path) -> tiktoken.Encoding:
     """Read a Kimi-format tokenizer (this fixture's or a real release's) into a tiktoken Encoding.
 
     Special tokens: the 256 ids after the base vocabulary, named from `added_tokens_decoder`
     (`<|reserved_token_ID|>` where unnamed), as Kimi's tokenization_kimi.py does."""
     d = Path(model_dir)
-    ranks = _read_ranks(_inside(d, "tiktoken.model"))
+    ranks = _read_ranks(side_file(d, "tiktoken.model") or d / "tiktoken.model")
     base = len(ranks)
-    names = _special_names(_inside(d, "tokenizer_config.json"))
+    names = _special_names(side_file(d, "tokenizer_config.json") or d / "tokenizer_config.json")
     specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + NUM_SPECIAL)}
     if len(specials) != NUM_SPECIAL:
         raise TokenizerError("added_tokens_decoder gives two special tokens the same name",
@@ -109,5 +102,5 @@ def load_tokenizer(model_dir: str | Path):
     if (d / "tokenizer.json").exists():
         from kconvert.source.hf_tokenizer import HFEncoding
 
-        return HFEncoding(_inside(d, "tokenizer.json"))
+        return HFEncoding(side_file(d, "tokenizer.json") or d / "tokenizer.json")
     raise TokenizerError("no tokenizer beside the checkpoint (tiktoken.model or tokenizer.json)", file=str(d))

@@ -40,6 +40,7 @@ from kconvert.disk_format.journal import check_not_mid_pack
 from kconvert.disk_format.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.crc import crc32, crc32_combine
+from kconvert.io.pages import present
 from kconvert.io.pread import pread_into
 from kconvert.io.regular import open_regular, regular_fd
 from kconvert.load.views import tensor_views
@@ -114,8 +115,9 @@ class ConvertedCheckpoint:
         header = self._check_header(rel)
         size = header.size
         t0 = time.perf_counter()
+        crc = None
         if staging is None and self.zero_copy and header.compressed is None:
-            buf = _map_file(path, size, pool, touch=not verify)  # CPU: the page cache itself, no copy
+            buf, crc = _map_file(path, size, pool, verify)  # CPU: the page cache itself, no copy
         else:
             buf = staging[:size] if staging is not None else torch.empty(size, dtype=torch.uint8)
             if header.compressed is not None:
@@ -125,7 +127,7 @@ class ConvertedCheckpoint:
         t1 = time.perf_counter()
         self.stats.read_seconds += t1 - t0
         if verify:
-            crc = f"{_crc32_parallel(buf.numpy(), pool):08x}"
+            crc = f"{crc if crc is not None else _crc32_parallel(buf.numpy(), pool):08x}"
             self.stats.verify_seconds += time.perf_counter() - t1
             if crc != self.files[rel]["crc32"]:
                 from kconvert.disk_format.integrity import first_bad_tensor
@@ -248,30 +250,41 @@ CRC_CHUNK = 8 << 20  # a file's CRC-32 is computed in pieces of this size on the
 def _crc32_parallel(data, pool: ThreadPoolExecutor) -> int:
     """CRC-32 of a C-contiguous byte array, CRC_CHUNK pieces on the pool (the checksum releases the GIL), combined in
     order (io/crc.crc32_combine): a large unit file is checked at the cores' speed, not one core's."""
-    n = data.size
-    if n <= CRC_CHUNK:
-        return crc32(data)
-    starts = range(0, n, CRC_CHUNK)
-    crc = 0
-    for lo, part in zip(starts, pool.map(lambda lo: crc32(data[lo:lo + CRC_CHUNK]), starts)):
-        crc = crc32_combine(crc, part, min(CRC_CHUNK, n - lo)) if lo else part
+    starts = range(0, data.size, CRC_CHUNK)
+    return _combined(list(pool.map(lambda lo: crc32(data[lo:lo + CRC_CHUNK]), starts)), data.size)
+
+
+def _combined(parts: list[int], size: int) -> int:
+    """The CRC-32 of a file from its CRC_CHUNK pieces' (in order)."""
+    crc = parts[0] if parts else 0
+    for i, part in enumerate(parts[1:], 1):
+        crc = crc32_combine(crc, part, min(CRC_CHUNK, size - i * CRC_CHUNK))
     return crc
 
 
-def _map_file(path: Path, size: int, pool: ThreadPoolExecutor, touch: bool) -> torch.Tensor:
-    """A private (copy-on-write) mapping of the whole file. `touch`: every page mapped now, on the reader's threads
-    (CHUNK-sized ranges at once), so the consumer never waits on the disk; a verifying read skips it (its CRC-32
-    maps the pages as it reads them). A byte of each page is read: the kernel maps the page cache's folios whole
-    (a 2 MiB one by one page-table entry), which MADV_POPULATE_READ's page-at-a-time walk does not (1.7x slower
-    on this kernel, 6.18). A write copies just that page, privately."""
+def _map_file(path: Path, size: int, pool: ThreadPoolExecutor, verify: bool) -> tuple[torch.Tensor, int | None]:
+    """(A private, copy-on-write mapping of the whole file; its CRC-32 where `verify`). Every page is mapped now, on
+    the reader's threads, so the consumer never waits on the disk (io/pages.present: read where cached, populated
+    where not, an error rather than a crash where the disk fails); with `verify` each piece's CRC-32 is computed
+    right after, while its bytes are in the cache. A write copies just that page, privately."""
     import mmap
 
     with regular_fd(path, LoaderError) as (fd, _):
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    if touch:  # (the strided sum runs without the GIL: the consumer goes on meanwhile)
-        list(pool.map(lambda lo: int(buf[lo:lo + CHUNK:mmap.PAGESIZE].sum()), range(0, size, CHUNK)))
-    return buf
+    data = buf.numpy()
+    step = CRC_CHUNK if verify else CHUNK
+
+    def piece(lo: int) -> int | None:
+        hi = min(lo + step, size)
+        present(buf, lo, hi)
+        return crc32(data[lo:hi]) if verify else None
+
+    try:
+        parts = list(pool.map(piece, range(0, size, step)))
+    except OSError as e:  # EIO: a page the disk cannot give; EFAULT: the file is shorter now
+        raise LoaderError(f"cannot read the shard: {e.strerror}", file=str(path)) from None
+    return buf, _combined(parts, size) if verify else None
 
 
 def open_converted(path: str | Path, rank: int | None = None, world_size: int | None = None, *,

@@ -203,6 +203,46 @@ def test_strided_views_equal_one_view_per_tensor(seed, monkeypatch):
             assert got.data_ptr() == store.data_ptr() + lead + e.begin, name  # a view, not a copy
 
 
+def test_without_populate_advice_pages_are_read_one_by_one(conversions, monkeypatch):
+    """A kernel without MADV_POPULATE_READ or mincore (before 5.14): each page is read instead, the same tensors."""
+    from kconvert.io import pages
+
+    out = conversions["none", 2]
+    want = {u: {k: v.clone() for k, v in t.items()} for u, t in open_converted(out, rank=1).stream("cpu")}
+    monkeypatch.setattr(pages, "_MADVISE", None)
+    monkeypatch.setattr(pages, "_MINCORE", None)
+    for verify in (False, True):
+        got = dict(open_converted(out, rank=1).stream("cpu", verify=verify))
+        assert list(got) == list(want)
+        for unit, tensors in got.items():
+            assert all(torch.equal(tensors[k].view(torch.uint8), want[unit][k].view(torch.uint8)) for k in tensors)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_shard_cut_short_while_mapped_is_an_error_not_a_crash(conversions, tmp_path, monkeypatch, verify):
+    """A file that shrinks between its size check and its mapping (pages past its end: SIGBUS to a reader that
+    touches them) is refused in one line naming the file, before any of its tensors is handed out."""
+    from kconvert.load import loader
+
+    out = _copy(conversions, tmp_path)
+    f = out / "rank-001" / "layer-0001.safetensors"
+    real = loader.present
+
+    def cut_then_map(buf, lo, hi):
+        if f.stat().st_size > 4096:
+            with open(f, "r+b") as fh:
+                fh.truncate(4096)
+        return real(buf, lo, hi)
+
+    monkeypatch.setattr(loader, "present", cut_then_map)
+    conv = open_converted(out, rank=1)
+    got = []
+    with pytest.raises(LoaderError, match="cannot read the shard") as e:
+        for unit, _ in conv.stream("cpu", units=["layer-0001"], verify=verify):
+            got.append(unit)
+    assert got == [] and e.value.file.endswith("layer-0001.safetensors")
+
+
 def test_crc_in_pieces_passes_clean_files_and_names_a_flipped_byte(conversions, tmp_path, monkeypatch):
     """verify computes a file's CRC-32 in pieces on the reader's threads and combines them: a clean file passes, and
     one flipped byte in any piece fails before its unit is handed out."""

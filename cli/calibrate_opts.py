@@ -52,7 +52,7 @@ def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid
 
     def make(ck, policy, progress):
         from engine.calibrate.layerwise import LayerCalibration
-        from kconvert.quant.gptq import GRIDS
+        from kconvert.quant.gptq import CALIBRATION_GRIDS
         from kconvert.source.calibration_data import calibration_windows
         from kconvert.source.tokenizer import load_tokenizer
 
@@ -64,6 +64,6 @@ def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid
             chosen = "nvfp4"
         enc = load_tokenizer(ck.root)  # tiktoken.model or tokenizer.json; none: one line naming the directory
         windows, record = calibration_windows(data, lambda t: enc.encode(t, allowed_special="all"), tokens, seq, seed)
-        return LayerCalibration(ck, windows, policy, GRIDS[chosen], record, progress)
+        return LayerCalibration(ck, windows, policy, CALIBRATION_GRIDS[chosen], record, progress)
 
     return make

@@ -95,13 +95,13 @@ class Nvfp4Grid:
         return e2m1_value(codes) * per_block.repeat_interleave(GROUP, dim=1)
 
 
-GRIDS = {g.name: g for g in (
+GRIDS = {g.name: g for g in (  # int4's
     Grid("kconvert", 7.0, -8, 7, torch.float32, True),
     Grid("minmax", INT4_HALF_RANGE, -8, 7, torch.bfloat16, False),
     Grid("kimi", 7.0, -7, 7, torch.bfloat16, False),
-    Nvfp4Grid(),
 )}
-INT4_GRIDS = tuple(name for name, g in GRIDS.items() if g.scheme == "int4")
+NVFP4 = Nvfp4Grid()
+CALIBRATION_GRIDS = {**GRIDS, NVFP4.name: NVFP4}  # every grid `--calibrate` may run on, by kconvert.json's name
 
 
 class Hessian:

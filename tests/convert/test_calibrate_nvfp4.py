@@ -118,3 +118,25 @@ def test_bad_input_is_one_line(checkpoint, tmp_path):
                     "--calibration-grid", "kimi")
     assert_one_line_error(proc, "--calibration-grid kimi", "nvfp4")
     assert not (tmp_path / "o2" / "kconvert.json").exists()
+
+
+def test_calibrated_nvfp4_export_keeps_the_scales_and_moves_codes(checkpoint, tmp_path):
+    """export --format nvfp4-ct --calibrate: the block and global scales of the uncalibrated export, a share of the
+    codes moved, the index's job records the nvfp4 grid."""
+    from cli.calibrate_opts import calibration_factory
+    from helpers import load_source
+    from kconvert.convert.export.job import ExportJob, export
+
+    src = checkpoint("tiny-k25-dsv32")
+    export(ExportJob(str(src), str(tmp_path / "gptq"), "nvfp4-ct"),
+           calibrate=calibration_factory("stdlib", TOKENS, SEQ, 0, None, ("minmax", "kimi")))
+    export(ExportJob(str(src), str(tmp_path / "rtn"), "nvfp4-ct"))
+    gptq, rtn = load_source(tmp_path / "gptq"), load_source(tmp_path / "rtn")
+    index = json.loads((tmp_path / "gptq" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["kconvert_job"]["calibration"]["grid"] == "nvfp4"
+    packed = [n for n in gptq if n.endswith(".weight_packed")]
+    assert len(packed) == 96 and gptq.keys() == rtn.keys()
+    for n in gptq:
+        if not n.endswith("_packed"):
+            assert torch.equal(gptq[n].view(torch.uint8), rtn[n].view(torch.uint8)), n
+    assert sum(int((gptq[n] != rtn[n]).sum()) for n in packed) > 0

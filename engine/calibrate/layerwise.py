@@ -16,8 +16,9 @@ it (the residual as the block kind carries it: DeepSeek-V4's mHC streams whole) 
 Which tensors: the conversion's policy (`calibrates(info, shape, source)`, `group_size`, `int4_scales`; int4: routed
 experts by default; nvfp4: the weights it stores in NVFP4 itself and not by an exact cast (MXFP4 experts are copied
 code for code: no rounding for GPTQ to improve), never the family's other roles (block FP8 attention)). NVFP4's
-per-tensor weight_scale_2 is the uncalibrated path's: a fused w1 / w3 pair's shared one (convert/fused.py). Resume: every layer's input is kept under OUT's journal as it is reached; the caller
-says which layers its journalled files hold (`done_before(L)`) and older inputs go. A re-run starts from the
+per-tensor weight_scale_2 is the uncalibrated path's: a fused w1 / w3 pair's shared one (convert/fused.py).
+
+Resume: every layer's input is kept under OUT's journal as it is reached; the caller says which layers its journalled files hold (`done_before(L)`) and older inputs go. A re-run starts from the
 latest kept input at or before the first layer left to do that passes its checks (engine/calibrate/resume.py:
 a digest tied to the run and the layer, finite values) and recomputes from there (deterministic: the same
 codes).

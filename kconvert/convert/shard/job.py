@@ -7,8 +7,8 @@ durable together (fsync each, rename, one directory fsync: safetensors_write.com
 then records them in the journal (OUT/.kconvert/), one fsync per unit; a re-run with the same job
 resumes after the last recorded file, and kconvert.json is written last (the run's skeleton: run.py).
 Under torchrun, process p takes units p, p + P, p + 2P, ...; process 0 writes kconvert.json.
-Calibrated int4 or nvfp4 (`calibrate`, made by the caller: engine/calibrate/layerwise.py runs the layers, a later stage than
-this one) takes the units one at a time, in order: each layer's codes come from the layers before it.
+Calibrated int4 or nvfp4 (`calibrate`, made by the caller: engine/calibrate/layerwise.py runs the layers, a later
+stage than this one) takes the units one at a time, in order: each layer's codes come from the layers before it.
 Under torchrun every process walks every layer left to do, together, each computing its share of the
 layer's experts (engine/calibrate/split.py), and writes its own units (p, p + P, ...) as above.
 """

@@ -25,6 +25,10 @@ SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
            "nvfp4": ["--quant", "nvfp4"],  # NVFP4 experts + the family's recipe for the rest (block FP8 attention)
            # NVFP4 on the routed experts alone (the rest kept, as fp4 / int4 keep it): the like-for-like row
            "nvfp4-experts": ["--quant", "nvfp4", "--keep", "*attn*", "--keep", "*shared_experts*", "--keep", "mtp.*"],
+           # GPTQ NVFP4 (the same scales, codes calibrated on the default set): beside each row above
+           "nvfp4-gptq": ["--quant", "nvfp4", "--calibrate", "stdlib"],
+           "nvfp4-experts-gptq": ["--quant", "nvfp4", "--keep", "*attn*", "--keep", "*shared_experts*", "--keep", "mtp.*",
+                                  "--calibrate", "stdlib"],
            # from BF16 where a release's experts are MXFP4 already (Kimi K3): the experts exact either way, the BF16
            # shared experts and latent projections quantized to NVFP4 or to MXFP4
            "nvfp4-shared": ["--quant", "nvfp4", "--keep", "*self_attn*", "--quantize", "*shared_experts*",

@@ -15,7 +15,7 @@ def calibration_options(f):
     """Adds --calibrate, --calibration-tokens, --calibration-seq, --calibration-seed to a command."""
     for opt in reversed((
         click.option("--calibrate", "calibrate_data", metavar="DATA",
-                     help=f"int4: GPTQ codes calibrated layer by layer on DATA (a text file, a directory of text files, "
+                     help=f"int4 and nvfp4: GPTQ codes calibrated layer by layer on DATA (a text file, a directory of text files, "
                           f"JSONL of {{\"text\"}} or {{\"messages\"}}; '{BUNDLED}': bundled Python sources, for tests)."),
         click.option("--calibration-tokens", type=Whole(1, MAX_TOKENS), default=DEFAULT_TOKENS, show_default=True,
                      help="Calibration tokens (rounded up to whole sequences)."),
@@ -26,7 +26,7 @@ def calibration_options(f):
         click.option("--calibration-grid", type=click.Choice(["kconvert", "minmax", "kimi"]),
                      help="Codes and static scales: shard's own (kconvert: -8..7, amax / 7 with the clipping search; "
                           "shard's default), compressed-tensors' min-max (-8..7, amax / 7.5; export's default) or "
-                          "Kimi's 15 levels (-7..7, amax / 7; both commands)."),
+                          "Kimi's 15 levels (-7..7, amax / 7; both commands). int4 only: nvfp4 has its e2m1 grid."),
     )):
         f = opt(f)
     return f
@@ -46,18 +46,24 @@ def calibration_factory(data: str | None, tokens: int, seq: int, seed: int, grid
     check_data_name(data)  # before any work: '' would be the current directory
     if out is not None:
         check_out_outside(data, out)
-    grid = grid or allowed[0]
+    asked, grid = grid, grid or allowed[0]
     if grid not in allowed:
         raise UsageError(f"--calibration-grid {grid} is not one this command stores (choose from {', '.join(allowed)})")
 
     def make(ck, policy, progress):
         from engine.calibrate.layerwise import LayerCalibration
-        from kconvert.quant.gptq import GRIDS
+        from kconvert.quant.gptq import CALIBRATION_GRIDS
         from kconvert.source.calibration_data import calibration_windows
         from kconvert.source.tokenizer import load_tokenizer
 
+        chosen = grid
+        if policy.scheme == "nvfp4":  # one grid: e2m1 at the uncalibrated path's scales
+            if asked is not None:
+                raise UsageError(f"--calibration-grid {asked} is an int4 grid; nvfp4 calibrates on its own e2m1 grid "
+                                 "(leave --calibration-grid out)")
+            chosen = "nvfp4"
         enc = load_tokenizer(ck.root)  # tiktoken.model or tokenizer.json; none: one line naming the directory
         windows, record = calibration_windows(data, lambda t: enc.encode(t, allowed_special="all"), tokens, seq, seed)
-        return LayerCalibration(ck, windows, policy, GRIDS[grid], record, progress)
+        return LayerCalibration(ck, windows, policy, CALIBRATION_GRIDS[chosen], record, progress)
 
     return make

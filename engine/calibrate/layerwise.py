@@ -1,4 +1,4 @@
-"""Calibrated INT4 (GPTQ) computed layer by layer through the engine, from the source checkpoint.
+"""Calibrated INT4 and NVFP4 (GPTQ) computed layer by layer through the engine, from the source checkpoint.
 
 Only one decoder layer's weights (read from the source, float32) and the calibration activations entering
 it (the residual as the block kind carries it: DeepSeek-V4's mHC streams whole) are in memory at a time. Per layer:
@@ -13,9 +13,12 @@ it (the residual as the block kind carries it: DeepSeek-V4's mHC streams whole) 
 3. the layer runs again with its quantized weights: its output is the next layer's input (and its
    relative error against step 1's output is the layer's figure).
 
-Which tensors: the conversion's policy (`quantizes(info, shape)`, `group_size`, `int4_scales`; int4: routed
-experts by default). Resume: every layer's input is kept under OUT's journal as it is reached; the caller
-says which layers its journalled files hold (`done_before(L)`) and older inputs go. A re-run starts from the
+Which tensors: the conversion's policy (`calibrates(info, shape, source)`, `group_size`, `int4_scales`; int4: routed
+experts by default; nvfp4: the weights it stores in NVFP4 itself and not by an exact cast (MXFP4 experts are copied
+code for code: no rounding for GPTQ to improve), never the family's other roles (block FP8 attention)). NVFP4's
+per-tensor weight_scale_2 is the uncalibrated path's: a fused w1 / w3 pair's shared one (convert/fused.py).
+
+Resume: every layer's input is kept under OUT's journal as it is reached; the caller says which layers its journalled files hold (`done_before(L)`) and older inputs go. A re-run starts from the
 latest kept input at or before the first layer left to do that passes its checks (engine/calibrate/resume.py:
 a digest tied to the run and the layer, finite values) and recomputes from there (deterministic: the same
 codes).
@@ -44,9 +47,12 @@ from kconvert.convert.shard.plan import unit_of
 from kconvert.distributed import Group
 from kconvert.errors import CheckpointError
 from kconvert.family.engine_names import engine_keys, engine_name
-from kconvert.quant.gptq import DAMP, Grid, Hessian, gptq_quantize
+from kconvert.convert.fused import tensor_scales
+from kconvert.quant.gptq import DAMP, Grid, Hessian
 from kconvert.quant.policy import QuantPolicy
+from kconvert.quant.registry import get_scheme
 from kconvert.source.checkpoint import Checkpoint
+from kconvert.source.stored_quant import source_quant
 
 MIN_EXPERT_TOKENS = 16  # fewer routed tokens than this: round to nearest (reported)
 MICRO_BATCH = 8  # calibration sequences per forward
@@ -55,20 +61,30 @@ THREADS = 1  # fixed: the same float reductions on every machine and run, so a r
 
 
 class LayerCalibration:
-    """`layer(L)` -> {source weight name: (int8 codes, scale)} for layer L's calibrated weights, in order."""
+    """`layer(L)` -> {source weight name: (codes, scale, *the grid's other parts)} for layer L's calibrated weights, in
+    order (int4: int8 codes and group scales; nvfp4: uint8 codes, e4m3 block scales and weight_scale_2 [1])."""
 
     def __init__(self, ck: Checkpoint, windows: torch.Tensor, policy: QuantPolicy, grid: Grid, record: dict,
                  progress=None):
         self.ck, self.windows, self.policy, self.grid = ck, windows, policy, grid
         self.record = {**record, "method": "gptq", "grid": grid.name, "damp": DAMP, "act_order": "static",
                        "min_expert_tokens": MIN_EXPERT_TOKENS}
+        self.scale_2: dict[str, float] = {}  # nvfp4: the layer's fused groups' shared weight_scale_2
         self.progress = progress
         self.model = Model(ck.config, ck.family, Group(), "cpu", torch.float32)  # any residual (mHC: [.., n, hidden])
         self.by_layer: dict[int, list[str]] = {}
-        for name in ck.logical:
+        copied = calibrated = 0  # copied: weights of the scheme stored by an exact copy instead (nvfp4: MXFP4 experts)
+        for name, t in ck.logical.items():
             info = ck.info(name)
             if info.layer is not None and unit_of(info) == layer_unit(info.layer) and info.component != "mtp":
                 self.by_layer.setdefault(info.layer, []).append(name)
+                if name.endswith(".weight") and len(t.shape) == 2:
+                    source = source_quant(ck, t, info)
+                    calibrated += policy.calibrates(info, tuple(t.shape), source)
+                    copied += policy.copies_exactly(info, tuple(t.shape), source)
+        if copied:  # (int4 copies none: its record as before)
+            self.record.update(copied_exactly=copied, calibrated=calibrated)
+        self.idle = not calibrated  # every weight copied exactly: no layer to run
         self.kept: KeptInputs | None = None  # the resume state, once attached
         self.x: torch.Tensor | None = None  # the input of layer self.at, [n, seq, *stack.residual_shape]
         self.at = 0
@@ -130,7 +146,7 @@ class LayerCalibration:
 
     # ---- one layer ------------------------------------------------------------------------------
     def layer(self, L: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if L >= self.model.cfg.num_layers:
+        if L >= self.model.cfg.num_layers or self.idle:
             return {}  # MTP layers kept by --keep-mtp: not on the decoding path, rounded to nearest
         if self.last[0] == L:
             return self.last[1]  # asked once per tensor (export)
@@ -164,7 +180,9 @@ class LayerCalibration:
         layer = m.build_layer(L, engine_keys(m.names, tensors), use_catalog=False)
         prefix = f"{m.layers_prefix}{L}."  # module paths inside the layer are the engine's names after it
         stored = {engine_name(m.names, n).removesuffix(".weight")[len(prefix):]: n for n in tensors
-                  if n.endswith(".weight") and self.policy.quantizes(ck.info(n), tuple(tensors[n].shape))}
+                  if n.endswith(".weight") and self._calibrates(n, tuple(tensors[n].shape))}
+        scheme = get_scheme(self.grid.scheme)  # nvfp4: a fused pair's weight_scale_2 from both, before either goes
+        self.scale_2 = tensor_scales(((n, ck.info(n), scheme, None, False) for n in stored.values()), tensors.get)
         del tensors  # the layer holds the weights; each goes once its quantized copy replaces it
         moe = routed_moe(layer)  # engine/calibrate/routing.py: the MoE kinds whose routers it asks
         routed = {id(lin): int(e) for e, mlp in moe.experts.items() for lin in mlp.children()} if moe else {}
@@ -197,9 +215,9 @@ class LayerCalibration:
             del moe_in
         fig["codes_computed_here"] = len(result)  # the others' came from the other processes (torchrun)
         path_of = {n: p for p, n in stored.items()}
-        for name, (codes, scale) in split.gather(result, owner).items():
+        for name, parts in split.gather(result, owner).items():
             cols = layer.get_submodule(path_of[name]).dense(torch.float32).shape[1]
-            result[name] = self._install(layer, path_of[name], codes, scale, cols)
+            result[name] = self._install(layer, path_of[name], parts, cols)
         result = {n: result[n] for n in stored.values()}
         trim()
         out = self._run(layer, L, self.x)  # in place: each micro-batch's output over its input
@@ -223,18 +241,23 @@ class LayerCalibration:
                 h.tokens += x[..., 0].numel()
         return hook
 
+    def _calibrates(self, name: str, shape: tuple[int, ...]) -> bool:
+        t, info = self.ck.logical[name], self.ck.info(name)
+        return self.policy.calibrates(info, shape, source_quant(self.ck, t, info))
+
     def _quantize(self, layer, path: str, name: str, H: torch.Tensor | None):
         """GPTQ (or nearest, H None) codes of linear `path`, and the module replaced by its dequantized weight."""
         w = layer.get_submodule(path).dense(torch.float32)
-        codes, scale = gptq_quantize(w, H, self.policy.group_size, self.grid, search=self.policy.int4_scales, name=name)
-        return self._install(layer, path, codes, scale, w.shape[1])
+        parts = self.grid.gptq(w, H, group=self.policy.group_size, search=self.policy.int4_scales,
+                               scale_2=self.scale_2.get(name), name=name)
+        return self._install(layer, path, parts, w.shape[1])
 
-    def _install(self, layer, path: str, codes: torch.Tensor, scale: torch.Tensor, cols: int):
-        """Linear `path` replaced by the dequantized weight of (codes, scale); returns them."""
+    def _install(self, layer, path: str, parts: tuple[torch.Tensor, ...], cols: int):
+        """Linear `path` replaced by the dequantized weight of its codes and scales `parts`; returns them."""
         parent, _, attr = path.rpartition(".")
-        deq = codes.to(torch.float32) * scale.to(torch.float32).repeat_interleave(self.policy.group_size, dim=1)
+        deq = self.grid.dequantize(parts, self.policy.group_size)
         setattr(layer.get_submodule(parent) if parent else layer, attr, PlainLinear.holding(deq[:, :cols]))
-        return codes, scale
+        return parts
 
     def _experts(self, layer, moe, rows: TokenRows, stored: dict, result: dict) -> dict:
         """Each routed expert's weights from the tokens routed to it (gate/up, then down on their quantized

@@ -45,7 +45,7 @@ COPY = "nvfp4_copy"  # an NVFP4 source's bytes
 
 
 # ------------------------------------------------------------------------------------------------ codes and scales
-def _signed_codes(y: torch.Tensor) -> torch.Tensor:
+def signed_codes(y: torch.Tensor) -> torch.Tensor:
     """e2m1 codes of y (already divided by its scale): the nearest value, ties to the even code, and the sign bit
     of every negative y, one that rounds to zero included (ModelOpt's and compressed-tensors' packers)."""
     import torch
@@ -54,7 +54,8 @@ def _signed_codes(y: torch.Tensor) -> torch.Tensor:
     return torch.where(y < 0, m | 8, m)
 
 
-def _pack(codes: torch.Tensor) -> torch.Tensor:
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., C] -> pairs [..., C/2], the even column in the low nibble."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -68,6 +69,11 @@ def _lut(device) -> torch.Tensor:
     import torch
 
     return torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=device)
+
+
+def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of uint8 codes 0..15 (sign bit 3)."""
+    return _lut(codes.device)[codes.long()]
 
 
 def scale_from_amax(amax: float) -> float:
@@ -101,27 +107,53 @@ def _power_of_two(x: float, name: str) -> int:
     return e - 1
 
 
+def _tensor_scale(w: torch.Tensor, scale_2: float | None, name: str) -> torch.Tensor:
+    """float32 [] weight_scale_2: `scale_2` (a fused group's shared one) or w's own by ModelOpt's rule."""
+    import torch
+
+    if scale_2 is None:
+        amax = float(w.abs().amax()) if w.numel() else 0.0
+        if amax != amax or amax == float("inf"):
+            check_scales(torch.tensor([amax]), w, name)
+        scale_2 = scale_from_amax(amax)
+    return torch.tensor(scale_2, dtype=torch.float32)
+
+
+def _block_scales(g: torch.Tensor, s2: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    """e4m3 [r, C/16, 1] scales of float32 blocks g [r, C/16, 16]: e4m3(max(block amax / (6 * s2), 2^-9)), an all-zero
+    block's 1.0; NaN / Inf refused naming `name`."""
+    import torch
+
+    bs = g.abs().amax(-1, keepdim=True) / (E2M1_MAX * s2)
+    check_scales(bs, w, name)
+    return torch.where(bs == 0, torch.ones_like(bs), bs).clamp_(min=2.0 ** E4M3_KMIN).to(torch.float8_e4m3fn)
+
+
+def nvfp4_scales(w: torch.Tensor, scale_2: float | None = None, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 block scales [R, C/16], float32 [] scale_2) of w [R, C]: quantize_nvfp4's, fixed before GPTQ codes
+    (quant/gptq.py) are chosen at them."""
+    import torch
+
+    rows, cols = w.shape
+    s2 = _tensor_scale(w, scale_2, name)
+    g = w.to(torch.float32).reshape(rows, cols // GROUP, GROUP)
+    return _block_scales(g, s2, w, name).view(rows, cols // GROUP), s2
+
+
 def quantize_nvfp4(w: torch.Tensor, scale_2: float | None = None, name: str = "") -> tuple[torch.Tensor, ...]:
     """w [R, C] float (C a multiple of 16) -> (U8 code pairs [R, C/2], e4m3 block scales [R, C/16], float32 [] scale_2)
     by ModelOpt's rule; `scale_2` a fused group's shared one (else the tensor's own)."""
     import torch
 
     rows, cols = w.shape
-    if scale_2 is None:
-        amax = float(w.abs().amax()) if w.numel() else 0.0
-        if amax != amax or amax == float("inf"):
-            check_scales(torch.tensor([amax]), w, name)
-        scale_2 = scale_from_amax(amax)
-    s2 = torch.tensor(scale_2, dtype=torch.float32)
+    s2 = _tensor_scale(w, scale_2, name)
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
     block_scale = torch.empty(rows, cols // GROUP, dtype=torch.float8_e4m3fn)
     for r0, r1 in row_chunks(rows, cols):
         g = w[r0:r1].to(torch.float32).reshape(r1 - r0, cols // GROUP, GROUP)
-        bs = g.abs().amax(-1, keepdim=True) / (E2M1_MAX * s2)
-        check_scales(bs, w, name)
-        bs = torch.where(bs == 0, torch.ones_like(bs), bs).clamp_(min=2.0 ** E4M3_KMIN).to(torch.float8_e4m3fn)
-        codes = _signed_codes(g / (bs.to(torch.float32) * s2)).view(r1 - r0, cols)
-        packed[r0:r1] = _pack(codes)
+        bs = _block_scales(g, s2, w, name)
+        codes = signed_codes(g / (bs.to(torch.float32) * s2)).view(r1 - r0, cols)
+        packed[r0:r1] = pack(codes)
         block_scale[r0:r1] = bs.view(r1 - r0, cols // GROUP)
     return packed, block_scale, s2.reshape(())
 
@@ -150,7 +182,7 @@ def cast_mxfp4(packed: torch.Tensor, e8m0: torch.Tensor, scale_2: float | None =
         codes = _unpack(blocks[low])  # [n, 16]
         y = _lut(codes.device)[codes.long()] * torch.exp2((d[low] - E4M3_KMIN).to(torch.float32))[:, None]
         out = packed.clone()
-        out.view(rows, -1, GROUP // 2)[low] = _pack(_signed_codes(y))
+        out.view(rows, -1, GROUP // 2)[low] = pack(signed_codes(y))
     return out, scale, torch.tensor(2.0 ** m, dtype=torch.float32).reshape(())
 
 
@@ -224,6 +256,15 @@ class NvFp4(Scheme):
 
         parts = quantize_nvfp4(w, opts.tensor_scale, name)
         return self._encode(*parts, torch.tensor(INPUT_SCALE, dtype=torch.float32), opts)
+
+    def encode(self, codes: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor,
+               opts: Options) -> list[torch.Tensor]:
+        """uint8 codes [R, C] (sign bit 3) and scales chosen elsewhere (calibrated: quant/gptq.py's nvfp4 grid), as
+        stored."""
+        import torch
+
+        return self._encode(pack(codes), block_scale.to(torch.float8_e4m3fn), scale_2.to(torch.float32).reshape(()),
+                            torch.tensor(INPUT_SCALE, dtype=torch.float32), opts)
 
     def dequantize(self, stored: list[torch.Tensor], opts: Options, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_nvfp4(stored[0], stored[1], stored[2], dtype, divide=opts.encoding == COMPRESSED_TENSORS)

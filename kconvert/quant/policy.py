@@ -19,7 +19,7 @@ from kconvert.io.dtypes import FP8_BLOCK
 from kconvert.family.manifest import TensorInfo
 from kconvert.quant.int4_group import INT4_SCALES
 from kconvert.quant.registry import NONE, SHARD_SCHEMES, get_scheme
-from kconvert.quant.scheme import SCALE_FORMATS, Options, Scheme
+from kconvert.quant.scheme import SCALE_FORMATS, Options, Scheme, SourceQuant
 
 SCHEMES = SHARD_SCHEMES
 
@@ -86,6 +86,18 @@ class QuantPolicy:
 
     def quantizes(self, info: TensorInfo, shape: tuple[int, ...], family: dict | None = None) -> bool:
         return self.scheme_for(info, shape, family) is not None
+
+    def calibrates(self, info: TensorInfo, shape: tuple[int, ...], source: SourceQuant) -> bool:
+        """Whether `--calibrate` computes this weight's codes (GPTQ): stored in the run's own scheme (a family's other
+        roles, nvfp4's block FP8 attention, have no calibrated path) and not copied exactly from how the `source`
+        stores it (an MXFP4 expert cast to NVFP4 keeps every code: nothing to improve)."""
+        scheme = self.scheme_for(info, shape)
+        return scheme is not None and scheme is self.quant and scheme.lossless_copy(source, self.options) is None
+
+    def copies_exactly(self, info: TensorInfo, shape: tuple[int, ...], source: SourceQuant) -> bool:
+        """Stored in the run's own scheme by an exact copy of the source, so left out of a calibration."""
+        scheme = self.scheme_for(info, shape)
+        return scheme is not None and scheme is self.quant and scheme.lossless_copy(source, self.options) is not None
 
     def stored_bytes(self, info: TensorInfo, shape: tuple[int, ...], src_itemsize: int = 2,
                      family: dict | None = None) -> int:

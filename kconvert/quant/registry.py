@@ -16,6 +16,7 @@ REGISTRY: dict[str, Scheme] = {s.name: s for s in (
     nvfp4.SCHEME,
     fp8_rows.SCHEME,  # copied, never chosen: DeepSeek-V4.1's Engram tables
 )}
+CALIBRATED = ("int4", "nvfp4")  # the schemes `--calibrate` computes GPTQ codes for (quant/gptq.py's grids)
 NONE = "none"  # no quantization: tensors keep their dtype (dequantized sources become bf16)
 # `kconvert shard --quant` choices and the kconvert.json schemes a reader accepts
 SHARD_SCHEMES: tuple[str, ...] = (NONE,) + tuple(name for name, s in REGISTRY.items() if s.shard)

@@ -8,8 +8,9 @@ conversion claims (scheme, which tensors, which transform, which slice) is read 
 the slices must tile each tensor exactly, or the layout itself is wrong.
 
 A calibrated conversion (kconvert.json `quantization.calibration`: GPTQ codes, which depend on calibration
-data no reference has) is held to its own stored codes and scales instead, decoded here by the formula in
-docs/FORMAT.md (nibble - 8, times the group's scale), slice by slice: the check still catches every slicing,
+data no reference has) is held to its own stored codes and scales instead, decoded here by the formulas in
+docs/FORMAT.md (int4: nibble - 8, times the group's scale; nvfp4: the nibble's e2m1 value times its block's e4m3
+scale times weight_scale_2, fake_quant_nvfp4.py), slice by slice: the check still catches every slicing,
 placement, loading and engine fault; what the codes cost is the cost check's question.
 
 `write_fake_quant_source` writes that model as an fp32 checkpoint (plus the source's config without
@@ -27,7 +28,7 @@ import torch
 from kconvert.errors import VerifyFailed
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_bytes, read_json
 from kconvert.verify.compressed_tensors_fq import fq
-from kconvert.verify.fake_quant_nvfp4 import fused_amax, nvfp4_qdq, stored_nvfp4_fq
+from kconvert.verify.fake_quant_nvfp4 import decode_nvfp4, fused_amax, nvfp4_qdq, stored_nvfp4_fq
 
 QUANTIZED = ("fp8", "int8", "int4", "fp4", "nvfp4")
 # a quantized weight's companions in kconvert.json's rows (scales, nvfp4's per-tensor and activation scales)
@@ -153,7 +154,7 @@ def write_fake_quant_source(src: str, meta: dict, out_dir: Path, converted: str 
     """An fp32 checkpoint in out_dir holding what conversion `meta` should hold, for `kconvert reference`
     (a calibrated conversion: its own codes and scales, read from `converted`, its directory)."""
     plan = planned_slices(meta)
-    stored = stored_int4_pieces(converted, meta) if meta["quantization"].get("calibration") else {}
+    stored = stored_pieces(converted, meta) if meta["quantization"].get("calibration") else {}
     amax = fused_amax(src, [n for n, e in plan.items() if e["transform"] == "nvfp4"])
 
     def values(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +166,31 @@ def write_fake_quant_source(src: str, meta: dict, out_dir: Path, converted: str 
         return expected_tensor(x, plan[name], meta["quantization"], amax.get(name)) if name in plan else x
 
     return _write_source(src, out_dir, values)
+
+
+def stored_pieces(converted: str | Path | None, meta: dict) -> dict[str, list[tuple[list | None, torch.Tensor]]]:
+    """{source name: [(slice, float32 weight decoded from what is stored)]} of a calibrated int4 or nvfp4 conversion."""
+    return {**stored_int4_pieces(converted, meta), **stored_nvfp4_pieces(converted, meta)}
+
+
+def stored_nvfp4_pieces(converted: str | Path | None, meta: dict) -> dict[str, list[tuple[list | None, torch.Tensor]]]:
+    """{source name: [(slice, float32 weight decoded from the stored codes, block scales and weight_scale_2)]} of a
+    calibrated nvfp4 conversion's NVFP4 weights (fake_quant_nvfp4.decode_nvfp4), one entry per distinct slice."""
+    from kconvert.load.loader import open_converted
+
+    by_file: dict[tuple[int, str], list[dict]] = {}
+    for t in meta["tensors"]:
+        if t["transform"] == "nvfp4" and not t["name"].endswith(COMPANIONS):
+            by_file.setdefault((t["rank"], t["unit"]), []).append(t)
+    out: dict[str, list] = {}
+    for (rank, unit), entries in sorted(by_file.items()):
+        tensors = open_converted(converted, rank=rank).load_unit(unit)
+        for t in entries:
+            name = t["name"]
+            if not any(s == t["slice"] for s, _ in out.get(name, [])):
+                out.setdefault(name, []).append((t["slice"], decode_nvfp4(
+                    tensors[name], tensors[name + "_scale"], tensors[name + "_scale_2"])))
+    return out
 
 
 def stored_int4_pieces(converted: str | Path | None, meta: dict) -> dict[str, list[tuple[list | None, torch.Tensor]]]:

@@ -49,6 +49,20 @@ def stored_nvfp4_fq(x: torch.Tensor, stored) -> torch.Tensor:
     return ct_nvfp4_fq(x, read_tensor(parts["scale"]), read_tensor(parts["global_scale"]))
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def decode_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """float32 [R, C] of stored NVFP4 (a calibrated conversion's own codes, ModelOpt's layout): byte k holds columns
+    2k (low nibble) and 2k + 1; a nibble is sign bit 3 and an index into E2M1; times its 16-block's e4m3 scale times
+    weight_scale_2, that product in float32."""
+    b = packed.view(torch.uint8).to(torch.int64)
+    nib = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
+    mag = torch.tensor(E2M1, dtype=torch.float32)[nib & 7]
+    per_block = block_scale.to(torch.float32) * scale_2.to(torch.float32).reshape(())
+    return torch.where(nib >= 8, -mag, mag) * per_block.repeat_interleave(GROUP, dim=1)
+
+
 def fused_amax(src: str, names: list[str]) -> dict[str, float]:
     """{name: the largest |value| over its fused group} of nvfp4 weights `names` (w1 / w3 of an expert share one
     per-tensor scale in serving engines: the manifest's `fuse`), from the source's own values."""

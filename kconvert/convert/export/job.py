@@ -29,6 +29,7 @@ from kconvert.disk_format.journal import JOURNAL_DIR
 from kconvert.convert.export.formats import (Exported, exact_in_bf16, ignore_list, load, plan_tensor, produce,
                                              quantization_config, quantizes, side_configs)
 from kconvert.convert.export.table import EXPORT_FORMATS, FORMATS
+from kconvert.quant.registry import CALIBRATED
 from kconvert.source.stored_quant import source_fp8_block
 from kconvert.convert.export import expert_dtype as v4_layout
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, config_json, copy_side_files
@@ -98,14 +99,27 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
 
 @dataclass(frozen=True)
 class ExportPolicy:
-    """What a calibration asks of the policy: the tensors an int4 export format quantizes, its group."""
+    """What a calibration asks of the policy: the tensors an export format quantizes, its group. `calibrated`: the
+    weights the plan stores in the format's scheme by quantizing (nvfp4: by role, the MXFP4 experts' exact casts
+    left out); None: every one the format's default policy quantizes (w4a16)."""
 
     format: str
     group_size: int
     int4_scales: str = "amax"
+    calibrated: frozenset[str] | None = None
+
+    @property
+    def scheme(self) -> str:
+        return EXPORT_FORMATS[self.format].scheme
 
     def quantizes(self, info, shape) -> bool:
         return quantizes(self.format, info, tuple(shape), self.group_size)
+
+    def calibrates(self, info, shape, source=None) -> bool:
+        return info.name in self.calibrated if self.calibrated is not None else self.quantizes(info, shape)
+
+    def copies_exactly(self, info, shape, source=None) -> bool:
+        return self.calibrated is not None and self.quantizes(info, shape) and info.name not in self.calibrated
 
 
 def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
@@ -125,9 +139,13 @@ def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:
     identity = job.identity(ck.fingerprint(), scale_fmt)
     calibration = None
     if calibrate is not None:
-        if EXPORT_FORMATS[job.format].scheme != "int4":
-            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --format {job.format} has nothing to calibrate")
-        calibration = calibrate(ck, ExportPolicy(job.format, job.group_size), progress)
+        scheme = EXPORT_FORMATS[job.format].scheme
+        if scheme not in CALIBRATED:
+            raise UsageError(f"--calibrate computes int4 and nvfp4 codes (GPTQ); --format {job.format} has nothing to "
+                             "calibrate")
+        calibrated = None if scheme == "int4" else \
+            frozenset(e.src for f in files for e in f if e.scheme_name == scheme and e.copy is None)
+        calibration = calibrate(ck, ExportPolicy(job.format, job.group_size, calibrated=calibrated), progress)
         identity["calibration"] = calibration.record
     result = run.result
     figures = result.details

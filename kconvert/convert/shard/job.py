@@ -7,8 +7,8 @@ durable together (fsync each, rename, one directory fsync: safetensors_write.com
 then records them in the journal (OUT/.kconvert/), one fsync per unit; a re-run with the same job
 resumes after the last recorded file, and kconvert.json is written last (the run's skeleton: run.py).
 Under torchrun, process p takes units p, p + P, p + 2P, ...; process 0 writes kconvert.json.
-Calibrated int4 (`calibrate`, made by the caller: engine/calibrate/layerwise.py runs the layers, a later stage than
-this one) takes the units one at a time, in order: each layer's codes come from the layers before it.
+Calibrated int4 or nvfp4 (`calibrate`, made by the caller: engine/calibrate/layerwise.py runs the layers, a later
+stage than this one) takes the units one at a time, in order: each layer's codes come from the layers before it.
 Under torchrun every process walks every layer left to do, together, each computing its share of the
 layer's experts (engine/calibrate/split.py), and writes its own units (p, p + P, ...) as above.
 """
@@ -31,6 +31,7 @@ from kconvert.convert.layout import Layout, Topology
 from kconvert.convert.output_dir import check_paths, remove_stale_temporaries
 from kconvert.family.release_config import release_config
 from kconvert.quant.policy import QuantPolicy
+from kconvert.quant.registry import CALIBRATED
 from kconvert.source.stored_quant import source_fp8_block
 from kconvert.convert.shard.pipeline import Pipeline, plan_pipeline
 from kconvert.convert.shard.outputs import WorkItem
@@ -78,7 +79,8 @@ def shard(job: ShardJob, progress=None, calibrate=None) -> RunResult:
 def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResult:
     """Run `job`. `progress(event, **kw)` gets ("start", total=bytes), ("working", n=bytes) as tensors are made,
     ("advance", n=bytes) and ("file", path=...) as each file becomes durable.
-    `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 job."""
+    `calibrate(ck, policy, progress)`: makes the calibration (engine/calibrate.LayerCalibration) of an int4 or nvfp4
+    job."""
     run = Run(job.out, progress, details=ShardFigures())
     out = run.out
     with paused_gc():  # the source's headers frozen before the collector resumes (else its next pass walks them all)
@@ -107,10 +109,9 @@ def _shard(job: ShardJob, progress, calibrate, after_plan: ExitStack) -> RunResu
     calibration = None
     dist = distributed.Group.from_env()
     if calibrate is not None:
-        if policy.scheme != "int4":
-            raise UsageError(f"--calibrate computes int4 codes (GPTQ); --quant {policy.scheme} has no calibrated path"
-                             + (" yet (its casts of MXFP4 experts are exact; from BF16 it rounds to nearest)"
-                                if policy.scheme == "nvfp4" else ""))
+        if policy.scheme not in CALIBRATED:
+            raise UsageError(f"--calibrate computes int4 and nvfp4 codes (GPTQ); --quant {policy.scheme} has no "
+                             "calibrated path")
         calibration = calibrate(ck, policy, progress)
         if dist.world > 1:
             calibration.share(dist)

@@ -42,8 +42,8 @@ def write_unit(ck: Checkpoint, batch: list[WorkItem], out: Path, progress,
     """Write every rank's file of one unit (a layer, globals or vision) in one pass over the source:
     each source tensor is read once, and each rank's slice of it goes to that rank's file. Small weights
     of one shape go as stacks (shard_stacks.py); if a stack fails a check, the unit is written again one
-    weight at a time, which names the bad tensor as it always has. `codes`: {source name: (int8 codes,
-    scale)} computed already (calibrated int4), stored instead of quantizing. Memory: the tensor (or
+    weight at a time, which names the bad tensor as it always has. `codes`: {source name: (codes, scale, ...)}
+    computed already (calibrated int4 or nvfp4), stored instead of quantizing. Memory: the tensor (or
     stack) being written plus the one read ahead. Returns the finished writers (bytes written,
     writeback started, not yet durable: commit_all them before journalling)."""
     writers, by_src = _open(batch, out)
@@ -203,16 +203,18 @@ def _slice(ck: Checkpoint, o: Output, x):
     return piece if o.scheme is not None else piece.contiguous()  # quantizers read views
 
 
-def _encode(o: Output, codes_scale):
-    """A calibrated weight's piece: its codes and group scales cut as the piece cuts the weight, encoded."""
-    codes, scale = codes_scale
+def _encode(o: Output, parts):
+    """A calibrated weight's piece: its codes and group scales cut as the piece cuts the weight, encoded (the parts
+    after them, nvfp4's weight_scale_2, are the whole tensor's)."""
+    codes, scale, *rest = parts
     p = o.piece
     if p.dim == 0:
         codes, scale = codes[p.start:p.stop], scale[p.start:p.stop]
     elif p.dim == 1:
-        g = o.group_size
+        g = codes.shape[1] // scale.shape[1]  # inputs per scale: int4's group, nvfp4's 16
         codes, scale = codes[:, p.start:p.stop], scale[:, p.start // g:p.stop // g]
-    return zip((name for name, _, _ in o.specs()), o.scheme.encode(codes.contiguous(), scale.contiguous(), o.options))
+    return zip((name for name, _, _ in o.specs()),
+               o.scheme.encode(codes.contiguous(), scale.contiguous(), *rest, o.options))
 
 
 def _produce(o: Output, x, opts: Options | None = None):

@@ -33,7 +33,10 @@ SCHEMES = {"none": ["--quant", "none"], "fp8": ["--quant", "fp8"],
            # shared experts and latent projections quantized to NVFP4 or to MXFP4
            "nvfp4-shared": ["--quant", "nvfp4", "--keep", "*self_attn*", "--quantize", "*shared_experts*",
                             "--quantize", "*routed_expert_*_proj*"],
-           "fp4-shared": ["--quant", "fp4", "--quantize", "*shared_experts*", "--quantize", "*routed_expert_*_proj*"]}
+           "fp4-shared": ["--quant", "fp4", "--quantize", "*shared_experts*", "--quantize", "*routed_expert_*_proj*"],
+           # the same with GPTQ on what it puts in NVFP4 (K3's MXFP4 experts are cast exactly either way)
+           "nvfp4-shared-gptq": ["--quant", "nvfp4", "--keep", "*self_attn*", "--quantize", "*shared_experts*",
+                                 "--quantize", "*routed_expert_*_proj*", "--calibrate", "stdlib"]}
 
 
 def main() -> None:

@@ -164,8 +164,8 @@ class ConvertedCheckpoint:
         results: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         stop = threading.Event()
 
-        def producer():
-            with ThreadPoolExecutor(threads) as pool:
+        def producer():  # (mapping pages is CPU work: threads past the cores only contend for the page tables)
+            with ThreadPoolExecutor(max(1, min(threads, os.cpu_count() or 1))) as pool:
                 for u in order:
                     if stop.is_set():
                         return

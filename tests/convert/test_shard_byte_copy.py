@@ -21,11 +21,13 @@ def _tree(out) -> dict:
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("preset,quant", [("tiny-k25-dsv32", "none"), ("tiny-k25-dsv32-fp8", "fp8")])
+@pytest.mark.parametrize("preset,quant", [("tiny-k25-dsv32", "none"), ("tiny-k25-dsv32-fp8", "fp8"),
+                                          ("tiny-kimi-k3", "fp4")])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bytes_equal_the_tensor_path(checkpoint, tmp_path, monkeypatch, tp, preset, quant):
-    """`--quant none` of BF16 and `--quant fp8` of block FP8 (its blocks and scales resharded, its BF16 tensors kept)
-    are byte copies: the same files as the tensor path writes."""
+    """`--quant none` of BF16, `--quant fp8` of block FP8 (its blocks and scales resharded, its BF16 tensors kept) and
+    `--quant fp4` of Kimi K3 as released (its MXFP4 experts' U8 bytes kept, the scales tagged e8m0; the rest BF16) are
+    byte copies: the same files as the tensor path writes."""
     import kconvert.convert.shard.job as job
 
     src, as_bytes = checkpoint(preset), []
@@ -121,6 +123,35 @@ def test_a_damaged_fp8_copy_is_refused_as_the_tensor_path_refuses_it(checkpoint,
             monkeypatch.setattr(job, "plain_copies", lambda ck, items: False)
         r = cli_here("shard", src, tmp_path / f"o{as_bytes}", "--tp", 2, "--quant", "fp8")
         assert_one_line_error(r, name, "damaged")
+        assert not (tmp_path / f"o{as_bytes}" / "kconvert.json").exists()
+        lines.append(r.stderr.replace(str(tmp_path / f"o{as_bytes}"), "OUT"))
+    assert lines[0] == lines[1]
+
+
+K3_EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.3.w1"
+
+
+@pytest.mark.parametrize("part,raw", [(".weight_scale", b"\xff"), (".weight_scale", b"\xfe")])  # e8m0 NaN; 2^127 * 6
+def test_a_damaged_mxfp4_copy_is_refused_as_the_tensor_path_refuses_it(checkpoint, copy_checkpoint, tmp_path,
+                                                                      monkeypatch, part, raw):
+    """Kimi K3's `--quant fp4` as bytes: an e8m0 scale that is NaN, or one whose largest value passes float32, is
+    refused in the tensor path's words, and neither path leaves a converted directory."""
+    import kconvert.convert.shard.job as job
+
+    src = copy_checkpoint(checkpoint("tiny-kimi-k3"))
+    name = K3_EXPERT + part
+    path = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    start, header = header_offsets(path)
+    lo, _ = header[name]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[start + lo + 1:start + lo + 2] = raw  # the second scale
+    path.write_bytes(bytes(data))
+    lines = []
+    for as_bytes in (True, False):
+        if not as_bytes:
+            monkeypatch.setattr(job, "plain_copies", lambda ck, items: False)
+        r = cli_here("shard", src, tmp_path / f"o{as_bytes}", "--tp", 2, "--quant", "fp4")
+        assert_one_line_error(r, name)
         assert not (tmp_path / f"o{as_bytes}" / "kconvert.json").exists()
         lines.append(r.stderr.replace(str(tmp_path / f"o{as_bytes}"), "OUT"))
     assert lines[0] == lines[1]

@@ -1,5 +1,6 @@
 """A job whose every output is a stored tensor copied as it is (`shard --quant none` of a BF16 / FP16 / FP32 source;
-`--quant fp8` of a block-FP8 source whose other tensors are kept: a reshard only) written as bytes, with numpy and
+`--quant fp8` of a block-FP8 source whose other tensors are kept; `--quant fp4` of MXFP4 experts whose other tensors
+are kept, Kimi K3 as released: a reshard only) written as bytes, with numpy and
 os alone: torch is never imported (its ~1.5 s import was a third of a 3 GB reshard), no tensor is made. Each stored
 part is mapped from the page cache (io/pread.map_range) or read when small, checked for NaN/Inf with two
 max-reductions over its integer view (no temporary), block scales checked against float32's range as
@@ -41,9 +42,10 @@ _CHUNK = 16 << 20  # bytes a reduction takes at once (no temporaries: only Pytho
 
 
 def plain_copies(ck: Checkpoint, items: list[WorkItem]) -> bool:
-    """Whether every output of the job is a stored tensor copied as it is, sliced or whole: a plain tensor kept, or a
-    block-FP8 weight and its scales resharded on block boundaries (fp8_copy) with the source's own dtypes, from an
-    uncompressed local source, with no bound on its values: then byte_copy writes the job."""
+    """Whether every output of the job is a stored tensor copied as it is, sliced or whole: a plain tensor kept, a
+    block-FP8 weight and its scales resharded on block boundaries (fp8_copy) with the source's own dtypes, or an MXFP4
+    weight and its scales kept whole (fp4_copy), from an uncompressed local source, with no bound on its values: then
+    byte_copy writes the job."""
     if ck.remote:
         return False
     for w in items:
@@ -53,14 +55,39 @@ def plain_copies(ck: Checkpoint, items: list[WorkItem]) -> bool:
             t = ck.logical[o.src]
             if o.transform == "copy" and o.copy is None and t.format == "plain":
                 parts = (t.stored,)
-            elif _block_fp8_copy(o, t):
+            elif _block_fp8_copy(o, t) or _fp4_copy(o, t):
                 parts = (t.parts["weight"], t.parts["scale"])
             else:
                 return False
             if any(e.compressed is not None or e.dtype not in ITEMSIZE for e in parts) or \
-                    [tag for _, tag, _ in o.specs()] != [e.dtype for e in parts]:
+                    not _same_bytes(t, parts, [tag for _, tag, _ in o.specs()]):
                 return False
     return True
+
+
+# MXFP4's bytes under the tags releases store them with and the tensor path writes them with: code pairs U8
+# (compressed-tensors, kconvert) or I8 (DeepSeek-V4), scales U8 or F8_E8M0: the same byte whichever tag (source/logical
+# reads them as the pairs and e8m0 they are); a scale is checked as the e8m0 it is.
+_FP4_TAGS = (("U8", "I8"), ("U8", "F8_E8M0"))
+
+
+def _same_bytes(t, parts, spec_tags: list[str]) -> bool:
+    """Whether the planned tags store `parts`' bytes unchanged: the same tags, or MXFP4's under another of its tags."""
+    if t.format != "fp4_packed":
+        return spec_tags == [e.dtype for e in parts]
+    return len(parts) == len(spec_tags) == 2 and all(
+        e.dtype in tags and tag in tags for e, tag, tags in zip(parts, spec_tags, _FP4_TAGS))
+
+
+def _tags(t, parts) -> list[str]:
+    """The tags `parts`' values are checked as: their own; an MXFP4 scale's bytes as e8m0."""
+    return [e.dtype for e in parts] if t.format != "fp4_packed" else [parts[0].dtype, "F8_E8M0"]
+
+
+def _fp4_copy(o: Output, t) -> bool:
+    c = o.copy
+    return (o.transform == "fp4_copy" and c is not None and c.recode is None and c.roles == ("weight", "scale")
+            and t.format == "fp4_packed" and o.piece.dim is None and len(t.parts["weight"].shape) == 2)
 
 
 def _block_fp8_copy(o: Output, t) -> bool:
@@ -80,13 +107,14 @@ def write_unit_bytes(ck: Checkpoint, batch: list[WorkItem], out: Path, progress)
             pairs = by_src[src]
             t = ck.logical[src]
             entries = (t.stored,) if t.format == "plain" else (t.parts["weight"], t.parts["scale"])
-            try:
-                parts = [_read_checked(e) for e in entries]  # weight first: its NaN is named before the scale's
+            tags = _tags(t, entries)
+            try:  # weight first: its NaN is named before the scale's
+                parts = [_read_checked(e, tag) for e, tag in zip(entries, tags)]
                 if len(parts) == 2:
-                    _check_scale_range(t, parts[1], entries[1])
+                    _check_scale_range(t, parts[1], entries[1], tags[1])
                 crcs = None  # a whole tensor's CRC-32s, once for every rank that stores it whole
                 for writer, o in pairs:
-                    _check_planned(o, entries)
+                    _check_planned(o, t, entries)
                     names = [name for name, _, _ in o.specs()]
                     if o.piece.dim is None:
                         crcs = [writer.write_bytes(writer.index(name), [data], None if crcs is None else [crcs[k]])[0]
@@ -106,17 +134,18 @@ def write_unit_bytes(ck: Checkpoint, batch: list[WorkItem], out: Path, progress)
         raise
 
 
-def _read_checked(entry) -> np.ndarray:
-    """A stored tensor's bytes (mapped from the page cache when large), refused if any value is NaN / Inf."""
+def _read_checked(entry, tag: str) -> np.ndarray:
+    """A stored tensor's bytes (mapped from the page cache when large), refused if any value is NaN / Inf (as `tag`
+    reads them)."""
     data = np.frombuffer(read_entry_bytes(entry), np.uint8) if entry.nbytes else np.empty(0, np.uint8)
-    require_finite_bytes(data, entry)
+    require_finite_bytes(data, entry, tag)
     return data
 
 
-def require_finite_bytes(data: np.ndarray, entry) -> None:
-    """NonFiniteError naming the file and tensor where a float tensor's bytes hold a NaN or an Inf (the words of
-    source/formats.require_finite)."""
-    how = _NONFINITE.get(entry.dtype)
+def require_finite_bytes(data: np.ndarray, entry, tag: str | None = None) -> None:
+    """NonFiniteError naming the file and tensor where a float tensor's bytes (of `tag`, default its own) hold a NaN
+    or an Inf (the words of source/formats.require_finite)."""
+    how = _NONFINITE.get(tag or entry.dtype)
     if how is None or not data.size:
         return
     signed, unsigned, positive, negative = how
@@ -138,31 +167,32 @@ def _count_nonfinite(u: np.ndarray, positive: int | None, negative: int) -> int:
     return sum(int(np.count_nonzero((u[lo:lo + _CHUNK] & pattern) == pattern)) for lo in range(0, u.size, _CHUNK))
 
 
-def _check_scale_range(t, scale: np.ndarray, entry) -> None:
-    """source/formats.check_scale_range over the scale's bytes: its largest magnitude times the largest code must
-    stay within float32."""
+def _check_scale_range(t, scale: np.ndarray, entry, tag: str) -> None:
+    """source/formats.check_scale_range over the scale's bytes (of `tag`): its largest magnitude times the largest
+    code must stay within float32."""
     top = largest_code(t)
     if top is None or not scale.size:
         return
-    if entry.dtype == "F8_E8M0":
+    if tag == "F8_E8M0":
         biggest = 2.0 ** (int(scale.max()) - 127)
-    elif entry.dtype in ("F32", "F64", "F16"):
-        s = scale.view({"F32": np.float32, "F64": np.float64, "F16": np.float16}[entry.dtype])
+    elif tag in ("F32", "F64", "F16"):
+        s = scale.view({"F32": np.float32, "F64": np.float64, "F16": np.float16}[tag])
         biggest = max(float(s.max()), -float(s.min()))
-    elif entry.dtype == "BF16":  # its bits are a float32's upper half
+    elif tag == "BF16":  # its bits are a float32's upper half
         s = (scale.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         biggest = max(float(s.max()), -float(s.min()))
     else:
-        raise NotImplementedError(f"{entry.dtype} scales")  # (not planned as byte copies: plain_copies)
+        raise NotImplementedError(f"{tag} scales")  # (not planned as byte copies: plain_copies)
     if biggest * top > FLOAT32_MAX:
         raise scale_range_error(t, biggest, top)
 
 
-def _check_planned(o: Output, entries) -> None:
-    """The file planned this output as the source's parts in their own dtypes, the weight of the slice's shape (what
+def _check_planned(o: Output, t, entries) -> None:
+    """The file planned this output as the source's parts' bytes unchanged, the weight of the slice's shape (what
     the tensor path's writer.write checks from the tensors themselves)."""
     specs = o.specs()
-    if [tag for _, tag, _ in specs] != [e.dtype for e in entries] or tuple(specs[0][2]) != tuple(o.shape):
+    shape = tuple(entries[0].shape) if t.format == "fp4_packed" else tuple(o.shape)  # (code pairs: whole tensors)
+    if not _same_bytes(t, entries, [tag for _, tag, _ in specs]) or tuple(specs[0][2]) != shape:
         raise RuntimeError(f"{specs[0][0]} is planned as {specs}, not a copy of {[e.dtype for e in entries]}"
                            f"{list(o.shape)}")
 

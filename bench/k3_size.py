@@ -8,7 +8,8 @@ for none / fp4 (copy) / fp8 / nvfp4, extrapolated from rates measured here (benc
 
 The per-core rates (GB/s of source per CPU second: all of shard's work, its planning included) come from
 bench/phases_bench.py's JSON (--phases), measured on its MXFP4 source (DeepSeek-V4 in V4-Flash's storage, experts at
-bench widths, so their per-tensor work is in the rate too: conservative); the bytes
+bench widths, so their per-tensor work is in the rate too: conservative); fp4's from its bf16 `none` run: K3's fp4
+keeps every tensor's bytes (MXFP4 experts, the BF16 rest), the byte copy's path; the bytes
 written from `kconvert plan kimi-k3 --tp 8 --quant Q --json`; the tensors written and their cost beyond the data from
 bench/metadata_bench.py on `topo-kimi-k3` (K3's 93 layers x 896 experts at tiny widths; docs/BENCHMARKS.md "Real
 tensor counts"), given below as defaults; this disk's rate from bench/phases_bench.py's JSON (--phases: `cp -r` +
@@ -65,8 +66,10 @@ def main(argv=None) -> int:
           f"({a.processes} processes): CPU / disk / total | NVMe node: CPU / disk / total |\n|---|---|---|---|---|---|")
     rows = {}
     for quant in ("none", "fp4", "fp8", "nvfp4"):
-        run = ph["fp4" if quant == "fp4" else f"mxfp4-{quant}"]  # the MXFP4 source, in one process: CPU s of all
-        rate = run["bytes_in"] / run["cpu"] / 1e9  # its threads, planning and writing included (GB/s a core)
+        # K3's fp4 keeps its MXFP4 experts and BF16 rest as bytes (convert/shard/byte_copy.py): the byte copy's rate,
+        # measured on the bf16 `none` run; the others: the MXFP4 source, in one process
+        run = ph["none"] if quant == "fp4" else ph[f"mxfp4-{quant}"]
+        rate = run["bytes_in"] / run["cpu"] / 1e9  # CPU s of all its threads, planning and writing included (GB/s a core)
         out = plan_bytes(quant)
         n, us = TENSORS[quant]
         here_cpu = SOURCE_BYTES / 1e9 / (a.processes * rate) + n * us * 1e-6 / a.processes

@@ -26,7 +26,11 @@ def _digest(folder) -> dict:
                                             ("topo-dsv4-pro", "fp8", 1)])
 def test_fp4_experts_are_read_as_stacks_with_the_same_bytes(checkpoint, tmp_path, monkeypatch, preset, quant, tp):
     """Kimi K3's MXFP4 experts (U8 pairs + e8m0) and DeepSeek-V4's FP4 ones (int8 pairs + .scale), decoded a stack
-    at a time by the one FP4 decoder: every output byte as the one-at-a-time path writes it."""
+    at a time by the one FP4 decoder: every output byte as the one-at-a-time path writes it. (K3's fp4 is a byte copy
+    by default, convert/shard/byte_copy.py; the tensor path, what a compressed or remote source takes, is held here.)"""
+    import kconvert.convert.shard.job as job
+
+    monkeypatch.setattr(job, "plain_copies", lambda ck, items: False)
     src = checkpoint(preset, layers=3, experts=8)
     stacks = []
     real = shard_unit.write_stack

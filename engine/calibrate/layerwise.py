@@ -26,7 +26,10 @@ codes).
 Memory (engine/calibrate/memory.py): the layer's float32 weights (each replaced by its dequantized copy once
 quantized), the activations entering it, its unquantized output (for the layer's figure), the MoE's input
 over every token while the experts are done, and one micro-batch's temporaries; the next layer's input
-overwrites this one's in place. Under torchrun the experts split over processes (engine/calibrate/split.py)."""
+overwrites this one's in place. Under torchrun the experts split over processes (engine/calibrate/split.py).
+
+Over 300 lines: one layer's calibration is one object's state (the activations entering the layer, the Hessians being
+summed, the resume point, the split); its steps read and write that state in turn."""
 
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ is exact when k_max - k_j <= 17, or when its codes are all zero; a block further
 (the finest e4m3 has) and its values rounded at it; quant/tally.py counts both kinds. k_max runs over the groups with a
 nonzero code. Engines fuse an expert's w1 and w3 into one GEMM with one weight_scale_2: a conversion gives a fused
 group the largest of its members' scales (`Options.tensor_scale`), which keeps every block exact that each alone would.
+
+Over 300 lines: one format's rules (the codes, ModelOpt's scale rule, the exact cast from MXFP4, both encodings and the
+scheme that picks among them) are read and changed together; split, each half would restate the other's constants.
 """
 
 from __future__ import annotations

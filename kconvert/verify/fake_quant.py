@@ -28,11 +28,10 @@ import torch
 from kconvert.errors import VerifyFailed
 from kconvert.io.side_files import MAX_CONFIG, MAX_TEXT, read_bytes, read_json
 from kconvert.verify.compressed_tensors_fq import fq
-from kconvert.verify.fake_quant_nvfp4 import decode_nvfp4, fused_amax, nvfp4_qdq, stored_nvfp4_fq
+from kconvert.verify.fake_quant_nvfp4 import fused_amax, nvfp4_qdq, stored_nvfp4_fq
+from kconvert.verify.stored_codes import COMPANIONS, stored_pieces
 
 QUANTIZED = ("fp8", "int8", "int4", "fp4", "nvfp4")
-# a quantized weight's companions in kconvert.json's rows (scales, nvfp4's per-tensor and activation scales)
-COMPANIONS = ("_scale_inv", "_scale", "_scale_2", ".input_scale")
 FP8_E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-12  # all-zero blocks/rows/groups: any positive scale dequantizes them to 0
 INT4_CLIP_STEPS = 16  # clipping search: scale = (1 - k/50) * amax / 7, k = 0..15, least squared error
@@ -166,57 +165,6 @@ def write_fake_quant_source(src: str, meta: dict, out_dir: Path, converted: str 
         return expected_tensor(x, plan[name], meta["quantization"], amax.get(name)) if name in plan else x
 
     return _write_source(src, out_dir, values)
-
-
-def stored_pieces(converted: str | Path | None, meta: dict) -> dict[str, list[tuple[list | None, torch.Tensor]]]:
-    """{source name: [(slice, float32 weight decoded from what is stored)]} of a calibrated int4 or nvfp4 conversion."""
-    return {**stored_int4_pieces(converted, meta), **stored_nvfp4_pieces(converted, meta)}
-
-
-def stored_nvfp4_pieces(converted: str | Path | None, meta: dict) -> dict[str, list[tuple[list | None, torch.Tensor]]]:
-    """{source name: [(slice, float32 weight decoded from the stored codes, block scales and weight_scale_2)]} of a
-    calibrated nvfp4 conversion's NVFP4 weights (fake_quant_nvfp4.decode_nvfp4), one entry per distinct slice."""
-    from kconvert.load.loader import open_converted
-
-    by_file: dict[tuple[int, str], list[dict]] = {}
-    for t in meta["tensors"]:
-        if t["transform"] == "nvfp4" and not t["name"].endswith(COMPANIONS):
-            by_file.setdefault((t["rank"], t["unit"]), []).append(t)
-    out: dict[str, list] = {}
-    for (rank, unit), entries in sorted(by_file.items()):
-        tensors = open_converted(converted, rank=rank).load_unit(unit)
-        for t in entries:
-            name = t["name"]
-            if not any(s == t["slice"] for s, _ in out.get(name, [])):
-                out.setdefault(name, []).append((t["slice"], decode_nvfp4(
-                    tensors[name], tensors[name + "_scale"], tensors[name + "_scale_2"])))
-    return out
-
-
-def stored_int4_pieces(converted: str | Path | None, meta: dict) -> dict[str, list[tuple[list | None, torch.Tensor]]]:
-    """{source name: [(slice, float32 weight decoded from the stored nibble pairs and group scales)]} of a
-    calibrated int4 conversion, one entry per distinct slice (docs/FORMAT.md: q = nibble - 8, w = q * scale)."""
-    if converted is None:
-        raise VerifyFailed("faithfulness: a calibrated conversion is checked against its own stored codes; "
-                           "pass its directory (kconvert reference SRC --like OUT)")
-    from kconvert.load.loader import open_converted
-
-    group = meta["quantization"].get("group_size") or 32
-    by_file: dict[tuple[int, str], list[dict]] = {}
-    for t in meta["tensors"]:
-        if t["transform"] == "int4" and t["name"].endswith("_packed"):
-            by_file.setdefault((t["rank"], t["unit"]), []).append(t)
-    out: dict[str, list] = {}
-    for (rank, unit), entries in sorted(by_file.items()):
-        tensors = open_converted(converted, rank=rank).load_unit(unit)
-        for t in entries:
-            name = t["name"].removesuffix("_packed")
-            if any(s == t["slice"] for s, _ in out.get(name, [])):
-                continue  # a replicated tensor: one copy is enough
-            packed, scale = tensors[t["name"]].to(torch.int16), tensors[name + "_scale"].to(torch.float32)
-            q = torch.stack([(packed & 0xF) - 8, (packed >> 4) - 8], dim=-1).reshape(packed.shape[0], -1)
-            out.setdefault(name, []).append((t["slice"], q.to(torch.float32) * scale.repeat_interleave(group, dim=1)))
-    return out
 
 
 def stored_rule(qc: dict) -> dict:

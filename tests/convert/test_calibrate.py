@@ -46,7 +46,7 @@ def _files(out: Path) -> dict[str, bytes]:
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     """Every calibrated weight, decoded from the stored codes and scales and its tp slices put together."""
-    from kconvert.verify.fake_quant import stored_int4_pieces
+    from kconvert.verify.stored_codes import stored_int4_pieces
 
     meta = Catalog.read(out).whole_doc()
     whole = {}

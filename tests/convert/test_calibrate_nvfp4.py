@@ -43,7 +43,7 @@ def test_gptq_layer_beats_rounding_and_is_what_shard_stores(calibrated, checkpoi
     from kconvert.quant.policy import QuantPolicy
     from kconvert.source.checkpoint import Checkpoint
     from kconvert.source.tokenizer import load_kimi_tokenizer
-    from kconvert.verify.fake_quant import stored_pieces
+    from kconvert.verify.stored_codes import stored_pieces
 
     ck = Checkpoint.open(checkpoint("tiny-k25-dsv32"))
     enc = load_kimi_tokenizer(ck.root)

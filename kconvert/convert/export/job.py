@@ -27,7 +27,7 @@ from kconvert.source.checkpoint import INDEX, Checkpoint
 from kconvert.source.side_checks import check_side_files
 from kconvert.disk_format.journal import JOURNAL_DIR
 from kconvert.convert.export.formats import (Exported, exact_in_bf16, ignore_list, load, plan_tensor, produce,
-                                             quantization_config, quantizes, side_configs)
+                                             quantization_config, side_configs)
 from kconvert.convert.export.table import EXPORT_FORMATS, FORMATS
 from kconvert.quant.registry import CALIBRATED
 from kconvert.source.stored_quant import source_fp8_block
@@ -35,6 +35,7 @@ from kconvert.convert.export import expert_dtype as v4_layout
 from kconvert.convert.output_dir import COPY_PATTERNS, check_paths, config_json, copy_side_files
 from kconvert.family.release_config import release_config
 from kconvert.convert.run import ExportFigures, Run, RunResult, default_workers
+from kconvert.convert.export.calibration_policy import ExportPolicy
 
 EXPORT_VERSION = 1
 # Beyond shard's side files: what a serving engine or `trust_remote_code` needs from the release.
@@ -95,31 +96,6 @@ def plan_export(ck: Checkpoint, job: ExportJob, scale_fmt: str) -> list[list[Exp
         raise UsageError(f"--format {job.format}{group} would quantize no tensor of this checkpoint (no eligible "
                          "linear's input width fits it): refusing to write an unquantized copy", file=str(ck.root))
     return files
-
-
-@dataclass(frozen=True)
-class ExportPolicy:
-    """What a calibration asks of the policy: the tensors an export format quantizes, its group. `calibrated`: the
-    weights the plan stores in the format's scheme by quantizing (nvfp4: by role, the MXFP4 experts' exact casts
-    left out); None: every one the format's default policy quantizes (w4a16)."""
-
-    format: str
-    group_size: int
-    int4_scales: str = "amax"
-    calibrated: frozenset[str] | None = None
-
-    @property
-    def scheme(self) -> str:
-        return EXPORT_FORMATS[self.format].scheme
-
-    def quantizes(self, info, shape) -> bool:
-        return quantizes(self.format, info, tuple(shape), self.group_size)
-
-    def calibrates(self, info, shape, source=None) -> bool:
-        return info.name in self.calibrated if self.calibrated is not None else self.quantizes(info, shape)
-
-    def copies_exactly(self, info, shape, source=None) -> bool:
-        return self.calibrated is not None and self.quantizes(info, shape) and info.name not in self.calibrated
 
 
 def export(job: ExportJob, progress=None, calibrate=None) -> RunResult:

@@ -1,12 +1,13 @@
-"""A file mapping's pages made present before anyone reads them, fast where they are cached and with an error, not a
-crash, where the disk fails.
+"""A file mapping's pages read from the disk before anyone uses them, with an error, not a crash, where the disk fails.
 
-Reading a byte of each page (`touch`) is the fastest way to map pages the page cache holds: the kernel maps a large
-folio at once (a 2 MiB one by one page-table entry), where MADV_POPULATE_READ walks the range a page at a time (1.7x
-slower on Linux 6.18). But a page that must come from the disk and cannot (EIO), or lies past the end of a file that
-shrank, kills a reader that touches it (SIGBUS); MADV_POPULATE_READ answers EIO / EFAULT instead. So `present` asks
-mincore(2) first: a range wholly in the page cache is touched, any other populated. Both calls go through ctypes,
-which lets go of the GIL: ranges are made present on several threads at once."""
+A page that must come from the disk and cannot (EIO), or lies past the end of a file that shrank, kills a reader that
+touches it (SIGBUS); MADV_POPULATE_READ reads the range ahead and answers EIO / EFAULT instead. Pages the page cache
+holds need no such care: they are mapped at their first use, as safetensors' mapped reads map them, and mapping them
+ahead cost more than it saved (MADV_POPULATE_READ walks a range a page at a time, where a fault maps a large folio
+at once; the consumer walks every page again anyway). So `present` asks first whether the cache holds the file
+(cachestat(2): one call a file, folio by folio) or the range (mincore(2), page by page, where cachestat is missing),
+and populates only what it does not. The calls go through ctypes, which lets go of the GIL: ranges are read on
+several threads at once."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import mmap
 import os
 
 MADV_POPULATE_READ = 22  # Linux 5.14+; this Python's mmap module may not name it
+SYS_CACHESTAT = 451  # Linux 6.5+, the same number on x86-64 and arm64 (the generic table)
 
 
 def _libc(name: str, argtypes: list):
@@ -29,6 +31,29 @@ def _libc(name: str, argtypes: list):
 
 _MADVISE = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 _MINCORE = _libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+_SYSCALL = _libc("syscall", None)
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+def file_cached(fd: int, size: int) -> bool | None:
+    """Whether every page of the file's first `size` bytes is in the page cache (cachestat(2): one call that walks the
+    cache's folios, so a 2 MiB folio costs what a page does; mincore asks page by page); None where the kernel has no
+    cachestat (before 6.5)."""
+    if _SYSCALL is None or size <= 0:
+        return None
+    stat = _Cachestat()
+    if _SYSCALL(ctypes.c_long(SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(_Range(0, size)), ctypes.byref(stat),
+                ctypes.c_long(0)) != 0:  # (syscall(2) reads every argument as a long)
+        return None
+    return stat.nr_cache >= -(-size // mmap.PAGESIZE)
 
 
 def resident(address: int, length: int) -> bool:
@@ -52,15 +77,18 @@ def populate(address: int, length: int) -> None:
         raise OSError(e, os.strerror(e))
 
 
-def present(buf, lo: int, hi: int) -> None:
-    """Bytes [lo, hi) of `buf` (a uint8 tensor over a mapping; lo page-aligned in it) mapped now: touched where the
-    page cache holds them all, else populated (OSError for a page that cannot be read); touched on a kernel without
-    MADV_POPULATE_READ."""
-    address = buf.data_ptr() + lo
-    if not resident(address, hi - lo):
-        try:
-            return populate(address, hi - lo)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
+def present(buf, lo: int, hi: int, cached: bool | None = None) -> None:
+    """Bytes [lo, hi) of `buf` (a uint8 tensor over a mapping; lo page-aligned in it) read from the disk now where the
+    page cache does not hold them all (`cached`: the whole file's answer from `file_cached`; else mincore's for the
+    range), by MADV_POPULATE_READ: OSError for a page the disk cannot give or one past a shortened file's end. Where
+    the cache holds them, nothing is done: their first use maps them from the cache, as any mapped reader's does
+    (mapping them ahead cost more than it saved: the consumer walks every page again). A kernel without
+    MADV_POPULATE_READ has each page read instead."""
+    if cached if cached is not None else resident(buf.data_ptr() + lo, hi - lo):
+        return
+    try:
+        return populate(buf.data_ptr() + lo, hi - lo)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
     int(buf[lo:hi:mmap.PAGESIZE].sum())  # (torch's sum runs without the GIL)

@@ -5,9 +5,9 @@
         model.take_unit(unit, tensors)        # "globals", "vision", "layer-0000", ...
 
 Each unit is one file. Background threads fetch the next `prefetch` files while the caller
-consumes the current one. On CPU the tensors are views of a private mapping of the file, its pages mapped by those
-threads (the page cache itself: no copy). On an accelerator each file is read in parallel chunks into
-pinned host memory, reused across files, and copied to one device allocation per unit on a side
+consumes the current one. On CPU the tensors are views of a private mapping of the file (the page cache itself: no
+copy), what the cache does not hold read from the disk by those threads. On an accelerator each file is read in
+parallel chunks into pinned host memory, reused across files, and copied to one device allocation per unit on a side
 stream. Compressed shards (kconvert/io/compressed.py) are decompressed chunk by chunk on the same
 threads into the same buffers, so everything after the read (verify, views, device copy) is unchanged.
 With `verify`, the file's CRC-32 is checked against kconvert.json before any tensor is handed out.
@@ -40,7 +40,7 @@ from kconvert.disk_format.journal import check_not_mid_pack
 from kconvert.disk_format.ranks import resolve_rank
 from kconvert.errors import LoaderError, UsageError
 from kconvert.io.crc import crc32, crc32_combine
-from kconvert.io.pages import present
+from kconvert.io.pages import file_cached, present
 from kconvert.io.pread import pread_into
 from kconvert.io.regular import open_regular, regular_fd
 from kconvert.load.views import tensor_views
@@ -263,21 +263,22 @@ def _combined(parts: list[int], size: int) -> int:
 
 
 def _map_file(path: Path, size: int, pool: ThreadPoolExecutor, verify: bool) -> tuple[torch.Tensor, int | None]:
-    """(A private, copy-on-write mapping of the whole file; its CRC-32 where `verify`). Every page is mapped now, on
-    the reader's threads, so the consumer never waits on the disk (io/pages.present: read where cached, populated
-    where not, an error rather than a crash where the disk fails); with `verify` each piece's CRC-32 is computed
-    right after, while its bytes are in the cache. A write copies just that page, privately."""
+    """(A private, copy-on-write mapping of the whole file; its CRC-32 where `verify`). What the page cache does not
+    hold is read from the disk now, on the reader's threads, so the consumer never waits on the disk and a disk error
+    is an error rather than a crash (io/pages.present); with `verify` each piece's CRC-32 is computed right after,
+    while its bytes are in the cache. A write copies just that page, privately."""
     import mmap
 
     with regular_fd(path, LoaderError) as (fd, _):
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        cached = file_cached(fd, size)  # one call for the file (None: mincore asks range by range)
     buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
     data = buf.numpy()
     step = CRC_CHUNK if verify else CHUNK
 
     def piece(lo: int) -> int | None:
         hi = min(lo + step, size)
-        present(buf, lo, hi)
+        present(buf, lo, hi, cached)
         return crc32(data[lo:hi]) if verify else None
 
     try:

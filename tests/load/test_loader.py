@@ -204,13 +204,13 @@ def test_strided_views_equal_one_view_per_tensor(seed, monkeypatch):
 
 
 def test_without_populate_advice_pages_are_read_one_by_one(conversions, monkeypatch):
-    """A kernel without MADV_POPULATE_READ or mincore (before 5.14): each page is read instead, the same tensors."""
+    """A kernel without cachestat, mincore or MADV_POPULATE_READ: each page is read ahead instead, the same tensors."""
     from kconvert.io import pages
 
     out = conversions["none", 2]
     want = {u: {k: v.clone() for k, v in t.items()} for u, t in open_converted(out, rank=1).stream("cpu")}
-    monkeypatch.setattr(pages, "_MADVISE", None)
-    monkeypatch.setattr(pages, "_MINCORE", None)
+    for fn in ("_MADVISE", "_MINCORE", "_SYSCALL"):
+        monkeypatch.setattr(pages, fn, None)
     for verify in (False, True):
         got = dict(open_converted(out, rank=1).stream("cpu", verify=verify))
         assert list(got) == list(want)
@@ -226,15 +226,14 @@ def test_a_shard_cut_short_while_mapped_is_an_error_not_a_crash(conversions, tmp
 
     out = _copy(conversions, tmp_path)
     f = out / "rank-001" / "layer-0001.safetensors"
-    real = loader.present
+    real = loader.file_cached
 
-    def cut_then_map(buf, lo, hi):
-        if f.stat().st_size > 4096:
-            with open(f, "r+b") as fh:
-                fh.truncate(4096)
-        return real(buf, lo, hi)
+    def cut_then_ask(fd, size):  # (called with the file mapped, before any page is read)
+        with open(f, "r+b") as fh:
+            fh.truncate(4096)
+        return real(fd, size)
 
-    monkeypatch.setattr(loader, "present", cut_then_map)
+    monkeypatch.setattr(loader, "file_cached", cut_then_ask)
     conv = open_converted(out, rank=1)
     got = []
     with pytest.raises(LoaderError, match="cannot read the shard") as e:

@@ -107,51 +107,39 @@ def test_a_damaged_fp8_copy_is_refused_as_the_tensor_path_refuses_it(checkpoint,
                                                                      monkeypatch, part, raw):
     """A NaN in an FP8 weight or its scales, or a scale that decodes past float32: the byte copy's one line is the
     tensor path's, word for word, and neither leaves a converted directory."""
-    import kconvert.convert.shard.job as job
-
     src = copy_checkpoint(checkpoint("tiny-k25-dsv32-fp8"))
-    name = FP8_L1 + part
-    path = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
-    start, header = header_offsets(path)
-    lo, _ = header[name]["data_offsets"]
-    data = bytearray(path.read_bytes())
-    data[start + lo + len(raw):start + lo + 2 * len(raw)] = raw  # the second element
-    path.write_bytes(bytes(data))
-    lines = []
-    for as_bytes in (True, False):
-        if not as_bytes:
-            monkeypatch.setattr(job, "plain_copies", lambda ck, items: False)
-        r = cli_here("shard", src, tmp_path / f"o{as_bytes}", "--tp", 2, "--quant", "fp8")
-        assert_one_line_error(r, name, "damaged")
-        assert not (tmp_path / f"o{as_bytes}" / "kconvert.json").exists()
-        lines.append(r.stderr.replace(str(tmp_path / f"o{as_bytes}"), "OUT"))
-    assert lines[0] == lines[1]
+    _both_paths_refuse(src, FP8_L1 + part, raw, "fp8", tmp_path, monkeypatch, "damaged")
 
 
 K3_EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.3.w1"
 
 
-@pytest.mark.parametrize("part,raw", [(".weight_scale", b"\xff"), (".weight_scale", b"\xfe")])  # e8m0 NaN; 2^127 * 6
+@pytest.mark.parametrize("raw", [b"\xff", b"\xfe"])  # e8m0 NaN; 2^127 * 6 past float32
 def test_a_damaged_mxfp4_copy_is_refused_as_the_tensor_path_refuses_it(checkpoint, copy_checkpoint, tmp_path,
-                                                                      monkeypatch, part, raw):
+                                                                      monkeypatch, raw):
     """Kimi K3's `--quant fp4` as bytes: an e8m0 scale that is NaN, or one whose largest value passes float32, is
     refused in the tensor path's words, and neither path leaves a converted directory."""
+    src = copy_checkpoint(checkpoint("tiny-kimi-k3"))
+    _both_paths_refuse(src, K3_EXPERT + ".weight_scale", raw, "fp4", tmp_path, monkeypatch)
+
+
+def _both_paths_refuse(src, name: str, raw: bytes, quant: str, tmp_path, monkeypatch, *words: str) -> None:
+    """`raw` written over the second element of stored tensor `name`; shard --tp 2 as bytes and through the tensor path:
+    the same one line naming it, and no converted directory from either."""
     import kconvert.convert.shard.job as job
 
-    src = copy_checkpoint(checkpoint("tiny-kimi-k3"))
-    name = K3_EXPERT + part
     path = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
     start, header = header_offsets(path)
     lo, _ = header[name]["data_offsets"]
     data = bytearray(path.read_bytes())
-    data[start + lo + 1:start + lo + 2] = raw  # the second scale
+    data[start + lo + len(raw):start + lo + 2 * len(raw)] = raw
     path.write_bytes(bytes(data))
     lines = []
     for as_bytes in (True, False):
         if not as_bytes:
             monkeypatch.setattr(job, "plain_copies", lambda ck, items: False)
-        r = cli_here("shard", src, tmp_path / f"o{as_bytes}", "--tp", 2, "--quant", "fp4")
-        assert_one_line_error(r, name)
+        r = cli_here("shard", src, tmp_path / f"o{as_bytes}", "--tp", 2, "--quant", quant)
+        assert_one_line_error(r, name, *words)
         assert not (tmp_path / f"o{as_bytes}" / "kconvert.json").exists()
         lines.append(r.stderr.replace(str(tmp_path / f"o{as_bytes}"), "OUT"))
     assert lines[0] == lines[1]

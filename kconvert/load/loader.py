@@ -244,7 +244,8 @@ class ConvertedCheckpoint:
                 self.stats.copy_seconds += time.perf_counter() - t0
 
 
-CRC_CHUNK = 8 << 20  # a file's CRC-32 is computed in pieces of this size on the pool's threads, then combined
+CRC_CHUNK = 8 << 20  # a mapped file is read ahead and its CRC-32 computed in pieces of this size on the pool's
+# threads (the CRC-32s then combined)
 
 
 def _crc32_parallel(data, pool: ThreadPoolExecutor) -> int:
@@ -273,16 +274,17 @@ def _map_file(path: Path, size: int, pool: ThreadPoolExecutor, verify: bool) -> 
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         cached = file_cached(fd, size)  # one call for the file (None: mincore asks range by range)
     buf = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    if cached and not verify:
+        return buf, None  # nothing to read ahead: the pages are mapped at first use, from the cache
     data = buf.numpy()
-    step = CRC_CHUNK if verify else CHUNK
 
     def piece(lo: int) -> int | None:
-        hi = min(lo + step, size)
+        hi = min(lo + CRC_CHUNK, size)
         present(buf, lo, hi, cached)
         return crc32(data[lo:hi]) if verify else None
 
     try:
-        parts = list(pool.map(piece, range(0, size, step)))
+        parts = list(pool.map(piece, range(0, size, CRC_CHUNK)))
     except OSError as e:  # EIO: a page the disk cannot give; EFAULT: the file is shorter now
         raise LoaderError(f"cannot read the shard: {e.strerror}", file=str(path)) from None
     return buf, _combined(parts, size) if verify else None

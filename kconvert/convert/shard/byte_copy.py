@@ -55,7 +55,7 @@ def plain_copies(ck: Checkpoint, items: list[WorkItem]) -> bool:
             t = ck.logical[o.src]
             if o.transform == "copy" and o.copy is None and t.format == "plain":
                 parts = (t.stored,)
-            elif _block_fp8_copy(o, t) or _fp4_copy(o, t):
+            elif _stored_copy(o, t):
                 parts = (t.parts["weight"], t.parts["scale"])
             else:
                 return False
@@ -84,16 +84,16 @@ def _tags(t, parts) -> list[str]:
     return [e.dtype for e in parts] if t.format != "fp4_packed" else [parts[0].dtype, "F8_E8M0"]
 
 
-def _fp4_copy(o: Output, t) -> bool:
-    c = o.copy
-    return (o.transform == "fp4_copy" and c is not None and c.recode is None and c.roles == ("weight", "scale")
-            and t.format == "fp4_packed" and o.piece.dim is None and len(t.parts["weight"].shape) == 2)
+_KEPT_FORMAT = {"fp8_copy": "block_fp8", "fp4_copy": "fp4_packed"}  # a lossless copy -> the stored form it keeps
 
 
-def _block_fp8_copy(o: Output, t) -> bool:
+def _stored_copy(o: Output, t) -> bool:
+    """A weight and its scales copied in the stored form (block FP8 cut on block boundaries, MXFP4 kept whole as its
+    copy requires), nothing recoded."""
     c = o.copy
-    return (o.transform == "fp8_copy" and c is not None and c.recode is None and c.roles == ("weight", "scale")
-            and t.format == "block_fp8" and len(t.parts["scale"].shape) == 2 and len(t.parts["weight"].shape) == 2)
+    return (c is not None and c.recode is None and c.roles == ("weight", "scale")
+            and _KEPT_FORMAT.get(o.transform) == t.format and (not c.whole or o.piece.dim is None)
+            and len(t.parts["weight"].shape) == 2 and len(t.parts["scale"].shape) == 2)
 
 
 def write_unit_bytes(ck: Checkpoint, batch: list[WorkItem], out: Path, progress) -> list[SafetensorsWriter]:

@@ -104,9 +104,7 @@ def write_stack(ck: Checkpoint, srcs: list[str], by_src: dict[str, Pairs]) -> in
             writer = pairs0[j][0]
             first = writer.index(o0.src + tail)
             _check_planned(writer, [first], o0)
-            crcs = crcs_of.get(key)
-            crcs_of[key] = writer.write_bytes(first, [r[0] for r in rows], crcs and [c[0] for c in crcs])
-            crcs_of[key] = [[c] for c in crcs_of[key]]
+            crcs_of[key] = writer.write_bytes(first, [r[0] for r in rows], crcs_of.get(key))  # (n is the call's)
             continue
         pairs = list(map(itemgetter(j), table))
         # every output of the stack planned alike (then its specs are o0's, names aside), each file's at once
